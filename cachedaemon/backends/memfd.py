@@ -1,0 +1,110 @@
+"""CPU backend: each chunk is a memfd; the creator seals it, everyone else maps it PROT_READ."""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import warnings
+import zlib
+
+import torch
+
+from cachedaemon.backends.base import Backend, Mapping, OwnedChunk
+
+_PAGE = mmap.PAGESIZE
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
+
+
+def _tensor_over(mm: mmap.mmap) -> torch.Tensor:
+    with warnings.catch_warnings():
+        # torch warns that a read-only buffer is not writable: that is the point.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+class MemfdMapping(Mapping):
+    def __init__(self, fd: int, size: int) -> None:
+        self.size = size
+        self._mm: mmap.mmap | None = mmap.mmap(
+            fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ
+        )
+        self._tensor: torch.Tensor | None = _tensor_over(self._mm)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            raise ValueError("mapping is closed")
+        return self._tensor
+
+    def close(self) -> None:
+        self._tensor = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # views still alive: the mapping goes when the last one does
+            self._mm = None
+
+
+class MemfdChunk(OwnedChunk):
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.fd = os.memfd_create("holdfast-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(self.fd, size)
+        self._mm: mmap.mmap | None = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED)
+        self._tensor: torch.Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._sealed = False
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            raise ValueError("chunk is closed")
+        return self._tensor
+
+    def seal(self) -> None:
+        """Drop the writable mapping, seal the memfd against writes and resizes, map it
+        read-only again: from here on nobody, the creator included, can change it."""
+        if self._sealed:
+            return
+        self._tensor = None
+        if self._mm is not None:
+            self._mm.close()
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
+        self._mm = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        self._tensor = _tensor_over(self._mm)
+        self._sealed = True
+
+    def close(self) -> None:
+        self._tensor = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass
+            self._mm = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class MemfdBackend(Backend):
+    name = "memfd"
+    checksum_algo = "crc32"
+
+    def create(self, size: int) -> MemfdChunk:
+        return MemfdChunk(self.round_size(size))
+
+    def open(self, fd: int, size: int) -> MemfdMapping:
+        actual = os.fstat(fd).st_size
+        if actual < size:
+            from cachedaemon.errors import CacheError
+
+            raise CacheError(f"pool chunk fd holds {actual} bytes; the manifest says {size}")
+        return MemfdMapping(fd, size)
+
+    def round_size(self, size: int) -> int:
+        return max(_PAGE, -(-size // _PAGE) * _PAGE)
+
+    def checksum(self, data: torch.Tensor) -> str:
+        return f"{zlib.crc32(memoryview(data.numpy())):08x}"

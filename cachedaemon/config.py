@@ -1,0 +1,160 @@
+"""CacheConfig: the frozen identity of a pool. Any field that differs is a mismatch.
+
+Built from a checkpoint dir without reading tensor data: file names, sizes and the hash of
+each safetensors header identify the checkpoint. Imports no torch (versions come from
+package metadata) so the supervisor and the keeper can use it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+DTYPES = ("bfloat16", "float16", "float32")
+QUANTIZATIONS = ("none", "fp8-block")
+BACKENDS = ("memfd", "cuda-vmm")
+
+
+class FileIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+    size: int
+    header_sha256: str
+
+
+class EnvStamp(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    torch_version: str
+    cuda_version: str  # "" on CPU
+    device_capability: str  # "" on CPU, "9.0" on an H200
+    holdfast_version: str
+
+
+class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    checkpoint: tuple[FileIdentity, ...]
+    architecture: str
+    dtype: str
+    tp_size: int
+    tp_rank: int
+    quantization: str
+    quant_config_hash: str
+    shard_plan_hash: str
+    backend: str
+    device: str
+    env: EnvStamp
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(msgspec.json.encode(self)).hexdigest()[:32]
+
+    def diff(self, other: CacheConfig) -> list[str]:
+        """Dotted names of the fields that differ (`env.torch_version`, `checkpoint`)."""
+        out: list[str] = []
+        for field in self.__struct_fields__:
+            mine, theirs = getattr(self, field), getattr(other, field)
+            if mine == theirs:
+                continue
+            if isinstance(mine, msgspec.Struct):
+                out += [
+                    f"{field}.{sub}"
+                    for sub in mine.__struct_fields__
+                    if getattr(mine, sub) != getattr(theirs, sub)
+                ]
+            else:
+                out.append(field)
+        return out
+
+
+def _hash_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def checkpoint_identity(model_dir: Path) -> tuple[FileIdentity, ...]:
+    """Names, sizes and header hashes of config.json and every safetensors file."""
+    from cachedaemon.checkpoint import safetensors_files
+
+    files = [model_dir / "config.json", *safetensors_files(model_dir)]
+    out = []
+    for path in files:
+        with path.open("rb") as f:
+            if path.suffix == ".safetensors":
+                head = f.read(8)
+                n = int.from_bytes(head, "little") if len(head) == 8 else 0
+                digest = hashlib.sha256(head + f.read(min(n, 100_000_000))).hexdigest()
+            else:
+                digest = hashlib.sha256(f.read()).hexdigest()
+        out.append(FileIdentity(path.name, path.stat().st_size, digest))
+    return tuple(out)
+
+
+def env_stamp(device: str) -> EnvStamp:
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = ""
+    cuda_version, capability = "", ""
+    if device.startswith("cuda"):
+        import torch
+
+        cuda_version = str(torch.version.cuda or "")
+        index = torch.device(device).index or 0
+        major, minor = torch.cuda.get_device_capability(index)
+        capability = f"{major}.{minor}"
+    from cachedaemon import __version__
+
+    return EnvStamp(torch_version, cuda_version, capability, __version__)
+
+
+def default_backend(device: str) -> str:
+    return "cuda-vmm" if device.startswith("cuda") else "memfd"
+
+
+def make_config(
+    model_dir: str | Path,
+    *,
+    dtype: str = "bfloat16",
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    quantization: str = "none",
+    device: str = "cpu",
+    backend: str = "auto",
+    shard_rules: tuple[tuple[str, int | None], ...] = (),
+) -> CacheConfig:
+    """The CacheConfig for loading `model_dir` as asked; validates every argument."""
+    from cachedaemon.checkpoint import read_hf_config
+    from cachedaemon.errors import CacheError, QuantizationError
+    from cachedaemon.sharding import plan_hash
+
+    model = Path(model_dir)
+    if dtype not in DTYPES:
+        raise CacheError(f"unsupported --dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if quantization not in QUANTIZATIONS:
+        raise QuantizationError(
+            f"unknown --quantization {quantization!r}; allowed: {', '.join(QUANTIZATIONS)}"
+        )
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise CacheError(f"--tp-rank {tp_rank} must be in [0, --tp-size {tp_size})")
+    if backend == "auto":
+        backend = default_backend(device)
+    if backend not in BACKENDS:
+        raise CacheError(f"unknown backend {backend!r}; choose auto or one of {BACKENDS}")
+    if (backend == "memfd") != (device == "cpu"):
+        raise CacheError(f"backend {backend!r} does not serve device {device!r}")
+    hf = read_hf_config(model)
+    archs = hf.get("architectures") or [hf.get("model_type", "unknown")]
+    quant_cfg = {"method": quantization, "block": [128, 128]} if quantization != "none" else {}
+    return CacheConfig(
+        checkpoint=checkpoint_identity(model),
+        architecture=str(archs[0]),
+        dtype=dtype,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        quantization=quantization,
+        quant_config_hash=_hash_json(quant_cfg),
+        shard_plan_hash=plan_hash(shard_rules),
+        backend=backend,
+        device=device,
+        env=env_stamp(device),
+    )

@@ -1,0 +1,51 @@
+"""One root exception for the weight cache; every failure a user can act on is one of these."""
+
+from __future__ import annotations
+
+
+class HoldfastError(Exception):
+    """Root of every error holdfast raises on purpose."""
+
+
+class CacheError(HoldfastError):
+    """Root of the weight cache's errors."""
+
+
+class CheckpointError(CacheError):
+    """The checkpoint dir cannot be read as asked (missing, truncated, bad header, dtype)."""
+
+
+class ShardingError(CacheError):
+    """A tensor cannot be split for the requested tensor-parallel size."""
+
+
+class QuantizationError(CacheError):
+    """An unknown post-load transform, or one that does not apply."""
+
+
+class CacheMismatch(CacheError):
+    """The daemon serves a pool built for another CacheConfig."""
+
+    def __init__(self, fields: list[str], message: str | None = None) -> None:
+        self.fields = list(fields)
+        super().__init__(
+            message
+            or "the daemon's pool was built for another config; fields that differ: "
+            + ", ".join(self.fields)
+        )
+
+
+class ProtocolError(CacheError):
+    """A frame on a holdfast socket is garbage, truncated, oversized or unexpected."""
+
+
+class DaemonUnavailable(CacheError):
+    """No daemon answers on the socket."""
+
+
+class RuntimeDirError(CacheError):
+    """The runtime dir is unusable (not writable, wrong owner, or owned by a live daemon)."""
+
+
+class ChecksumError(CacheError):
+    """Pool bytes do not match the manifest's checksums."""

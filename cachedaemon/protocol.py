@@ -1,0 +1,223 @@
+"""Wire protocol of the daemon and the keeper: length-prefixed msgpack frames, fds beside them.
+
+A frame is a 4-byte big-endian length and a msgspec msgpack body holding one tagged struct.
+File descriptors travel as SCM_RIGHTS ancillary data on the first byte of the frame. No
+pickle: every message is one of the structs below, decoded with `forbid_unknown_fields`.
+This module imports neither torch nor anything that needs a GPU.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Any
+
+import msgspec
+
+from cachedaemon.config import CacheConfig
+from cachedaemon.errors import ProtocolError
+from cachedaemon.manifest import Manifest
+
+MAX_FRAME = 64 * 1024 * 1024
+MAX_FDS = 253  # SCM_MAX_FD on Linux
+_HEADER = struct.Struct(">I")
+
+
+class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
+    pass
+
+
+# ---- client <-> daemon ----
+class Ping(_Msg):
+    pass
+
+
+class Pong(_Msg):
+    pid: int
+    fingerprint: str
+
+
+class AttachRequest(_Msg):
+    config: CacheConfig | None = None  # None: take whatever the daemon serves
+
+
+class AttachReply(_Msg):
+    manifest: Manifest  # one fd per chunk travels with this frame, in chunk order
+
+
+class Mismatch(_Msg):
+    fields: list[str]
+    served: CacheConfig
+
+
+class StatusRequest(_Msg):
+    pass
+
+
+class StatusReply(_Msg):
+    pid: int
+    fingerprint: str
+    backend: str
+    device: str
+    pool_bytes: int
+    chunks: int
+    tensors: int
+    clients_attached: int
+    clients_connected: int
+    adopted: bool  # served from escrow, not from disk
+    load_seconds: float
+    config: CacheConfig
+
+
+class ErrorReply(_Msg):
+    message: str
+
+
+# ---- daemon <-> keeper ----
+class Deposit(_Msg):
+    manifest: Manifest  # fds travel with this frame, in chunk order
+
+
+class Reclaim(_Msg):
+    fingerprint: str
+
+
+class Withdraw(_Msg):
+    fingerprint: str
+
+
+class ListPools(_Msg):
+    pass
+
+
+class PoolInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    fingerprint: str
+    pool_bytes: int
+    chunks: int
+    deposited_at: float
+    reclaims: int
+
+
+class Pools(_Msg):
+    pools: list[PoolInfo]
+
+
+class Reclaimed(_Msg):
+    manifest: Manifest  # fds travel with this frame
+
+
+class NotFound(_Msg):
+    fingerprint: str
+
+
+class Ok(_Msg):
+    pass
+
+
+Message = (
+    Ping
+    | Pong
+    | AttachRequest
+    | AttachReply
+    | Mismatch
+    | StatusRequest
+    | StatusReply
+    | ErrorReply
+    | Deposit
+    | Reclaim
+    | Withdraw
+    | ListPools
+    | Pools
+    | Reclaimed
+    | NotFound
+    | Ok
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: _Msg) -> bytes:
+    body = _encoder.encode(msg)
+    if len(body) > MAX_FRAME:
+        raise ProtocolError(f"frame of {len(body)} bytes exceeds the {MAX_FRAME}-byte cap")
+    return _HEADER.pack(len(body)) + body
+
+
+def decode(body: bytes) -> _Msg:
+    try:
+        msg: _Msg = _decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"undecodable frame: {exc}") from exc
+    return msg
+
+
+def send(sock: socket.socket, msg: _Msg, fds: list[int] | tuple[int, ...] = ()) -> None:
+    """Send one frame; fds (at most MAX_FDS) ride on its first byte."""
+    data = encode(msg)
+    if len(fds) > MAX_FDS:
+        raise ProtocolError(f"{len(fds)} fds in one frame; at most {MAX_FDS}")
+    if fds:
+        sent = socket.send_fds(sock, [data[:1]], list(fds))
+        sock.sendall(data[sent:])
+    else:
+        sock.sendall(data)
+
+
+def _recv_exact(sock: socket.socket, n: int, what: str) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        try:
+            part = sock.recv(n - len(buf))
+        except TimeoutError as exc:
+            raise ProtocolError(f"timed out reading the {what} ({len(buf)}/{n} bytes)") from exc
+        if not part:
+            raise ProtocolError(f"connection closed mid-{what} ({len(buf)}/{n} bytes)")
+        buf += part
+    return bytes(buf)
+
+
+def recv(
+    sock: socket.socket, *, max_fds: int = 0, max_frame: int = MAX_FRAME
+) -> tuple[_Msg, list[int]]:
+    """Receive one frame and the fds sent with it. Raises ProtocolError on a bad frame
+    (fds that arrived are closed first) and EOFError on a clean close before any byte."""
+    fds: list[int] = []
+    try:
+        if max_fds:
+            first, fds, flags, _ = socket.recv_fds(sock, 1, max_fds)
+            if flags & socket.MSG_CTRUNC:
+                raise ProtocolError(f"more than {max_fds} fds sent with one frame")
+        else:
+            first = sock.recv(1)
+    except TimeoutError as exc:
+        raise ProtocolError("timed out waiting for a frame") from exc
+    try:
+        if not first:
+            raise EOFError("peer closed the connection")
+        head = first + _recv_exact(sock, _HEADER.size - 1, "frame header")
+        (length,) = _HEADER.unpack(head)
+        if length > max_frame:
+            raise ProtocolError(f"frame of {length} bytes exceeds the {max_frame}-byte cap")
+        return decode(_recv_exact(sock, length, "frame body")), fds
+    except BaseException:
+        close_fds(fds)
+        raise
+
+
+def close_fds(fds: list[int] | tuple[int, ...]) -> None:
+    import os
+
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a unix socket (SO_PEERCRED)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid)
+

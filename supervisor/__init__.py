@@ -1,0 +1,6 @@
+"""holdfast supervisor: an asyncio control plane over cache daemons and a pool of engines.
+
+Imports no torch and never creates a CUDA context.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,109 @@
+"""Messages between the supervisor and its agents (engines, daemons) over zmq.
+
+Each zmq message is one msgpack frame holding one tagged struct. Engines talk through a
+DEALER socket (identity = their name) to the supervisor's ROUTER at HOLDFAST_AGENT.
+Imports pyzmq-free msgspec only, so any engine can use it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
+    pass
+
+
+# ---- agent -> supervisor ----
+class Hello(_Msg):
+    name: str
+    role: str  # primary | standby | batch
+    pid: int
+    port: int
+    epoch: int
+
+
+class Heartbeat(_Msg):
+    name: str
+    seq: int
+    state: str  # starting | ready | serving | draining
+    in_flight: int
+    queued: int
+    epoch: int
+
+
+class StateChange(_Msg):
+    name: str
+    state: str
+    detail: str = ""
+
+
+# ---- supervisor -> agent ----
+class Promote(_Msg):
+    epoch: int
+
+
+class Drain(_Msg):
+    grace_s: float
+
+
+class Stop(_Msg):
+    pass
+
+
+class Ack(_Msg):
+    name: str
+    command: str
+    ok: bool
+    detail: str = ""
+
+
+AgentMessage = Hello | Heartbeat | StateChange | Ack
+Command = Promote | Drain | Stop
+
+_encoder = msgspec.msgpack.Encoder()
+_agent_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(AgentMessage)
+_command_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(Command)
+
+
+def encode(msg: _Msg) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_agent(data: bytes) -> Hello | Heartbeat | StateChange | Ack:
+    """Raises msgspec.DecodeError on garbage; callers drop and count such frames."""
+    msg: Hello | Heartbeat | StateChange | Ack = _agent_decoder.decode(data)
+    return msg
+
+
+def decode_command(data: bytes) -> Promote | Drain | Stop:
+    msg: Promote | Drain | Stop = _command_decoder.decode(data)
+    return msg
+
+
+class Event(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One state change. Topic-style name: `<kind>.<name>.<event>` (engine.e1.promoted)."""
+
+    ts: float
+    kind: str  # engine | daemon | supervisor | broker | router
+    name: str
+    event: str
+    epoch: int
+    data: dict[str, Any] = {}
+
+    @property
+    def topic(self) -> str:
+        return f"{self.kind}.{self.name}.{self.event}"
+
+
+_event_decoder: msgspec.json.Decoder[Event] = msgspec.json.Decoder(Event)
+
+
+def encode_event(ev: Event) -> bytes:
+    return msgspec.json.encode(ev)
+
+
+def decode_event(data: bytes) -> Event:
+    return _event_decoder.decode(data)
