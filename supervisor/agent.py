@@ -1,0 +1,258 @@
+"""The agent SDK every engine uses to talk to the supervisor (pyzmq + msgspec, no torch).
+
+An engine creates one Agent, registers callbacks for the supervisor's commands and starts
+it. The agent owns one DEALER socket (identity = the engine's name) and one thread that
+sends Hello, a Heartbeat every interval with the engine's load, queued StateChanges, and
+runs the callbacks for Promote / Drain / Stop, acknowledging each with an Ack.
+
+    agent = Agent.from_env(load=lambda: (server.in_flight, server.queued))
+    if agent is not None:
+        agent.on_promote(lambda epoch: server.become_primary(epoch))
+        agent.start()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from supervisor.errors import AgentError
+from supervisor.protocol import (
+    Ack,
+    Drain,
+    Heartbeat,
+    Hello,
+    Promote,
+    StateChange,
+    Stop,
+    decode_command,
+    encode,
+)
+
+LoadFn = Callable[[], tuple[int, int]]
+PromoteCb = Callable[[int], None]
+DrainCb = Callable[[float], None]
+StopCb = Callable[[], None]
+
+ENV_AGENT = "HOLDFAST_AGENT"
+
+
+def _no_load() -> tuple[int, int]:
+    return (0, 0)
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        if default is None:
+            raise AgentError(f"{name} is not set; the supervisor sets it for every engine")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise AgentError(f"{name}={raw!r} is not an integer; set {name} to an integer") from None
+
+
+class Agent:
+    """Heartbeats and commands between one engine process and the supervisor."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        name: str,
+        role: str,
+        port: int,
+        epoch: int = 0,
+        interval_s: float = 0.05,
+        load: LoadFn | None = None,
+    ) -> None:
+        if interval_s <= 0:
+            raise AgentError(f"interval_s={interval_s} must be > 0 (HOLDFAST_HEARTBEAT_MS)")
+        self.endpoint = endpoint
+        self.name = name
+        self.role = role
+        self.port = port
+        self.epoch = epoch
+        self.interval_s = interval_s
+        self._load = load or _no_load
+        self._state = "starting"
+        self._on_promote: list[PromoteCb] = []
+        self._on_drain: list[DrainCb] = []
+        self._on_stop: list[StopCb] = []
+        self._outbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
+        self._closing = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._seq = 0
+
+    @classmethod
+    def from_env(cls, load: LoadFn | None = None) -> Agent | None:
+        """An agent configured by the supervisor's environment, or None when unsupervised."""
+        endpoint = os.environ.get(ENV_AGENT, "")
+        if not endpoint:
+            return None
+        name = os.environ.get("HOLDFAST_NAME", "")
+        if not name:
+            raise AgentError("HOLDFAST_NAME is not set; the supervisor sets it for every engine")
+        return cls(
+            endpoint,
+            name=name,
+            role=os.environ.get("HOLDFAST_ROLE", "standby"),
+            port=_env_int("HOLDFAST_PORT"),
+            epoch=_env_int("HOLDFAST_EPOCH", 0),
+            interval_s=_env_int("HOLDFAST_HEARTBEAT_MS", 50) / 1000.0,
+            load=load,
+        )
+
+    # ---- callbacks ----
+    def on_promote(self, cb: PromoteCb) -> None:
+        self._on_promote.append(cb)
+
+    def on_drain(self, cb: DrainCb) -> None:
+        self._on_drain.append(cb)
+
+    def on_stop(self, cb: StopCb) -> None:
+        self._on_stop.append(cb)
+
+    # ---- lifecycle ----
+    def start(self) -> None:
+        """Send Hello and start the heartbeat/command thread. Call once."""
+        if self._thread is not None:
+            raise AgentError("Agent.start() was already called; call it once per agent")
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._thread = threading.Thread(target=self._run, name=f"agent-{self.name}", daemon=True)
+        self._thread.start()
+
+    def set_state(self, state: str, detail: str = "") -> None:
+        """Report a state change now (also carried by every following heartbeat)."""
+        self._state = state
+        self._send(encode(StateChange(name=self.name, state=state, detail=detail)))
+
+    def close(self) -> None:
+        """Stop the thread and close the socket; safe to call twice."""
+        self._closing.set()
+        self._wake()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+        for s in (self._wake_r, self._wake_w):
+            if s is not None:
+                s.close()
+
+    def __enter__(self) -> Agent:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- thread ----
+    def _send(self, frame: bytes) -> None:
+        self._outbox.put(frame)
+        self._wake()
+
+    def _wake(self) -> None:
+        # Not started, already closed, or the wake buffer is full: the thread wakes anyway.
+        if self._wake_w is not None:
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"\0")
+
+    def _run(self) -> None:
+        wake = self._wake_r
+        if wake is None:
+            return
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.name.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 1000)
+        sock.connect(self.endpoint)
+        try:
+            sock.send(encode(self._hello()))
+            self._loop(sock, wake)
+        finally:
+            sock.close(linger=0)
+
+    def _hello(self) -> Hello:
+        return Hello(name=self.name, role=self.role, pid=os.getpid(), port=self.port,
+                     epoch=self.epoch)
+
+    def _loop(self, sock: zmq.Socket[bytes], wake: socket.socket) -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(wake.fileno(), zmq.POLLIN)
+        next_beat = time.monotonic()
+        while not self._closing.is_set():
+            now = time.monotonic()
+            if now >= next_beat:
+                self._send_nowait(sock, encode(self._heartbeat()))
+                next_beat = now + self.interval_s
+            events = dict(poller.poll(timeout=int(max(0.0, next_beat - time.monotonic()) * 1000) + 1))
+            if wake.fileno() in events:
+                self._drain_wake(wake)
+            while not self._outbox.empty():
+                self._send_nowait(sock, self._outbox.get_nowait())
+            if sock in events:
+                self._recv_commands(sock)
+
+    @staticmethod
+    def _drain_wake(wake: socket.socket) -> None:
+        try:
+            while wake.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _send_nowait(self, sock: zmq.Socket[bytes], frame: bytes) -> None:
+        with contextlib.suppress(zmq.Again):  # supervisor gone or slow: best effort by design
+            sock.send(frame, zmq.NOBLOCK)
+
+    def _heartbeat(self) -> Heartbeat:
+        self._seq += 1
+        try:
+            in_flight, queued = self._load()
+        except Exception:  # a load callback must never stop the heartbeat
+            in_flight, queued = (0, 0)
+        return Heartbeat(name=self.name, seq=self._seq, state=self._state,
+                         in_flight=int(in_flight), queued=int(queued), epoch=self.epoch)
+
+    def _recv_commands(self, sock: zmq.Socket[bytes]) -> None:
+        while True:
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                cmd = decode_command(frame)
+            except msgspec.DecodeError:
+                continue  # garbage from the wire is dropped, never fatal
+            self._send_nowait(sock, encode(self._dispatch(cmd)))
+
+    def _dispatch(self, cmd: Promote | Drain | Stop) -> Ack:
+        name = type(cmd).__name__.lower()
+        try:
+            if isinstance(cmd, Promote):
+                self.epoch = cmd.epoch
+                self.role = "primary"
+                for p in self._on_promote:
+                    p(cmd.epoch)
+            elif isinstance(cmd, Drain):
+                for d in self._on_drain:
+                    d(cmd.grace_s)
+            else:
+                for s in self._on_stop:
+                    s()
+        except Exception as e:  # the engine's callback failed: tell the supervisor
+            return Ack(name=self.name, command=name, ok=False, detail=f"{type(e).__name__}: {e}")
+        return Ack(name=self.name, command=name, ok=True)
