@@ -1,0 +1,7 @@
+"""Fault harness: drives load through the router, injects faults, measures recovery."""
+
+from __future__ import annotations
+
+from chaos.errors import ChaosError, CheckSyntaxError, ClusterError, FaultError, ScenarioError
+
+__all__ = ["ChaosError", "CheckSyntaxError", "ClusterError", "FaultError", "ScenarioError"]

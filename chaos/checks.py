@@ -1,0 +1,106 @@
+"""Checks: `[fault.]metric[.stat] OP number`, parsed by a tiny grammar (never eval).
+
+promotion_ms.p99 < 100            every trial that measured promotion
+kill-primary.failed_requests == 0  summed over that fault's trials
+availability >= 0.999             the whole run
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from collections.abc import Callable, Mapping
+
+import msgspec
+
+from chaos.errors import CheckSyntaxError
+
+TRIAL_METRICS: dict[str, str] = {
+    "detection_ms": "fault -> first supervisor event about the victim",
+    "promotion_ms": "fault -> a standby promoted (primary faults)",
+    "recovery_ms": "fault -> end of the first successful request started after it",
+    "failed_requests": "requests that failed after every retry during the trial",
+    "retried_requests": "requests that needed more than one attempt during the trial",
+    "added_latency_ms": "slowest request of the trial minus the baseline median latency",
+}
+RUN_METRICS: dict[str, str] = {
+    "availability": "successful requests / all requests, whole run",
+    "requests": "requests sent, whole run",
+    "failed_requests": "failed requests, whole run",
+    "retried_requests": "retried requests, whole run",
+    "lingering_processes": "processes left behind by a killed or stopped supervisor",
+    "faults": "faults injected",
+}
+STATS = ("p50", "p95", "p99", "max", "min", "mean", "count", "sum")
+COUNT_METRICS = frozenset({"failed_requests", "retried_requests"})
+_OPS: dict[str, Callable[[float, float], bool]] = {
+    "<=": operator.le,
+    ">=": operator.ge,
+    "==": operator.eq,
+    "!=": operator.ne,
+    "<": operator.lt,
+    ">": operator.gt,
+}
+_GRAMMAR = re.compile(
+    r"^\s*(?P<path>[A-Za-z0-9_\-]+(?:\.[A-Za-z0-9_\-]+){0,2})\s*"
+    r"(?P<op><=|>=|==|!=|<|>)\s*"
+    r"(?P<num>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$"
+)
+
+
+class Check(msgspec.Struct, frozen=True):
+    text: str
+    scope: str | None  # a fault kind, or None for all faults / the run
+    metric: str
+    stat: str | None  # None: a run metric
+    op: str
+    threshold: float
+
+    def holds(self, value: float | None) -> bool:
+        """No data never passes: a check that cannot fail is no check."""
+        if value is None or math.isnan(value):
+            return False
+        return _OPS[self.op](value, self.threshold)
+
+
+def parse_check(text: str, *, fault_kinds: Mapping[str, str]) -> Check:
+    match = _GRAMMAR.match(text)
+    if match is None:
+        raise CheckSyntaxError(
+            f"check {text!r} does not read as `[fault.]metric[.stat] OP number` "
+            f"(OP one of {' '.join(_OPS)}), e.g. `kill-primary.promotion_ms.p99 < 100`"
+        )
+    parts = match["path"].split(".")
+    scope = parts.pop(0) if parts[0] in fault_kinds else None
+    metric, stat = parts[0], (parts[1] if len(parts) > 1 else None)
+    if len(parts) > 2:
+        raise CheckSyntaxError(f"check {text!r}: too many parts in {match['path']!r}")
+    _check_names(text, scope, metric, stat, fault_kinds)
+    if stat is None and (scope is not None or metric not in RUN_METRICS):
+        stat = "sum" if metric in COUNT_METRICS else "max"
+    return Check(text, scope, metric, stat, match["op"], float(match["num"]))
+
+
+def _check_names(
+    text: str, scope: str | None, metric: str, stat: str | None, kinds: Mapping[str, str]
+) -> None:
+    if metric not in TRIAL_METRICS and metric not in RUN_METRICS:
+        raise CheckSyntaxError(
+            f"check {text!r}: unknown metric {metric!r}; valid metrics: "
+            f"{', '.join(sorted(set(TRIAL_METRICS) | set(RUN_METRICS)))}; "
+            f"valid fault scopes: {', '.join(kinds)}"
+        )
+    if stat is not None and stat not in STATS:
+        raise CheckSyntaxError(
+            f"check {text!r}: unknown statistic {stat!r}; valid: {', '.join(STATS)}"
+        )
+    if stat is not None and metric not in TRIAL_METRICS:
+        raise CheckSyntaxError(
+            f"check {text!r}: {metric!r} is a whole-run figure and takes no statistic"
+        )
+    if scope is not None and metric not in TRIAL_METRICS:
+        raise CheckSyntaxError(
+            f"check {text!r}: {metric!r} is a whole-run figure; per-fault metrics: "
+            f"{', '.join(TRIAL_METRICS)}"
+        )

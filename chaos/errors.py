@@ -1,0 +1,25 @@
+"""One root exception for the chaos suite; every failure a user can act on is one of these."""
+
+from __future__ import annotations
+
+from cachedaemon.errors import HoldfastError
+
+
+class ChaosError(HoldfastError):
+    """Root of the chaos suite's errors."""
+
+
+class ScenarioError(ChaosError):
+    """The scenario file cannot be used as written (unknown key, fault kind, check, value)."""
+
+
+class CheckSyntaxError(ScenarioError):
+    """A check expression does not follow `[fault.]metric[.stat] OP number`."""
+
+
+class ClusterError(ChaosError):
+    """The supervisor under test did not start, or never reached a working pool."""
+
+
+class FaultError(ChaosError):
+    """A fault could not be injected (no such process, nothing to target)."""

@@ -1,0 +1,135 @@
+"""Per-trial and whole-run figures from the raw rows, and the checks evaluated on them."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+
+import msgspec
+
+from chaos.checks import Check
+from chaos.load import RequestRow
+
+PRIMARY_FAULTS = frozenset(
+    {"kill-primary", "stop-primary", "kill-tp-rank", "kill-daemon-and-primary"}
+)
+MS_METRICS = ("detection_ms", "promotion_ms", "recovery_ms", "added_latency_ms")
+COUNTS = ("failed_requests", "retried_requests")
+
+
+class TrialRow(msgspec.Struct, frozen=True):
+    index: int
+    stage: str
+    fault: str
+    victim: str  # engine name, daemon-<rank>, broker, supervisor
+    pid: int | None
+    injected: float  # wall clock, seconds
+    ended: float
+    detection_ms: float | None
+    promotion_ms: float | None
+    recovery_ms: float | None = None
+    failed_requests: int = 0
+    retried_requests: int = 0
+    added_latency_ms: float | None = None
+    lingering: int = 0
+    note: str = ""
+
+
+class RunFigures(msgspec.Struct, frozen=True):
+    requests: int
+    failed_requests: int
+    retried_requests: int
+    availability: float | None
+    baseline_p50_ms: float | None
+    lingering_processes: int
+    faults: int
+
+
+class CheckResult(msgspec.Struct, frozen=True):
+    check: str
+    value: float | None
+    passed: bool
+
+
+def expected(metric: str, fault: str) -> bool:
+    """Whether a trial of `fault` must produce `metric` (a missing one then counts as inf)."""
+    if metric == "promotion_ms":
+        return fault in PRIMARY_FAULTS
+    if metric == "detection_ms":
+        return fault not in {"restart-broker", "kill-supervisor"}
+    return metric in MS_METRICS
+
+
+def with_requests(
+    trial: TrialRow, rows: Sequence[RequestRow], baseline_ms: float | None
+) -> TrialRow:
+    """Fill the request-side figures of one trial from the requests started inside it."""
+    inside = [r for r in rows if trial.injected <= r.start < trial.ended]
+    overlapping = [r for r in rows if r.start < trial.ended and r.end >= trial.injected]
+    first_ok = min((r.end for r in inside if r.ok), default=None)
+    slowest = max((r.latency_ms for r in overlapping), default=None)
+    added = None
+    if slowest is not None and baseline_ms is not None:
+        added = max(0.0, slowest - baseline_ms)
+    return msgspec.structs.replace(
+        trial,
+        recovery_ms=(first_ok - trial.injected) * 1000.0 if first_ok is not None else None,
+        failed_requests=sum(1 for r in inside if not r.ok),
+        retried_requests=sum(1 for r in inside if r.attempts > 1),
+        added_latency_ms=added,
+    )
+
+
+def baseline_ms(rows: Sequence[RequestRow], before: float) -> float | None:
+    latencies = [r.latency_ms for r in rows if r.ok and r.end < before]
+    return statistics.median(latencies) if latencies else None
+
+
+def run_figures(
+    rows: Sequence[RequestRow], trials: Sequence[TrialRow], base: float | None
+) -> RunFigures:
+    ok = sum(1 for r in rows if r.ok)
+    return RunFigures(
+        requests=len(rows),
+        failed_requests=len(rows) - ok,
+        retried_requests=sum(1 for r in rows if r.attempts > 1),
+        availability=ok / len(rows) if rows else None,
+        baseline_p50_ms=base,
+        lingering_processes=sum(t.lingering for t in trials),
+        faults=len(trials),
+    )
+
+
+def values(trials: Iterable[TrialRow], metric: str) -> list[float]:
+    out: list[float] = []
+    for trial in trials:
+        value = getattr(trial, metric)
+        if value is None and expected(metric, trial.fault):
+            out.append(math.inf)
+        elif value is not None:
+            out.append(float(value))
+    return out
+
+
+def stat(data: Sequence[float], name: str) -> float | None:
+    if name == "count":
+        return float(len(data))
+    if not data:
+        return None
+    ordered = sorted(data)
+    if name.startswith("p"):
+        rank = math.ceil(int(name[1:]) / 100.0 * len(ordered))
+        return ordered[max(rank, 1) - 1]
+    reducers = {"max": max, "min": min, "sum": math.fsum, "mean": statistics.fmean}
+    return float(reducers[name](ordered))
+
+
+def evaluate(check: Check, trials: Sequence[TrialRow], run: RunFigures) -> CheckResult:
+    if check.stat is None:
+        value = getattr(run, check.metric)
+        figure = float(value) if value is not None else None
+    else:
+        scoped = [t for t in trials if check.scope is None or t.fault == check.scope]
+        figure = stat(values(scoped, check.metric), check.stat)
+    return CheckResult(check.text, figure, check.holds(figure))

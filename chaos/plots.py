@@ -1,0 +1,117 @@
+"""PNG plots of a run (matplotlib, Agg): load and errors over time with the faults marked,
+and the recovery-time distribution per fault."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from chaos.load import RequestRow  # noqa: E402
+from chaos.metrics import TrialRow  # noqa: E402
+
+BIN_S = 0.5
+
+
+def timeline(path: Path, rows: Sequence[RequestRow], trials: Sequence[TrialRow]) -> None:
+    t0 = min((r.start for r in rows), default=0.0)
+    span = max((r.end for r in rows), default=t0) - t0
+    bins = max(1, math.ceil(span / BIN_S))
+    ok, failed = [0.0] * bins, [0.0] * bins
+    for row in rows:
+        slot = min(bins - 1, int((row.end - t0) / BIN_S))
+        (ok if row.ok else failed)[slot] += 1 / BIN_S
+    xs = [i * BIN_S for i in range(bins)]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 6), sharex=True, height_ratios=[2, 1])
+    top.plot(xs, ok, color="tab:blue", lw=1, label="ok requests/s")
+    top.plot(xs, failed, color="tab:red", lw=1.2, label="failed requests/s")
+    bottom.scatter(
+        [r.start - t0 for r in rows],
+        [max(r.latency_ms, 0.1) for r in rows],
+        s=3,
+        c=["tab:blue" if r.ok else "tab:red" for r in rows],
+        alpha=0.6,
+        linewidths=0,
+    )
+    bottom.set_yscale("log")
+    bottom.set_ylabel("latency ms")
+    bottom.set_xlabel("seconds since the first request")
+    _mark_faults(top, bottom, trials, t0)
+    top.set_ylabel("requests/s")
+    top.set_title("load and errors; faults marked")
+    top.legend(loc="upper left", fontsize=7, ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _mark_faults(top: plt.Axes, bottom: plt.Axes, trials: Sequence[TrialRow], t0: float) -> None:
+    colors = _colors(trials)
+    seen: set[str] = set()
+    for trial in trials:
+        label = trial.fault if trial.fault not in seen else None
+        seen.add(trial.fault)
+        for axis in (top, bottom):
+            axis.axvline(
+                trial.injected - t0,
+                color=colors[trial.fault],
+                lw=0.8,
+                ls="--",
+                label=label if axis is top else None,
+            )
+
+
+def recovery(path: Path, trials: Sequence[TrialRow]) -> None:
+    faults = sorted({t.fault for t in trials})
+    metrics = ("recovery_ms", "detection_ms", "promotion_ms")
+    fig, axes = plt.subplots(
+        1, len(metrics), figsize=(15, max(3.0, 0.45 * len(faults) + 1.5)), sharey=True
+    )
+    rng = random.Random(0)
+    for axis, metric in zip(axes, metrics, strict=True):
+        for y, fault in enumerate(faults):
+            data = [getattr(t, metric) for t in trials if t.fault == fault]
+            points = [max(v, 0.01) for v in data if v is not None]
+            if points:
+                axis.boxplot(points, positions=[y], orientation="horizontal", widths=0.5, showfliers=False)
+                axis.scatter(
+                    points,
+                    [y + rng.uniform(-0.15, 0.15) for _ in points],
+                    s=10,
+                    alpha=0.7,
+                    color="tab:orange",
+                    zorder=3,
+                )
+            missing = len(data) - len(points)
+            if missing:
+                axis.annotate(
+                    f"{missing} timeout",
+                    (1.0, y),
+                    xycoords=("axes fraction", "data"),
+                    ha="right",
+                    va="center",
+                    color="tab:red",
+                    fontsize=7,
+                )
+        axis.set_xscale("log")
+        axis.set_xlabel(f"{metric} (log scale)")
+        axis.set_yticks(range(len(faults)), faults)
+        axis.grid(axis="x", which="both", alpha=0.3)
+    axes[0].set_title("recovery time per fault", loc="left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _colors(trials: Sequence[TrialRow]) -> dict[str, str]:
+    palette = plt.get_cmap("tab20").colors
+    faults = sorted({t.fault for t in trials})
+    return {
+        fault: matplotlib.colors.to_hex(palette[i % len(palette)]) for i, fault in enumerate(faults)
+    }

@@ -1,0 +1,112 @@
+"""Records every supervisor event, from its zmq PUB stream and from MQTT, with wait helpers.
+
+zmq reconnects by itself when a restarted supervisor binds `ipc://<run>/events` again;
+the MQTT subscriber reconnects with a short backoff when the broker goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import aiomqtt
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+
+from supervisor.protocol import decode_event
+
+log = structlog.get_logger("chaos.recorder")
+
+
+class EventRow(msgspec.Struct, frozen=True):
+    ts: float  # the event's own timestamp (supervisor wall clock)
+    received: float
+    source: str  # zmq | mqtt
+    kind: str
+    name: str
+    event: str
+    epoch: int
+
+    @property
+    def topic(self) -> str:
+        return f"{self.kind}.{self.name}.{self.event}"
+
+
+class MqttTarget(msgspec.Struct, frozen=True):
+    host: str
+    port: int
+    topic: str  # `<prefix>/events`
+
+
+class EventRecorder:
+    def __init__(self, run_dir: Path, mqtt: MqttTarget | None) -> None:
+        self.endpoint = f"ipc://{run_dir}/events"
+        self.mqtt = mqtt
+        self.rows: list[EventRow] = []
+        self.garbage = 0
+        self._changed = asyncio.Condition()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        async with asyncio.TaskGroup() as group:
+            zmq_task = group.create_task(self._zmq())
+            mqtt_task = group.create_task(self._mqtt(self.mqtt)) if self.mqtt is not None else None
+            await stop.wait()
+            zmq_task.cancel()
+            if mqtt_task is not None:
+                mqtt_task.cancel()
+
+    async def wait_for(self, match: Callable[[EventRow], bool], timeout: float) -> EventRow | None:
+        """The first recorded event that matches, waiting up to `timeout` seconds for it."""
+
+        def first() -> EventRow | None:
+            return next((row for row in self.rows if match(row)), None)
+
+        async with self._changed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait_for(lambda: first() is not None), timeout)
+            return first()
+
+    async def _add(self, data: bytes, source: str) -> None:
+        try:
+            ev = decode_event(data)
+        except msgspec.DecodeError:
+            self.garbage += 1
+            return
+        row = EventRow(ev.ts, time.time(), source, ev.kind, ev.name, ev.event, ev.epoch)
+        async with self._changed:
+            self.rows.append(row)
+            self._changed.notify_all()
+
+    async def _zmq(self) -> None:
+        ctx = zmq.asyncio.Context.instance()
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(self.endpoint)
+        try:
+            while True:
+                frames = await sock.recv_multipart()
+                if len(frames) == 2:
+                    await self._add(frames[1], "zmq")
+                else:
+                    self.garbage += 1
+        finally:
+            sock.close(linger=0)
+
+    async def _mqtt(self, target: MqttTarget) -> None:
+        while True:
+            try:
+                async with aiomqtt.Client(target.host, target.port, timeout=2.0) as client:
+                    await client.subscribe(target.topic, qos=1)
+                    async for message in client.messages:
+                        payload = message.payload
+                        if isinstance(payload, bytes | bytearray):
+                            await self._add(bytes(payload), "mqtt")
+            except aiomqtt.MqttError as exc:
+                log.debug("mqtt_reconnect", error=str(exc))
+                await asyncio.sleep(0.2)
