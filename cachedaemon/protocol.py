@@ -8,6 +8,8 @@ This module imports neither torch nor anything that needs a GPU.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import struct
 from typing import Any
@@ -28,33 +30,33 @@ class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
 
 
 # ---- client <-> daemon ----
-class Ping(_Msg):
+class Ping(_Msg, frozen=True):
     pass
 
 
-class Pong(_Msg):
+class Pong(_Msg, frozen=True):
     pid: int
     fingerprint: str
 
 
-class AttachRequest(_Msg):
+class AttachRequest(_Msg, frozen=True):
     config: CacheConfig | None = None  # None: take whatever the daemon serves
 
 
-class AttachReply(_Msg):
+class AttachReply(_Msg, frozen=True):
     manifest: Manifest  # one fd per chunk travels with this frame, in chunk order
 
 
-class Mismatch(_Msg):
+class Mismatch(_Msg, frozen=True):
     fields: list[str]
     served: CacheConfig
 
 
-class StatusRequest(_Msg):
+class StatusRequest(_Msg, frozen=True):
     pass
 
 
-class StatusReply(_Msg):
+class StatusReply(_Msg, frozen=True):
     pid: int
     fingerprint: str
     backend: str
@@ -69,24 +71,24 @@ class StatusReply(_Msg):
     config: CacheConfig
 
 
-class ErrorReply(_Msg):
+class ErrorReply(_Msg, frozen=True):
     message: str
 
 
 # ---- daemon <-> keeper ----
-class Deposit(_Msg):
+class Deposit(_Msg, frozen=True):
     manifest: Manifest  # fds travel with this frame, in chunk order
 
 
-class Reclaim(_Msg):
+class Reclaim(_Msg, frozen=True):
     fingerprint: str
 
 
-class Withdraw(_Msg):
+class Withdraw(_Msg, frozen=True):
     fingerprint: str
 
 
-class ListPools(_Msg):
+class ListPools(_Msg, frozen=True):
     pass
 
 
@@ -98,19 +100,19 @@ class PoolInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     reclaims: int
 
 
-class Pools(_Msg):
+class Pools(_Msg, frozen=True):
     pools: list[PoolInfo]
 
 
-class Reclaimed(_Msg):
+class Reclaimed(_Msg, frozen=True):
     manifest: Manifest  # fds travel with this frame
 
 
-class NotFound(_Msg):
+class NotFound(_Msg, frozen=True):
     fingerprint: str
 
 
-class Ok(_Msg):
+class Ok(_Msg, frozen=True):
     pass
 
 
@@ -206,13 +208,9 @@ def recv(
 
 
 def close_fds(fds: list[int] | tuple[int, ...]) -> None:
-    import os
-
     for fd in fds:
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass
 
 
 def peer_uid(sock: socket.socket) -> int:
@@ -221,3 +219,29 @@ def peer_uid(sock: socket.socket) -> int:
     _pid, uid, _gid = struct.unpack("3i", creds)
     return int(uid)
 
+
+def call(
+    path: str,
+    msg: _Msg,
+    fds: list[int] | tuple[int, ...] = (),
+    *,
+    max_fds: int = 0,
+    timeout: float = 10.0,
+) -> tuple[_Msg, list[int]]:
+    """One request, one reply, over a fresh connection. DaemonUnavailable if nobody answers."""
+    from cachedaemon.errors import DaemonUnavailable
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        try:
+            sock.connect(path)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise DaemonUnavailable(f"nothing answers on {path} ({exc.strerror})") from exc
+        send(sock, msg, fds)
+        try:
+            return recv(sock, max_fds=max_fds)
+        except EOFError as exc:
+            raise ProtocolError(f"{path} closed the connection without a reply") from exc
+    finally:
+        sock.close()

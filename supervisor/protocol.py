@@ -17,7 +17,7 @@ class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
 
 
 # ---- agent -> supervisor ----
-class Hello(_Msg):
+class Hello(_Msg, frozen=True):
     name: str
     role: str  # primary | standby | batch
     pid: int
@@ -25,7 +25,7 @@ class Hello(_Msg):
     epoch: int
 
 
-class Heartbeat(_Msg):
+class Heartbeat(_Msg, frozen=True):
     name: str
     seq: int
     state: str  # starting | ready | serving | draining
@@ -34,26 +34,26 @@ class Heartbeat(_Msg):
     epoch: int
 
 
-class StateChange(_Msg):
+class StateChange(_Msg, frozen=True):
     name: str
     state: str
     detail: str = ""
 
 
 # ---- supervisor -> agent ----
-class Promote(_Msg):
+class Promote(_Msg, frozen=True):
     epoch: int
 
 
-class Drain(_Msg):
+class Drain(_Msg, frozen=True):
     grace_s: float
 
 
-class Stop(_Msg):
+class Stop(_Msg, frozen=True):
     pass
 
 
-class Ack(_Msg):
+class Ack(_Msg, frozen=True):
     name: str
     command: str
     ok: bool

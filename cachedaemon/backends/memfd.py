@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
@@ -26,9 +27,7 @@ def _tensor_over(mm: mmap.mmap) -> torch.Tensor:
 class MemfdMapping(Mapping):
     def __init__(self, fd: int, size: int) -> None:
         self.size = size
-        self._mm: mmap.mmap | None = mmap.mmap(
-            fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ
-        )
+        self._mm: mmap.mmap | None = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         self._tensor: torch.Tensor | None = _tensor_over(self._mm)
 
     @property
@@ -40,10 +39,8 @@ class MemfdMapping(Mapping):
     def close(self) -> None:
         self._tensor = None
         if self._mm is not None:
-            try:
+            with contextlib.suppress(BufferError):  # views alive: unmapped with the last one
                 self._mm.close()
-            except BufferError:
-                pass  # views still alive: the mapping goes when the last one does
             self._mm = None
 
 
@@ -78,10 +75,8 @@ class MemfdChunk(OwnedChunk):
     def close(self) -> None:
         self._tensor = None
         if self._mm is not None:
-            try:
+            with contextlib.suppress(BufferError):
                 self._mm.close()
-            except BufferError:
-                pass
             self._mm = None
         if self.fd >= 0:
             os.close(self.fd)
@@ -107,4 +102,4 @@ class MemfdBackend(Backend):
         return max(_PAGE, -(-size // _PAGE) * _PAGE)
 
     def checksum(self, data: torch.Tensor) -> str:
-        return f"{zlib.crc32(memoryview(data.numpy())):08x}"
+        return f"{zlib.crc32(data.numpy().data):08x}"

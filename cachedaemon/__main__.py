@@ -1,0 +1,5 @@
+import sys
+
+from cachedaemon.cli import main
+
+sys.exit(main())

@@ -1,0 +1,219 @@
+"""`cachedaemon`: serve a pool, inspect it, run a keeper, make test checkpoints, check parity."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+
+from cachedaemon import logs, protocol
+from cachedaemon.config import BACKENDS, DTYPES, QUANTIZATIONS
+from cachedaemon.errors import HoldfastError
+
+EXAMPLES = {
+    "serve": "example:\n  cachedaemon serve --model /models/tiny --device cpu --runtime-dir /tmp/hf-run",
+    "status": "example:\n  cachedaemon status --socket /tmp/hf-run/daemon-0.sock --json",
+    "keeper": "example:\n  cachedaemon keeper --socket /tmp/hf-run/keeper.sock",
+    "make-checkpoint": "example:\n  cachedaemon make-checkpoint /tmp/models/tiny --preset tiny --seed 0",
+    "parity": "example:\n  cachedaemon parity --model /models/tiny --socket /tmp/hf-run/daemon-0.sock",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="cachedaemon",
+        description="Load a checkpoint once into an fd-backed pool and serve it to engines.",
+        epilog="examples:\n  cachedaemon make-checkpoint /tmp/models/tiny --preset tiny\n"
+        "  cachedaemon serve --model /tmp/models/tiny --device cpu --runtime-dir /tmp/hf-run\n"
+        "  cachedaemon status --socket /tmp/hf-run/daemon-0.sock",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--log-format", choices=["console", "json"], default="console")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def add(name: str, help_: str) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name,
+            help=help_,
+            description=help_,
+            epilog=EXAMPLES[name],
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+
+    s = add(
+        "serve",
+        "load (or reclaim) one rank's pool and serve it on <runtime-dir>/daemon-<rank>.sock",
+    )
+    s.add_argument(
+        "--model", required=True, help="Hugging Face checkpoint dir (config.json + safetensors)"
+    )
+    s.add_argument("--device", default="cpu", help="cpu or cuda:N (default: cpu)")
+    s.add_argument(
+        "--runtime-dir", required=True, help="dir for the socket and ready file (created 0700)"
+    )
+    s.add_argument("--tp-size", type=int, default=1)
+    s.add_argument("--tp-rank", type=int, default=0)
+    s.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    s.add_argument("--quantization", default="none", help=f"one of {', '.join(QUANTIZATIONS)}")
+    s.add_argument("--backend", default="auto", help=f"auto or one of {', '.join(BACKENDS)}")
+    s.add_argument("--keeper", help="keeper socket: deposit the pool there, reclaim it at start")
+    s.add_argument("--no-verify", action="store_true", help="skip checksums of a reclaimed pool")
+    s.add_argument(
+        "--shard-rule",
+        action="append",
+        default=[],
+        metavar="REGEX=DIM",
+        help="override the TP plan: split tensors matching REGEX on DIM (or =replicate)",
+    )
+    s.add_argument(
+        "--read-timeout", type=float, default=5.0, help="seconds a client may stay silent"
+    )
+
+    st = add("status", "show a daemon's pool: fingerprint, size, clients")
+    st.add_argument("--socket", required=True)
+    st.add_argument("--json", action="store_true")
+
+    k = add("keeper", "hold pools in escrow so they outlive their daemons")
+    k.add_argument("--socket", required=True)
+
+    m = add("make-checkpoint", "write a deterministic random-weight HF checkpoint")
+    m.add_argument("out")
+    m.add_argument(
+        "--preset",
+        required=True,
+        help="tiny, small (~2 GB), llama-8b (~16 GB), moe (~3000 tensors)",
+    )
+    m.add_argument("--seed", type=int, default=0)
+
+    pa = add("parity", "compare a disk load with an attach: names, shapes, dtypes, strides, bytes")
+    pa.add_argument("--model", required=True)
+    pa.add_argument("--socket", required=True)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logs.configure(args.log_format)
+    try:
+        return int(COMMANDS[args.cmd](args))
+    except HoldfastError as exc:
+        print(f"cachedaemon {args.cmd}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from cachedaemon.config import make_config
+    from cachedaemon.server import DaemonOptions, run
+    from cachedaemon.sharding import parse_rule
+
+    rules = tuple(parse_rule(r) for r in args.shard_rule)
+    config = make_config(
+        args.model,
+        dtype=args.dtype,
+        tp_size=args.tp_size,
+        tp_rank=args.tp_rank,
+        quantization=args.quantization,
+        device=args.device,
+        backend=args.backend,
+        shard_rules=rules,
+    )
+    opts = DaemonOptions(
+        dtype=args.dtype,
+        tp_size=args.tp_size,
+        tp_rank=args.tp_rank,
+        quantization=args.quantization,
+        device=args.device,
+        shard_rules=rules,
+        model=args.model,
+        runtime_dir=args.runtime_dir,
+        keeper=args.keeper,
+        verify=not args.no_verify,
+        read_timeout=args.read_timeout,
+    )
+    run(opts, config)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    reply, _ = protocol.call(args.socket, protocol.StatusRequest())
+    if not isinstance(reply, protocol.StatusReply):
+        print(f"cachedaemon status: unexpected reply {reply!r}", file=sys.stderr)
+        return 2
+    data = msgspec.to_builtins(reply)
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"daemon {args.socket}", show_header=False)
+    for key in (
+        "pid",
+        "fingerprint",
+        "backend",
+        "device",
+        "pool_bytes",
+        "chunks",
+        "tensors",
+        "clients_attached",
+        "clients_connected",
+        "adopted",
+        "load_seconds",
+    ):
+        table.add_row(key, str(data[key]))
+    cfg = reply.config
+    table.add_row(
+        "model", f"{cfg.architecture} {cfg.dtype} tp {cfg.tp_rank}/{cfg.tp_size} {cfg.quantization}"
+    )
+    Console().print(table)
+    return 0
+
+
+def cmd_keeper(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from cachedaemon.keeper import Keeper
+
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    with Keeper(args.socket):
+        done.wait()
+    return 0
+
+
+def cmd_make_checkpoint(args: argparse.Namespace) -> int:
+    from cachedaemon.checkpoint_gen import PRESETS, make_checkpoint, tensor_shapes
+    from cachedaemon.progress import ByteProgress
+
+    if args.preset not in PRESETS:
+        raise HoldfastError(f"unknown --preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
+    import math
+
+    total = sum(math.prod(s) * 2 for _, s in tensor_shapes(PRESETS[args.preset]))
+    with ByteProgress(f"writing {args.preset}", total) as progress:
+        out = make_checkpoint(args.out, args.preset, args.seed, progress.advance)
+    print(out)
+    return 0
+
+
+def cmd_parity(args: argparse.Namespace) -> int:
+    from cachedaemon.parity import report
+
+    return report(Path(args.model), args.socket)
+
+
+COMMANDS = {
+    "serve": cmd_serve,
+    "status": cmd_status,
+    "keeper": cmd_keeper,
+    "make-checkpoint": cmd_make_checkpoint,
+    "parity": cmd_parity,
+}

@@ -1,0 +1,150 @@
+"""Engine side: attach to a daemon's pool, zero-copy and read-only, or fall back to disk."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import msgspec
+import structlog
+import torch
+
+from cachedaemon import protocol
+from cachedaemon.backends import Mapping, get_backend
+from cachedaemon.config import CacheConfig
+from cachedaemon.errors import CacheError, CacheMismatch, DaemonUnavailable
+from cachedaemon.loader import load_state_dict
+from cachedaemon.pool import views
+
+log = structlog.get_logger("cachedaemon.client")
+
+
+class AttachReport(msgspec.Struct, frozen=True):
+    source: str  # "daemon" | "disk"
+    ms: float
+    tensors: int
+    bytes: int
+    socket: str = ""
+    fallback_reason: str = ""
+
+
+class Attached:
+    """The state dict of one attach, and the mappings behind it."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], mappings: list[Mapping]) -> None:
+        self.tensors = tensors
+        self.mappings = mappings
+
+
+def attach(
+    socket_path: str | Path, config: CacheConfig | None = None, *, timeout: float = 10.0
+) -> Attached:
+    """Connect, get manifest + fds, map every chunk read-only, build the views."""
+    reply, fds = protocol.call(
+        str(socket_path), protocol.AttachRequest(config), max_fds=protocol.MAX_FDS, timeout=timeout
+    )
+    if isinstance(reply, protocol.Mismatch):
+        raise CacheMismatch(reply.fields)
+    if not isinstance(reply, protocol.AttachReply):
+        protocol.close_fds(fds)
+        detail = reply.message if isinstance(reply, protocol.ErrorReply) else type(reply).__name__
+        raise CacheError(f"daemon at {socket_path} refused the attach: {detail}")
+    manifest = reply.manifest
+    if len(fds) != len(manifest.chunks):
+        protocol.close_fds(fds)
+        raise CacheError(f"daemon sent {len(fds)} fds for {len(manifest.chunks)} chunks")
+    backend = get_backend(manifest.backend, manifest.device)
+    try:
+        mappings = [backend.open(fd, c.size) for fd, c in zip(fds, manifest.chunks, strict=True)]
+    finally:
+        protocol.close_fds(fds)  # a mapping outlives its fd
+    return Attached(views(manifest, [m.tensor for m in mappings]), mappings)
+
+
+def attach_state_dict(
+    socket_path: str | Path, config: CacheConfig | None = None, *, timeout: float = 10.0
+) -> dict[str, torch.Tensor]:
+    """Read-only tensors that are views of the daemon's pool. No copy is made."""
+    return attach(socket_path, config, timeout=timeout).tensors
+
+
+def attach_model(
+    module: torch.nn.Module,
+    socket_path: str | Path,
+    config: CacheConfig | None = None,
+    *,
+    model_dir: str | Path | None = None,
+    fallback: bool = False,
+    timeout: float = 10.0,
+) -> AttachReport:
+    """Replace every parameter and buffer of a meta-device module with pool views.
+
+    Raises CacheError when a tensor's shape or dtype differs or anything stays on meta.
+    With fallback and model_dir, a missing daemon or a mismatch loads from disk instead.
+    """
+    t0 = time.perf_counter()
+    source, reason = "daemon", ""
+    try:
+        state = attach_state_dict(socket_path, config, timeout=timeout)
+    except (DaemonUnavailable, CacheMismatch) as exc:
+        if not (fallback and model_dir is not None):
+            raise
+        source, reason = "disk", str(exc)
+        log.warning("attach failed; loading from disk", socket=str(socket_path), reason=reason)
+        state = _disk_state(model_dir, config)
+    nbytes = assign(module, state)
+    return AttachReport(
+        source, (time.perf_counter() - t0) * 1e3, len(state), nbytes, str(socket_path), reason
+    )
+
+
+def _disk_state(model_dir: str | Path, config: CacheConfig | None) -> dict[str, torch.Tensor]:
+    if config is None:
+        return load_state_dict(model_dir)
+    return load_state_dict(
+        model_dir,
+        dtype=config.dtype,
+        tp_size=config.tp_size,
+        tp_rank=config.tp_rank,
+        quantization=config.quantization,
+        device=config.device,
+    )
+
+
+def assign(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> int:
+    """Put state's tensors in place of the module's parameters and buffers, by name."""
+    nbytes = 0
+    done: dict[int, torch.Tensor] = {}  # id of a replaced tensor -> its view (tied weights)
+    for name, tensor in _slots(module):
+        src = state.get(name, done.get(id(tensor)))
+        if src is None:
+            continue
+        if not isinstance(src, torch.nn.Parameter) and isinstance(tensor, torch.nn.Parameter):
+            src = torch.nn.Parameter(src, requires_grad=False)
+        done[id(tensor)] = src
+        if src.shape != tensor.shape or src.dtype != tensor.dtype:
+            raise CacheError(
+                f"{name}: the pool holds {src.dtype} {list(src.shape)}, "
+                f"the module wants {tensor.dtype} {list(tensor.shape)}"
+            )
+        owner_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        if isinstance(src, torch.nn.Parameter):
+            setattr(owner, leaf, src)
+        else:
+            owner._buffers[leaf] = src
+        nbytes += src.nbytes
+    left = [n for n, t in _slots(module) if t.is_meta]
+    if left:
+        raise CacheError(
+            f"{len(left)} tensors still on the meta device after attach (first: {left[:3]}); "
+            "the checkpoint lacks them or names them differently"
+        )
+    return nbytes
+
+
+def _slots(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]

@@ -1,0 +1,146 @@
+"""Checked calls into the CUDA driver's virtual memory management API (cuda-bindings).
+
+Every call returns its result or raises `CudaDriverError` naming the driver call and the
+driver's error. Imports torch nowhere: the backend decides when a context exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cachedaemon.errors import CacheError
+
+try:  # cuda-bindings >= 12.6
+    from cuda.bindings import driver as cu
+except ImportError:  # pragma: no cover - older cuda-python layout
+    try:
+        from cuda import cuda as cu
+    except ImportError:
+        cu = None
+
+FD_HANDLE = (
+    None if cu is None else cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+)
+
+
+class CudaDriverError(CacheError):
+    """A CUDA driver call failed (or cuda-bindings is missing)."""
+
+
+def require_bindings() -> Any:
+    if cu is None:
+        raise CudaDriverError(
+            "backend cuda-vmm needs cuda-bindings: pip install 'holdfast[cuda]' "
+            "(or pick --device cpu, which uses the memfd backend)"
+        )
+    return cu
+
+
+def check(call: str, result: Any) -> Any:
+    """Unpack a cuda-bindings `(CUresult, *values)` tuple; raise on any error."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        _, name = cu.cuGetErrorName(err)
+        text = name.decode() if isinstance(name, bytes) else str(err)
+        raise CudaDriverError(f"{call} failed: {text}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def primary_context(ordinal: int) -> Any:
+    """Retain the device's primary context (the one torch uses) and make it current."""
+    require_bindings()
+    check("cuInit", cu.cuInit(0))
+    device = check("cuDeviceGet", cu.cuDeviceGet(ordinal))
+    ctx = check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(device))
+    check("cuCtxSetCurrent", cu.cuCtxSetCurrent(ctx))
+    return ctx
+
+
+def allocation_prop(ordinal: int) -> Any:
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = ordinal
+    prop.requestedHandleTypes = FD_HANDLE
+    return prop
+
+
+def granularity(ordinal: int) -> int:
+    flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+    prop = allocation_prop(ordinal)
+    return int(check("cuMemGetAllocationGranularity", cu.cuMemGetAllocationGranularity(prop, flag)))
+
+
+def access_desc(ordinal: int, writable: bool) -> Any:
+    desc = cu.CUmemAccessDesc()
+    desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    desc.location.id = ordinal
+    flags = cu.CUmemAccess_flags
+    desc.flags = (
+        flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        if writable
+        else flags.CU_MEM_ACCESS_FLAGS_PROT_READ
+    )
+    return desc
+
+
+def create(ordinal: int, size: int) -> Any:
+    """A new physical allocation of `size` bytes, exportable as a POSIX fd."""
+    return check("cuMemCreate", cu.cuMemCreate(size, allocation_prop(ordinal), 0))
+
+
+def export_fd(handle: Any) -> int:
+    return int(
+        check(
+            "cuMemExportToShareableHandle",
+            cu.cuMemExportToShareableHandle(handle, FD_HANDLE, 0),
+        )
+    )
+
+
+def import_fd(fd: int) -> Any:
+    """The allocation behind `fd` (the fd stays open and owned by the caller)."""
+    return check("cuMemImportFromShareableHandle", cu.cuMemImportFromShareableHandle(fd, FD_HANDLE))
+
+
+def set_current(ctx: Any) -> None:
+    check("cuCtxSetCurrent", cu.cuCtxSetCurrent(ctx))
+
+
+def release(handle: Any) -> None:
+    check("cuMemRelease", cu.cuMemRelease(handle))
+
+
+def map_handle(ordinal: int, handle: Any, size: int, align: int, writable: bool) -> int:
+    """Reserve a virtual range, map `handle` into it and grant this device access."""
+    ptr = check("cuMemAddressReserve", cu.cuMemAddressReserve(size, align, 0, 0))
+    try:
+        check("cuMemMap", cu.cuMemMap(ptr, size, 0, handle, 0))
+    except CudaDriverError:
+        cu.cuMemAddressFree(ptr, size)
+        raise
+    try:
+        set_access(ordinal, int(ptr), size, writable)
+    except CudaDriverError:
+        cu.cuMemUnmap(ptr, size)
+        cu.cuMemAddressFree(ptr, size)
+        raise
+    return int(ptr)
+
+
+def set_access(ordinal: int, ptr: int, size: int, writable: bool) -> None:
+    desc = access_desc(ordinal, writable)
+    check("cuMemSetAccess", cu.cuMemSetAccess(cu.CUdeviceptr(ptr), size, [desc], 1))
+
+
+def unmap(ctx: Any, ptr: int, size: int) -> None:
+    """Wait for queued work, then unmap and free the range. Never raises: it runs from
+    finalizers, where the process may already be tearing CUDA down."""
+    if cu is None:
+        return
+    cu.cuCtxSetCurrent(ctx)
+    cu.cuCtxSynchronize()
+    cu.cuMemUnmap(cu.CUdeviceptr(ptr), size)
+    cu.cuMemAddressFree(cu.CUdeviceptr(ptr), size)

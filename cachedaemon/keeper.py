@@ -1,0 +1,119 @@
+"""The keeper: holds every daemon's pool fds in escrow, so a pool outlives its daemon.
+
+Torch-free and CUDA-free: it only keeps file descriptors open. The supervisor embeds a
+`Keeper`; `cachedaemon keeper --socket PATH` runs one standalone.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import structlog
+
+from cachedaemon import protocol
+from cachedaemon.frameserver import FrameServer, Reply
+from cachedaemon.manifest import Manifest
+from cachedaemon.rundir import claim, listen, prepare, write_json_atomic
+
+log = structlog.get_logger("cachedaemon.keeper")
+
+
+class _Escrow:
+    def __init__(self, manifest: Manifest, fds: list[int]) -> None:
+        self.manifest = manifest
+        self.fds = fds
+        self.deposited_at = time.time()
+        self.reclaims = 0
+
+
+class Keeper:
+    """Serves Deposit / Reclaim / Withdraw / ListPools on a unix socket from a thread."""
+
+    def __init__(self, socket_path: str | Path, *, read_timeout: float = 5.0) -> None:
+        self.socket_path = Path(socket_path)
+        self._pools: dict[str, _Escrow] = {}
+        self._lock = threading.Lock()
+        self._timeout = read_timeout
+        self._server: FrameServer | None = None
+
+    def start(self) -> Keeper:
+        run = prepare(self.socket_path.parent)
+        ready = run / (self.socket_path.name + ".ready")
+        claim(self.socket_path, ready, f"keeper {self.socket_path}")
+        sock = listen(self.socket_path)
+        self._server = FrameServer(
+            sock, self._handle, read_timeout=self._timeout, max_fds=protocol.MAX_FDS
+        )
+        self._server.start()
+        write_json_atomic(ready, {"pid": os.getpid(), "socket": str(self.socket_path)})
+        log.info("keeper serving", socket=str(self.socket_path))
+        return self
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        self.socket_path.unlink(missing_ok=True)
+        Path(str(self.socket_path) + ".ready").unlink(missing_ok=True)
+        with self._lock:
+            for esc in self._pools.values():
+                protocol.close_fds(esc.fds)
+            self._pools.clear()
+
+    def __enter__(self) -> Keeper:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def pools(self) -> list[protocol.PoolInfo]:
+        with self._lock:
+            return [
+                protocol.PoolInfo(fp, e.manifest.pool_bytes, len(e.fds), e.deposited_at, e.reclaims)
+                for fp, e in self._pools.items()
+            ]
+
+    def _handle(self, msg: protocol._Msg, fds: list[int]) -> Reply:
+        if isinstance(msg, protocol.Deposit):
+            return self._deposit(msg, fds)
+        protocol.close_fds(fds)  # only a deposit carries fds
+        if isinstance(msg, protocol.Reclaim):
+            with self._lock:
+                esc = self._pools.get(msg.fingerprint)
+                if esc is None:
+                    return protocol.NotFound(msg.fingerprint), []
+                esc.reclaims += 1
+                log.info("pool reclaimed", fingerprint=msg.fingerprint, reclaims=esc.reclaims)
+                return protocol.Reclaimed(esc.manifest), list(esc.fds)
+        if isinstance(msg, protocol.Withdraw):
+            with self._lock:
+                gone = self._pools.pop(msg.fingerprint, None)
+            if gone is not None:
+                protocol.close_fds(gone.fds)
+                log.info("pool withdrawn", fingerprint=msg.fingerprint)
+            return protocol.Ok(), []
+        if isinstance(msg, protocol.ListPools):
+            return protocol.Pools(self.pools()), []
+        return protocol.ErrorReply(f"the keeper does not answer {type(msg).__name__}"), []
+
+    def _deposit(self, msg: protocol.Deposit, fds: list[int]) -> Reply:
+        if len(fds) != len(msg.manifest.chunks):
+            protocol.close_fds(fds)
+            return protocol.ErrorReply(
+                f"deposit carries {len(fds)} fds for {len(msg.manifest.chunks)} chunks"
+            ), []
+        with self._lock:
+            old = self._pools.pop(msg.manifest.fingerprint, None)
+            self._pools[msg.manifest.fingerprint] = _Escrow(msg.manifest, fds)
+        if old is not None:
+            protocol.close_fds(old.fds)
+        log.info(
+            "pool deposited",
+            fingerprint=msg.manifest.fingerprint,
+            chunks=len(fds),
+            pool_bytes=msg.manifest.pool_bytes,
+        )
+        return protocol.Ok(), []

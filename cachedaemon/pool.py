@@ -1,0 +1,172 @@
+"""The pool: a few large backend chunks holding every tensor at an aligned offset.
+
+`build_pool` lays the pool out from the plan (headers only), allocates the chunks, fills
+them tensor by tensor, checksums and seals. `views` turns chunks + manifest into tensors
+without copying; daemon and client both use it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import structlog
+import torch
+
+from cachedaemon.backends import Backend, Mapping, OwnedChunk
+from cachedaemon.checkpoint import CheckpointReader
+from cachedaemon.loader import LoadOptions, OutSpec, SourcePlan, dtype_of, plan, produce
+from cachedaemon.manifest import ChunkEntry, Manifest, TensorEntry
+from cachedaemon.progress import ByteProgress
+
+log = structlog.get_logger("cachedaemon.pool")
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(stride))
+
+
+def layout(
+    specs: Sequence[OutSpec], backend: Backend
+) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """(chunk, offset, nbytes) per spec, and each chunk's used bytes. Greedy, in order."""
+    places: list[tuple[int, int, int]] = []
+    used: list[int] = []
+    for spec in specs:
+        nbytes = math.prod(spec.shape) * dtype_of(spec.dtype).itemsize
+        offset = -(-used[-1] // backend.alignment) * backend.alignment if used else 0
+        if not used or (offset + nbytes > backend.max_chunk_bytes and used[-1] > 0):
+            used.append(0)
+            offset = 0
+        places.append((len(used) - 1, offset, nbytes))
+        used[-1] = offset + nbytes
+    return places, used
+
+
+def views(manifest: Manifest, chunks: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors over the chunks' flat uint8 tensors, as the manifest places them. No copy."""
+    out = {}
+    for e in manifest.tensors:
+        flat = chunks[e.chunk][e.offset : e.offset + e.nbytes].view(dtype_of(e.dtype))
+        out[e.name] = flat.as_strided(e.shape, e.stride)
+    return out
+
+
+class Pool:
+    """A daemon's pool: the chunks (owned, or mapped from escrow) and their manifest."""
+
+    def __init__(self, manifest: Manifest, chunks: Sequence[Mapping], fds: Sequence[int]) -> None:
+        self.manifest = manifest
+        self.chunks = list(chunks)
+        self.fds = list(fds)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return views(self.manifest, [c.tensor for c in self.chunks])
+
+    def bad_tensors(self, backend: Backend) -> list[str]:
+        """Names whose bytes no longer match the manifest's checksums."""
+        return [
+            name for name, ok in _checksums(self.manifest, self.chunks, backend).items() if not ok
+        ]
+
+    def close(self) -> None:
+        """Unmap every chunk and close the fds (an owned chunk closes its own)."""
+        for chunk, fd in zip(self.chunks, self.fds, strict=True):
+            chunk.close()
+            if not isinstance(chunk, OwnedChunk):
+                os.close(fd)
+        self.chunks, self.fds = [], []
+
+
+def _checksums(manifest: Manifest, chunks: Sequence[Mapping], backend: Backend) -> dict[str, bool]:
+    def check(e: TensorEntry) -> bool:
+        data = chunks[e.chunk].tensor[e.offset : e.offset + e.nbytes]
+        return backend.checksum(data) == e.checksum
+
+    with ThreadPoolExecutor(max_workers=4) as ex:
+        return dict(
+            zip((e.name for e in manifest.tensors), ex.map(check, manifest.tensors), strict=True)
+        )
+
+
+def build_pool(
+    model_dir: str | Path,
+    opts: LoadOptions,
+    backend: Backend,
+    fingerprint: str,
+    progress: ByteProgress | None = None,
+) -> tuple[Pool, int]:
+    """Load the checkpoint into a new sealed pool. Returns the pool and bytes read from disk."""
+    t0 = time.perf_counter()
+    with CheckpointReader(model_dir) as reader:
+        plans = plan(reader, opts)
+        specs = [o for sp in plans for o in sp.outputs]
+        if progress is not None:
+            progress.set_total(reader.total_bytes)
+        places, used = layout(specs, backend)
+        chunks: list[OwnedChunk] = []
+        try:
+            chunks = [backend.create(u) for u in used]
+            entries = _fill(
+                reader, plans, opts, chunks, places, backend, progress.advance if progress else None
+            )
+        except BaseException:
+            for c in chunks:
+                c.close()
+            raise
+        for c in chunks:
+            c.seal()
+        manifest = Manifest(
+            fingerprint=fingerprint,
+            backend=backend.name,
+            device=opts.device,
+            checksum_algo=backend.checksum_algo,
+            chunks=tuple(ChunkEntry(c.size, u) for c, u in zip(chunks, used, strict=True)),
+            tensors=tuple(entries),
+        )
+        log.info(
+            "pool built",
+            tensors=len(entries),
+            chunks=len(chunks),
+            pool_bytes=manifest.pool_bytes,
+            seconds=round(time.perf_counter() - t0, 3),
+        )
+        return Pool(manifest, chunks, [c.fd for c in chunks]), reader.bytes_read
+
+
+def _fill(
+    reader: CheckpointReader,
+    plans: list[SourcePlan],
+    opts: LoadOptions,
+    chunks: Sequence[OwnedChunk],
+    places: list[tuple[int, int, int]],
+    backend: Backend,
+    on_bytes: Callable[[int], None] | None,
+) -> list[TensorEntry]:
+    entries = []
+    for (spec, tensor), (chunk, offset, nbytes) in zip(
+        produce(reader, plans, opts, on_bytes), places, strict=True
+    ):
+        region = chunks[chunk].tensor[offset : offset + nbytes]
+        region.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        entries.append(
+            TensorEntry(
+                name=spec.name,
+                chunk=chunk,
+                offset=offset,
+                dtype=spec.dtype,
+                shape=spec.shape,
+                stride=contiguous_stride(spec.shape),
+                nbytes=nbytes,
+                checksum=backend.checksum(region),
+            )
+        )
+    return entries

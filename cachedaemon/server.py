@@ -1,0 +1,183 @@
+"""The cache daemon: load (or reclaim) one rank's pool, then serve it as fds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import structlog
+
+from cachedaemon import protocol
+from cachedaemon.backends import Backend, get_backend
+from cachedaemon.config import CacheConfig
+from cachedaemon.errors import DaemonUnavailable, ProtocolError
+from cachedaemon.frameserver import FrameServer, Reply
+from cachedaemon.loader import LoadOptions
+from cachedaemon.pool import Pool, build_pool
+from cachedaemon.progress import ByteProgress
+from cachedaemon.rundir import claim, listen, prepare, start_time, write_json_atomic
+
+log = structlog.get_logger("cachedaemon.daemon")
+
+
+class DaemonOptions(LoadOptions, frozen=True):
+    model: str = ""
+    runtime_dir: str = ""
+    keeper: str | None = None
+    verify: bool = True
+    read_timeout: float = 5.0
+
+
+def reclaim(keeper: str, config: CacheConfig, backend: Backend, verify: bool) -> Pool | None:
+    """The keeper's pool for this config, checked; None when there is none or it is bad."""
+    fp = config.fingerprint()
+    try:
+        reply, fds = protocol.call(keeper, protocol.Reclaim(fp), max_fds=protocol.MAX_FDS)
+    except (DaemonUnavailable, ProtocolError, OSError) as exc:
+        log.warning("keeper unavailable; loading from disk", keeper=keeper, error=str(exc))
+        return None
+    if not isinstance(reply, protocol.Reclaimed):
+        return None
+    manifest = reply.manifest
+    pool = Pool(
+        manifest,
+        [backend.open(fd, c.size) for fd, c in zip(fds, manifest.chunks, strict=True)],
+        fds,
+    )
+    bad = pool.bad_tensors(backend) if verify else []
+    if bad:
+        log.error(
+            "keeper pool failed checksums; reloading from disk",
+            tensors=bad[:5],
+            count=len(bad),
+        )
+        pool.close()
+        protocol.call(keeper, protocol.Withdraw(fp))
+        return None
+    return pool
+
+
+def deposit(keeper: str, pool: Pool) -> None:
+    try:
+        reply, _ = protocol.call(keeper, protocol.Deposit(pool.manifest), pool.fds)
+        if not isinstance(reply, protocol.Ok):
+            log.warning("keeper refused the deposit", reply=repr(reply))
+    except (DaemonUnavailable, ProtocolError, OSError) as exc:
+        log.warning("deposit failed; this pool dies with the daemon", error=str(exc))
+
+
+class Daemon:
+    def __init__(self, opts: DaemonOptions, config: CacheConfig) -> None:
+        self.opts = opts
+        self.config = config
+        self.fingerprint = config.fingerprint()
+        self.run_dir = prepare(opts.runtime_dir)
+        self.socket_path = self.run_dir / f"daemon-{opts.tp_rank}.sock"
+        self.ready_path = self.run_dir / f"daemon-{opts.tp_rank}.ready"
+        self.backend = get_backend(config.backend, opts.device)
+        self.pool: Pool | None = None
+        self.adopted = False
+        self.load_seconds = 0.0
+        self.bytes_read = 0
+        self.attaches = 0
+        self._server: FrameServer | None = None
+        self._done = threading.Event()
+
+    def load(self) -> None:
+        claim(self.socket_path, self.ready_path, f"rank {self.opts.tp_rank} in {self.run_dir}")
+        t0 = time.perf_counter()
+        if self.opts.keeper:
+            self.pool = reclaim(self.opts.keeper, self.config, self.backend, self.opts.verify)
+            self.adopted = self.pool is not None
+        if self.pool is None:
+            with ByteProgress(f"loading {Path(self.opts.model).name}") as progress:
+                self.pool, self.bytes_read = build_pool(
+                    self.opts.model, self.opts, self.backend, self.fingerprint, progress
+                )
+            if self.opts.keeper:
+                deposit(self.opts.keeper, self.pool)
+        self.load_seconds = time.perf_counter() - t0
+        log.info(
+            "pool ready",
+            adopted=self.adopted,
+            seconds=round(self.load_seconds, 3),
+            checkpoint_bytes_read=self.bytes_read,
+        )
+
+    def serve(self) -> None:
+        sock = listen(self.socket_path)
+        self._server = FrameServer(sock, self._handle, read_timeout=self.opts.read_timeout)
+        self._server.start()
+        write_json_atomic(
+            self.ready_path,
+            {
+                "pid": os.getpid(),
+                "start_time": start_time(os.getpid()),
+                "socket": str(self.socket_path),
+                "fingerprint": self.fingerprint,
+                "adopted": self.adopted,
+            },
+        )
+        log.info("serving", socket=str(self.socket_path), fingerprint=self.fingerprint)
+
+    def wait(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self._done.set())
+        self._done.wait()
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for p in (self.socket_path, self.ready_path):
+            p.unlink(missing_ok=True)
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+    def _handle(self, msg: protocol._Msg, fds: list[int]) -> Reply:
+        protocol.close_fds(fds)
+        pool = self.pool
+        if pool is None:
+            return protocol.ErrorReply("the daemon is not serving yet"), []
+        if isinstance(msg, protocol.Ping):
+            return protocol.Pong(os.getpid(), self.fingerprint), []
+        if isinstance(msg, protocol.AttachRequest):
+            if msg.config is not None and msg.config != self.config:
+                fields = msg.config.diff(self.config)
+                log.warning("attach refused: config mismatch", fields=fields)
+                return protocol.Mismatch(fields, self.config), []
+            self.attaches += 1
+            return protocol.AttachReply(pool.manifest), pool.fds
+        if isinstance(msg, protocol.StatusRequest):
+            return self._status(pool), []
+        return protocol.ErrorReply(f"the daemon does not answer {type(msg).__name__}"), []
+
+    def _status(self, pool: Pool) -> protocol.StatusReply:
+        m = pool.manifest
+        return protocol.StatusReply(
+            pid=os.getpid(),
+            fingerprint=self.fingerprint,
+            backend=m.backend,
+            device=m.device,
+            pool_bytes=m.pool_bytes,
+            chunks=len(m.chunks),
+            tensors=len(m.tensors),
+            clients_attached=self.attaches,
+            clients_connected=self._server.connected if self._server else 0,
+            adopted=self.adopted,
+            load_seconds=self.load_seconds,
+            config=self.config,
+        )
+
+
+def run(opts: DaemonOptions, config: CacheConfig) -> None:
+    daemon = Daemon(opts, config)
+    try:
+        daemon.load()
+        daemon.serve()
+        daemon.wait()
+    finally:
+        daemon.close()
