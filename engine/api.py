@@ -1,0 +1,103 @@
+"""The HTTP request bodies this engine accepts, and their validation (400s that name fields).
+
+An OpenAI-compatible subset: unknown fields are ignored so stock clients work, decoding is
+always greedy. `prompt_token_ids`, `ignore_eos` and `token_ids` in replies are extensions.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import msgspec
+
+from engine.errors import BadRequest
+from engine.runner import TOP_LOGPROBS_MAX
+from engine.tokenizer import Tokenizer
+
+T = TypeVar("T")
+
+
+class CompletionRequest(msgspec.Struct, frozen=True):
+    prompt: str | list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    max_tokens: int = 16
+    stream: bool = False
+    logprobs: int | None = None
+    ignore_eos: bool = False
+
+
+class EmbeddingRequest(msgspec.Struct, frozen=True):
+    input: str | list[int] | list[str] | list[list[int]]
+
+
+class Limits(msgspec.Struct, frozen=True):
+    vocab_size: int
+    max_model_len: int
+    max_tokens_cap: int
+
+
+def decode_body(body: bytes, kind: type[T]) -> T:
+    if not body.strip():
+        raise BadRequest("empty request body; send a JSON object")
+    try:
+        out: T = msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        raise BadRequest(f"invalid request: {e}") from None
+    except msgspec.DecodeError as e:
+        raise BadRequest(f"malformed JSON: {e}") from None
+    return out
+
+
+def tokens(text_or_ids: str | list[int], tok: Tokenizer | None, field: str) -> list[int]:
+    if isinstance(text_or_ids, list):
+        return text_or_ids
+    if tok is None:
+        raise BadRequest(f"`{field}` is text but this checkpoint has no tokenizer.json; "
+                         "send token ids in `prompt_token_ids` instead")
+    return tok.encode(text_or_ids)
+
+
+def check_ids(ids: list[int], limits: Limits, field: str) -> None:
+    if not ids:
+        raise BadRequest(f"`{field}` is empty; send at least one token")
+    bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise BadRequest(f"`{field}` has token ids outside the vocabulary [0, "
+                         f"{limits.vocab_size}): {bad[:5]}")
+
+
+def completion_prompt(req: CompletionRequest, tok: Tokenizer | None, limits: Limits) -> list[int]:
+    """The prompt's token ids, after every check a request can fail."""
+    given = [(f, v) for f, v in (("prompt", req.prompt),
+                                  ("prompt_token_ids", req.prompt_token_ids)) if v is not None]
+    if len(given) != 1:
+        raise BadRequest("send exactly one of `prompt` (text or token ids) or `prompt_token_ids`")
+    field, raw = given[0]
+    ids = tokens(raw, tok, field)
+    check_ids(ids, limits, field)
+    if not 1 <= req.max_tokens <= limits.max_tokens_cap:
+        raise BadRequest(f"`max_tokens` {req.max_tokens} must be in 1..{limits.max_tokens_cap} "
+                         "(the engine's --max-tokens-cap)")
+    if len(ids) + req.max_tokens > limits.max_model_len:
+        raise BadRequest(f"prompt ({len(ids)} tokens) + `max_tokens` ({req.max_tokens}) exceeds "
+                         f"the context length {limits.max_model_len}; shorten the prompt or "
+                         "lower max_tokens")
+    if req.logprobs is not None and not 0 <= req.logprobs <= TOP_LOGPROBS_MAX:
+        raise BadRequest(f"`logprobs` must be in 0..{TOP_LOGPROBS_MAX}")
+    return ids
+
+
+def embedding_inputs(req: EmbeddingRequest, tok: Tokenizer | None,
+                     limits: Limits) -> list[list[int]]:
+    raw = req.input
+    single = isinstance(raw, str) or bool(raw and isinstance(raw[0], int))
+    items: list[str | list[int]] = [raw] if single else list(raw)  # type: ignore[list-item,arg-type]
+    if not items:
+        raise BadRequest("`input` is empty; send text, token ids, or a list of either")
+    out = [tokens(item, tok, "input") for item in items]
+    for ids in out:
+        check_ids(ids, limits, "input")
+        if len(ids) > limits.max_model_len:
+            raise BadRequest(f"an `input` of {len(ids)} tokens exceeds the context length "
+                             f"{limits.max_model_len}")
+    return out

@@ -1,0 +1,174 @@
+"""One engine process from start to exit: context, model, weights, warm-up, serve, drain.
+
+Startup is timed in phases (imports, context init, build, attach, warm-up) from the first
+line of `python -m engine`; the "ready" log line and /metrics carry them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from datetime import timedelta
+
+import msgspec
+import structlog
+import torch
+import torch.distributed as dist
+from aiohttp import web
+
+from engine import api
+from engine.config import EngineConfig, dist_init_method
+from engine.metrics import Metrics, Phases
+from engine.server import EngineServer, Model
+from engine.tokenizer import load_tokenizer
+from supervisor.agent import Agent
+
+log = structlog.get_logger("engine")
+FOLLOW_TIMEOUT = timedelta(days=365)  # followers wait on rank 0 for as long as it lives
+
+
+class Clock:
+    def __init__(self, t0: float) -> None:
+        self.t0, self.last = t0, t0
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        ms, self.last = (now - self.last) * 1e3, now
+        return round(ms, 1)
+
+    def total(self) -> float:
+        return round((time.perf_counter() - self.t0) * 1e3, 1)
+
+
+def context_init(cfg: EngineConfig) -> torch.device:
+    device = torch.device(cfg.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.zeros(1, device=device)  # create the CUDA context now, inside this phase
+    if cfg.world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                init_method=dist_init_method(cfg), rank=cfg.rank,
+                                world_size=cfg.world_size, timeout=FOLLOW_TIMEOUT)
+    return device
+
+
+def build_llama(cfg: EngineConfig, device: torch.device,
+                clock: Clock, phases: Phases) -> tuple[Model, api.Limits, str]:
+    from engine.model import LlamaForCausalLM, TPGroup
+    from engine.modelargs import check_tp, read_model_args
+    from engine.runner import Runner
+    from engine.weights import load_weights
+
+    args = read_model_args(cfg.model)
+    check_tp(args, cfg.world_size)
+    tp = TPGroup(cfg.rank, cfg.world_size)
+    module = LlamaForCausalLM(args, tp, getattr(torch, cfg.dtype),
+                              fp8=cfg.quantization == "fp8-block", device=str(device))
+    phases.build = clock.lap()
+    report = load_weights(module, cfg)
+    phases.attach = clock.lap()
+    log.info("weights", source=report.source, ms=round(report.ms, 1), tensors=report.tensors,
+             bytes=report.bytes, socket=report.socket)
+    runner = Runner(module, device)
+    runner.warmup()
+    phases.warmup = clock.lap()
+    max_len = cfg.max_model_len or args.max_position_embeddings
+    return runner, api.Limits(args.vocab_size, max_len, cfg.max_tokens_cap), report.source
+
+
+def build_hf(cfg: EngineConfig, device: torch.device,
+             clock: Clock, phases: Phases) -> tuple[Model, api.Limits, str]:
+    from engine.hf import HFModel
+    from engine.weights import load_weights
+
+    model = HFModel(cfg.model, getattr(torch, cfg.dtype), device)
+    phases.build = clock.lap()
+    report = load_weights(model.module, cfg)
+    phases.attach = clock.lap()
+    log.info("weights", source=report.source, ms=round(report.ms, 1), tensors=report.tensors)
+    model.finish()
+    model.warmup()
+    phases.warmup = clock.lap()
+    max_len = min(cfg.max_model_len or model.max_len, model.max_len)
+    return model, api.Limits(model.vocab_size, max_len, cfg.max_tokens_cap), report.source
+
+
+class Load:
+    """What heartbeats report: (in flight, queued) of the server, once there is one."""
+
+    def __init__(self) -> None:
+        self.server: EngineServer | None = None
+
+    def __call__(self) -> tuple[int, int]:
+        s = self.server
+        return (s.in_flight, s.queued) if s is not None else (0, 0)
+
+
+def run(cfg: EngineConfig, t0: float) -> int:
+    clock, phases, load = Clock(t0), Phases(), Load()
+    phases.imports = clock.lap()
+    agent = start_agent(cfg, load) if cfg.rank == 0 and cfg.agent else None
+    try:
+        device = context_init(cfg)
+        phases.context_init = clock.lap()
+        build = build_hf if cfg.model_impl == "hf" else build_llama
+        model, limits, source = build(cfg, device, clock, phases)
+        if cfg.rank > 0:
+            log.info("following rank 0", rank=cfg.rank, startup_ms=clock.total())
+            model.follow()
+            return 0
+        metrics = Metrics()
+        metrics.phases, metrics.weights_source = phases, source
+        server = EngineServer(cfg.name, cfg.role, cfg.epoch, model, load_tokenizer(cfg.model),
+                              limits, metrics)
+        load.server = server
+        return asyncio.run(serve(cfg, server, agent, clock))
+    finally:
+        if agent is not None:
+            agent.close()
+
+
+def start_agent(cfg: EngineConfig, load: Load) -> Agent:
+    interval_ms = int(os.environ.get("HOLDFAST_HEARTBEAT_MS", "50"))
+    agent = Agent(cfg.agent, name=cfg.name, role=cfg.role, port=cfg.port, epoch=cfg.epoch,
+                  interval_s=interval_ms / 1000.0, load=load)
+    agent.start()
+    return agent
+
+
+async def serve(cfg: EngineConfig, server: EngineServer, agent: Agent | None,
+                clock: Clock) -> int:
+    loop = asyncio.get_running_loop()
+    stop: asyncio.Future[float] = loop.create_future()
+
+    def request_stop(grace_s: float) -> None:
+        if not stop.done():
+            stop.set_result(grace_s)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, request_stop, cfg.grace_s)
+    if agent is not None:
+        server.on_state = agent.set_state
+        agent.on_promote(lambda epoch: loop.call_soon_threadsafe(server.promote, epoch))
+        agent.on_drain(lambda g: loop.call_soon_threadsafe(request_stop, g))
+        agent.on_stop(lambda: loop.call_soon_threadsafe(request_stop, cfg.grace_s))
+    runner = web.AppRunner(server.app(), handle_signals=False, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, cfg.host, cfg.port).start()
+    server.metrics.phases.total = clock.total()
+    server.ready()
+    log.info("ready", engine=cfg.name, role=cfg.role, port=cfg.port,
+             weights=server.metrics.weights_source,
+             phases=msgspec.structs.asdict(server.metrics.phases))
+    grace = await stop
+    finished = await server.drain(grace)
+    await runner.cleanup()
+    if finished:
+        await server.call_model(server.model.stop_followers)
+    server.close()
+    log.info("stopped", engine=cfg.name, clean=finished)
+    if not finished:
+        os._exit(0)  # the model thread is still busy past the grace: leave without it
+    return 0

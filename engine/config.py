@@ -1,0 +1,177 @@
+"""EngineConfig: every setting of one engine process, from HOLDFAST_* env or flags.
+
+Defaults live here and only here. Flags win over the environment, so the supervisor's
+environment works unchanged and a person can run one engine by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+import msgspec
+
+from engine.errors import EngineError
+
+ROLES = ("primary", "standby", "batch")
+DTYPES = ("bfloat16", "float16", "float32")
+QUANTIZATIONS = ("none", "fp8-block")
+IMPLS = ("llama", "hf")
+
+EXAMPLE = """example:
+  cachedaemon make-checkpoint /tmp/models/tiny --preset tiny
+  cachedaemon serve --model /tmp/models/tiny --device cpu --runtime-dir /tmp/run &
+  python -m engine --model /tmp/models/tiny --daemons /tmp/run/daemon-0.sock --port 8100
+  curl -s localhost:8100/v1/completions -d '{"prompt_token_ids": [1, 2, 3], "max_tokens": 8}'
+"""
+
+
+class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    model: str
+    name: str = "engine"
+    role: str = "primary"
+    port: int = 8000
+    host: str = "127.0.0.1"
+    epoch: int = 0
+    agent: str = ""
+    daemons: tuple[str, ...] = ()
+    rank: int = 0
+    world_size: int = 1
+    dtype: str = "bfloat16"
+    quantization: str = "none"
+    device: str = "cpu"
+    model_impl: str = "llama"
+    allow_disk_fallback: bool = False
+    dist_init: str = ""
+    max_tokens_cap: int = 1024
+    max_model_len: int = 0  # 0: the checkpoint's max_position_embeddings
+    grace_s: float = 30.0
+    attach_timeout_s: float = 10.0
+    log_format: str = "auto"  # console on a terminal, JSON lines otherwise
+
+    @property
+    def socket(self) -> str:
+        """This rank's daemon socket, or "" to load from disk."""
+        return self.daemons[self.rank] if self.daemons else ""
+
+
+_DEFAULTS = EngineConfig(model="")
+
+# flag -> (env var, type); the flag's dest is the EngineConfig field.
+_ENV: dict[str, tuple[str, type]] = {
+    "model": ("HOLDFAST_MODEL", str),
+    "name": ("HOLDFAST_NAME", str),
+    "role": ("HOLDFAST_ROLE", str),
+    "port": ("HOLDFAST_PORT", int),
+    "host": ("HOLDFAST_HOST", str),
+    "epoch": ("HOLDFAST_EPOCH", int),
+    "agent": ("HOLDFAST_AGENT", str),
+    "daemons": ("HOLDFAST_DAEMONS", str),
+    "rank": ("HOLDFAST_RANK", int),
+    "world_size": ("HOLDFAST_WORLD_SIZE", int),
+    "dtype": ("HOLDFAST_DTYPE", str),
+    "quantization": ("HOLDFAST_QUANTIZATION", str),
+    "device": ("HOLDFAST_DEVICE", str),
+    "model_impl": ("HOLDFAST_MODEL_IMPL", str),
+    "dist_init": ("HOLDFAST_DIST_INIT", str),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m engine",
+        description="holdfast reference engine: attach weights from the cache daemon(s), "
+        "warm up, serve /v1/completions, /health and /metrics. Every flag also reads "
+        "the HOLDFAST_* variable named in its help.",
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    for field, (env, kind) in _ENV.items():
+        flag = "--" + field.replace("_", "-")
+        default = getattr(_DEFAULTS, field)
+        shown = ",".join(default) if isinstance(default, tuple) else default
+        p.add_argument(flag, dest=field, type=kind, default=None,
+                       help=f"env {env}; default {shown!r}")
+    p.add_argument("--allow-disk-fallback", action="store_true",
+                   help="load from the checkpoint dir when no daemon answers or it mismatches")
+    p.add_argument("--max-tokens-cap", type=int, default=_DEFAULTS.max_tokens_cap,
+                   help="largest max_tokens a request may ask for")
+    p.add_argument("--max-model-len", type=int, default=_DEFAULTS.max_model_len,
+                   help="context length (prompt + generated); 0 = the checkpoint's")
+    p.add_argument("--grace-s", type=float, default=_DEFAULTS.grace_s,
+                   help="on SIGTERM, seconds to let in-flight requests finish")
+    p.add_argument("--attach-timeout-s", type=float, default=_DEFAULTS.attach_timeout_s,
+                   help="seconds to wait for each daemon socket")
+    p.add_argument("--log-format", choices=["auto", "console", "json"],
+                   default=_DEFAULTS.log_format, help="stderr log lines (auto: console on a tty)")
+    return p
+
+
+def from_args(argv: Sequence[str] | None = None,
+              env: Mapping[str, str] | None = None) -> EngineConfig:
+    """Flags first, then HOLDFAST_* env, then the defaults above; validated."""
+    env = os.environ if env is None else env
+    ns = build_parser().parse_args(argv)
+    values: dict[str, object] = {}
+    for field, (var, kind) in _ENV.items():
+        raw = getattr(ns, field)
+        if raw is None and env.get(var, "") != "":
+            try:
+                raw = kind(env[var])
+            except ValueError:
+                raise EngineError(f"{var}={env[var]!r} is not a valid {kind.__name__}") from None
+        if raw is not None:
+            values[field] = raw
+    if isinstance(values.get("daemons"), str):
+        values["daemons"] = tuple(s for s in str(values["daemons"]).split(",") if s)
+    for field in ("allow_disk_fallback", "max_tokens_cap", "max_model_len", "grace_s",
+                  "attach_timeout_s", "log_format"):
+        values[field] = getattr(ns, field)
+    if not values.get("model"):
+        raise EngineError("no checkpoint dir: pass --model DIR or set HOLDFAST_MODEL")
+    cfg = msgspec.convert(values, EngineConfig)
+    validate(cfg)
+    return cfg
+
+
+def _choice(value: str, allowed: tuple[str, ...], flag: str) -> None:
+    if value not in allowed:
+        raise EngineError(f"{flag} {value!r} is not one of {', '.join(allowed)}")
+
+
+def validate(cfg: EngineConfig) -> None:
+    _choice(cfg.role, ROLES, "--role/HOLDFAST_ROLE")
+    _choice(cfg.dtype, DTYPES, "--dtype/HOLDFAST_DTYPE")
+    _choice(cfg.quantization, QUANTIZATIONS, "--quantization/HOLDFAST_QUANTIZATION")
+    _choice(cfg.model_impl, IMPLS, "--model-impl/HOLDFAST_MODEL_IMPL")
+    if not 0 < cfg.port < 65536:
+        raise EngineError(f"--port/HOLDFAST_PORT {cfg.port} must be in 1..65535")
+    if cfg.world_size < 1 or not 0 <= cfg.rank < cfg.world_size:
+        raise EngineError(f"--rank {cfg.rank} must be in [0, --world-size {cfg.world_size})")
+    if cfg.daemons and len(cfg.daemons) != cfg.world_size:
+        raise EngineError(f"--daemons/HOLDFAST_DAEMONS names {len(cfg.daemons)} sockets; "
+                          f"give one per rank ({cfg.world_size}), comma-separated")
+    if cfg.model_impl == "hf" and cfg.world_size != 1:
+        raise EngineError("--model-impl hf serves at --world-size 1 only")
+    if not cfg.daemons and not cfg.allow_disk_fallback:
+        raise EngineError("no daemon socket: pass --daemons SOCK[,SOCK...] (HOLDFAST_DAEMONS) "
+                          "or --allow-disk-fallback to load from the checkpoint dir")
+    if cfg.max_tokens_cap < 1:
+        raise EngineError("--max-tokens-cap must be at least 1")
+
+
+def log_format(cfg: EngineConfig) -> str:
+    if cfg.log_format != "auto":
+        return cfg.log_format
+    return "console" if sys.stderr.isatty() else "json"
+
+
+def dist_init_method(cfg: EngineConfig) -> str:
+    """Rendezvous for torch.distributed: --dist-init, else MASTER_ADDR/PORT, else by port."""
+    if cfg.dist_init:
+        return cfg.dist_init
+    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        return "env://"
+    return f"tcp://127.0.0.1:{(cfg.port + 10007) % 55000 + 10000}"

@@ -1,0 +1,25 @@
+"""One root exception for the reference engine; each says what to change."""
+
+from __future__ import annotations
+
+from cachedaemon.errors import HoldfastError
+
+
+class EngineError(HoldfastError):
+    """Root of every error the engine raises on purpose."""
+
+
+class ModelConfigError(EngineError):
+    """The checkpoint's config.json cannot be served by this engine as asked."""
+
+
+class WeightsError(EngineError):
+    """Weights could not be attached from the daemon nor loaded from disk."""
+
+
+class BadRequest(EngineError):
+    """A request the engine refuses (HTTP 400); the message says which field to fix."""
+
+
+class Unavailable(EngineError):
+    """The engine is up but does not serve this request now (HTTP 503)."""

@@ -1,0 +1,213 @@
+"""A Llama-family decoder (RMSNorm, rotary, grouped-query attention, SwiGLU), tensor parallel.
+
+Built on the meta device with the shapes of one rank's shard and HF tensor names, so
+`attach_model` can replace every parameter with a view of the daemon's pool. Column-parallel
+projections (q/k/v/gate/up) hold rows of this rank; row-parallel ones (o/down) hold columns
+and all-reduce; embeddings and lm_head are vocab-parallel. fp8-block weights are dequantized
+on use, one projection at a time, so the shared pool is never copied whole.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from engine.kvcache import KVCache
+from engine.modelargs import ModelArgs
+
+BLOCK = 128
+
+
+class TPGroup:
+    """This process's place in the tensor-parallel group; collectives are no-ops at size 1."""
+
+    def __init__(self, rank: int = 0, size: int = 1) -> None:
+        self.rank, self.size = rank, size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+
+def _meta(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device="meta"), requires_grad=False)
+
+
+def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp8 weight * its 128x128 block scale, in the compute dtype."""
+    rows, cols = w.shape
+    scale = scale_inv.repeat_interleave(BLOCK, 0)[:rows].repeat_interleave(BLOCK, 1)[:, :cols]
+    return (w.float() * scale).to(dtype)
+
+
+class Linear(nn.Module):
+    def __init__(self, rows: int, cols: int, dtype: torch.dtype, *, bias: bool = False,
+                 fp8: bool = False) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.weight = _meta(rows, cols, dtype=torch.float8_e4m3fn if fp8 else dtype)
+        self.bias = _meta(rows, dtype=dtype) if bias else None
+        self.weight_scale_inv = (
+            _meta(math.ceil(rows / BLOCK), math.ceil(cols / BLOCK), dtype=torch.float32)
+            if fp8 else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if self.weight_scale_inv is not None:
+            w = dequantize(w, self.weight_scale_inv, self.dtype)
+        return F.linear(x, w, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _meta(dim, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Rotary frequencies, with Llama 3's wavelength-dependent scaling when configured."""
+    dim = args.head_dim
+    freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = args.rope_scaling
+    if s.rope_type != "llama3":
+        return freq
+    low_wl = s.original_max_position_embeddings / s.low_freq_factor
+    high_wl = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / freq
+    scaled = torch.where(wavelen > low_wl, freq / s.factor, freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    mid = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_mid = (wavelen >= high_wl) & (wavelen <= low_wl)
+    return torch.where(is_mid, mid, scaled)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs, tp: TPGroup, dtype: torch.dtype, fp8: bool) -> None:
+        super().__init__()
+        self.tp, self.head_dim = tp, a.head_dim
+        self.heads, self.kv_heads = a.num_attention_heads // tp.size, a.num_key_value_heads // tp.size
+        q, kv = self.heads * a.head_dim, self.kv_heads * a.head_dim
+        bias = a.attention_bias
+        self.q_proj = Linear(q, a.hidden_size, dtype, bias=bias, fp8=fp8)
+        self.k_proj = Linear(kv, a.hidden_size, dtype, bias=bias, fp8=fp8)
+        self.v_proj = Linear(kv, a.hidden_size, dtype, bias=bias, fp8=fp8)
+        self.o_proj = Linear(a.hidden_size, q, dtype, fp8=fp8)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache, layer: int) -> torch.Tensor:
+        n = x.shape[0]
+        q = rotate(self.q_proj(x).view(n, self.heads, self.head_dim).transpose(0, 1), cos, sin)
+        k = rotate(self.k_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1), cos, sin)
+        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1)
+        k, v = cache.append(layer, k, v)
+        past = k.shape[1] - n
+        mask = None
+        if n > 1:
+            mask = torch.ones(n, k.shape[1], dtype=torch.bool, device=x.device).tril(past)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.tp.all_reduce(self.o_proj(out.transpose(0, 1).reshape(n, -1)))
+
+
+class MLP(nn.Module):
+    def __init__(self, a: ModelArgs, tp: TPGroup, dtype: torch.dtype, fp8: bool) -> None:
+        super().__init__()
+        self.tp = tp
+        inter = a.intermediate_size // tp.size
+        self.gate_proj = Linear(inter, a.hidden_size, dtype, fp8=fp8)
+        self.up_proj = Linear(inter, a.hidden_size, dtype, fp8=fp8)
+        self.down_proj = Linear(a.hidden_size, inter, dtype, fp8=fp8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: ModelArgs, tp: TPGroup, dtype: torch.dtype, fp8: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
+        self.self_attn = Attention(a, tp, dtype, fp8)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
+        self.mlp = MLP(a, tp, dtype, fp8)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache, layer: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Embedding(nn.Module):
+    """Vocab-parallel: this rank holds rows [rank*V/tp, (rank+1)*V/tp) and all-reduces."""
+
+    def __init__(self, vocab: int, dim: int, tp: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.tp, self.rows = tp, vocab // tp.size
+        self.weight = _meta(self.rows, dim, dtype=dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.tp.rank * self.rows
+        inside = (local >= 0) & (local < self.rows)
+        out = F.embedding(local.clamp(0, self.rows - 1), self.weight)
+        return self.tp.all_reduce(out * inside.unsqueeze(-1).to(out.dtype))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, a: ModelArgs, tp: TPGroup, dtype: torch.dtype, fp8: bool) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(a.vocab_size, a.hidden_size, tp, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(a, tp, dtype, fp8)
+                                    for _ in range(a.num_hidden_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    """HF-named decoder; `forward` returns full-vocab logits of the last position."""
+
+    def __init__(self, a: ModelArgs, tp: TPGroup, dtype: torch.dtype, *,
+                 fp8: bool = False, device: str = "cpu") -> None:
+        super().__init__()
+        self.args, self.tp, self.dtype = a, tp, dtype
+        self.model = LlamaModel(a, tp, dtype, fp8)
+        self.lm_head = (None if a.tie_word_embeddings
+                        else Linear(a.vocab_size // tp.size, a.hidden_size, dtype))
+        self.register_buffer("inv_freq", inv_freq(a).to(device), persistent=False)
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def forward(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        start = cache.length
+        cos, sin = self._rotary(torch.arange(start, start + ids.shape[0], device=ids.device))
+        x = self.model.embed_tokens(ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, cache, i)
+        cache.advance(ids.shape[0])
+        h = self.model.norm(x[-1:])
+        head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
+        return self.tp.all_gather_last(F.linear(h, head))[0].float()

@@ -1,0 +1,121 @@
+"""Greedy generation over one model, in lockstep across tensor-parallel ranks.
+
+Rank 0 owns the requests: for each one it broadcasts a header (op, prompt length,
+max_tokens, ignore_eos) and the prompt ids, then every step's next token, so the other
+ranks run exactly the steps rank 0 runs. Ranks other than 0 sit in `follow()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from engine.errors import BadRequest
+from engine.kvcache import KVCache
+from engine.model import LlamaForCausalLM
+
+OP_GENERATE, OP_STOP = 1, 2
+TOP_LOGPROBS_MAX = 5
+
+
+class Step(msgspec.Struct, frozen=True):
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class Generation(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    steps: tuple[Step, ...]
+    finish_reason: str  # "stop" (an EOS token) | "length"
+
+    @property
+    def tokens(self) -> list[int]:
+        return [s.token for s in self.steps]
+
+
+class Job(msgspec.Struct, frozen=True):
+    prompt: tuple[int, ...]
+    max_tokens: int
+    top_logprobs: int = 0
+    ignore_eos: bool = False
+
+
+OnStep = Callable[[Step], None]
+
+
+class Runner:
+    kind = "generate"
+
+    def __init__(self, model: LlamaForCausalLM, device: torch.device) -> None:
+        self.model, self.device = model, device
+        self.tp = model.tp
+        self.eos = frozenset(model.args.eos_token_ids)
+
+    def warmup(self) -> Generation:
+        """One short generation on every rank together (no broadcast: all ranks call it)."""
+        return self._generate(Job((0,) * 8, 2, 0, True), None)
+
+    def embed(self, batch: list[list[int]]) -> list[list[float]]:
+        raise BadRequest("this model serves /v1/completions only")
+
+    # ---- rank 0 ----
+    def run(self, job: Job, on_step: OnStep | None = None) -> Generation:
+        """Generate for one request (rank 0); the other ranks follow."""
+        if self.tp.size > 1:
+            self._bcast([OP_GENERATE, len(job.prompt), job.max_tokens, int(job.ignore_eos)])
+            self._bcast(list(job.prompt))
+        return self._generate(job, on_step)
+
+    def stop_followers(self) -> None:
+        if self.tp.size > 1:
+            self._bcast([OP_STOP, 0, 0, 0])
+
+    # ---- ranks > 0 ----
+    def follow(self) -> None:
+        """Run rank 0's requests until it says stop."""
+        while True:
+            op, n, max_tokens, ignore_eos = self._bcast([0, 0, 0, 0])
+            if op == OP_STOP:
+                return
+            prompt = tuple(self._bcast([0] * n))
+            self._generate(Job(prompt, max_tokens, 0, bool(ignore_eos)), None)
+
+    # ---- all ranks ----
+    @torch.inference_mode()
+    def _generate(self, job: Job, on_step: OnStep | None) -> Generation:
+        a = self.model.args
+        cache = KVCache(a.num_hidden_layers, a.num_key_value_heads // self.tp.size, a.head_dim,
+                        len(job.prompt) + job.max_tokens, self.model.dtype, self.device)
+        ids = torch.tensor(job.prompt, dtype=torch.int64, device=self.device)
+        steps: list[Step] = []
+        reason = "length"
+        while len(steps) < job.max_tokens:
+            step = self._pick(self.model(ids, cache), job.top_logprobs)
+            steps.append(step)
+            if on_step is not None:
+                on_step(step)
+            if step.token in self.eos and not job.ignore_eos:
+                reason = "stop"
+                break
+            ids = torch.tensor([step.token], dtype=torch.int64, device=self.device)
+        return Generation(len(job.prompt), tuple(steps), reason)
+
+    def _pick(self, logits: torch.Tensor, top_k: int) -> Step:
+        logp = torch.log_softmax(logits, dim=-1)
+        token = int(self._bcast([int(torch.argmax(logits))])[0])
+        top: tuple[tuple[int, float], ...] = ()
+        if top_k:
+            vals, idx = torch.topk(logp, top_k)
+            top = tuple(zip(idx.tolist(), vals.tolist(), strict=True))
+        return Step(token, float(logp[token]), top)
+
+    def _bcast(self, values: list[int]) -> list[int]:
+        if self.tp.size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
+        dist.broadcast(t, src=0)
+        return [int(v) for v in t.tolist()]

@@ -1,0 +1,253 @@
+"""The engine's HTTP face (aiohttp): completions, embeddings, health, metrics, and drain.
+
+The model runs on one worker thread, one request at a time; the event loop only parses,
+validates, queues and streams. Every response carries X-Holdfast-Engine/-Epoch/-Role so a
+client (or the chaos suite) can tell which engine, under which epoch, answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import structlog
+from aiohttp import web
+
+from engine import api
+from engine.errors import BadRequest, Unavailable
+from engine.metrics import Metrics
+from engine.runner import Generation, Job, OnStep, Step
+from engine.tokenizer import Tokenizer
+
+log = structlog.get_logger("engine.server")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Model(Protocol):
+    kind: str  # "generate" | "embed"
+
+    def run(self, job: Job, on_step: OnStep | None = None) -> Generation: ...
+
+    def embed(self, batch: list[list[int]]) -> list[list[float]]: ...
+
+    def follow(self) -> None: ...
+
+    def stop_followers(self) -> None: ...
+
+
+class EngineServer:
+    def __init__(self, name: str, role: str, epoch: int, model: Model,
+                 tokenizer: Tokenizer | None, limits: api.Limits, metrics: Metrics) -> None:
+        self.name, self.role, self.epoch = name, role, epoch
+        self.model, self.tokenizer, self.limits, self.metrics = model, tokenizer, limits, metrics
+        self.state = "starting"
+        self.in_flight = 0
+        self.queued = 0
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model")
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.on_state: Callable[[str], None] = lambda state: None
+
+    # ---- lifecycle ----
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors], client_max_size=16 << 20)
+        app.on_response_prepare.append(self._stamp)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_text)
+        return app
+
+    def set_state(self, state: str) -> None:
+        self.state = state
+        log.info("state", engine=self.name, role=self.role, epoch=self.epoch, state=state)
+        self.on_state(state)
+
+    def ready(self) -> None:
+        self.set_state("ready" if self.role == "standby" else "serving")
+
+    def promote(self, epoch: int) -> None:
+        self.role, self.epoch = "primary", epoch
+        log.info("promoted", engine=self.name, epoch=epoch)
+        if self.state != "draining":
+            self.set_state("serving")
+
+    async def drain(self, grace_s: float) -> bool:
+        """Stop taking requests; wait up to grace_s for in-flight ones. True if all finished."""
+        self.set_state("draining")
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+        except TimeoutError:
+            log.warning("drain grace ran out", engine=self.name, in_flight=self.in_flight)
+            return False
+        return True
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def call_model(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run fn on the model thread; counts the request as queued until it starts."""
+        loop = asyncio.get_running_loop()
+        self.in_flight += 1
+        self.queued += 1
+        self._idle.clear()
+        started = False
+
+        def work() -> Any:
+            nonlocal started
+            started = True
+            loop.call_soon_threadsafe(self._started)
+            return fn(*args)
+
+        try:
+            return await loop.run_in_executor(self._pool, work)
+        finally:
+            if not started:
+                self.queued -= 1
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()
+
+    def _started(self) -> None:
+        self.queued -= 1
+
+    # ---- middleware ----
+    async def _stamp(self, request: web.Request, response: web.StreamResponse) -> None:
+        response.headers["X-Holdfast-Engine"] = self.name
+        response.headers["X-Holdfast-Epoch"] = str(self.epoch)
+        response.headers["X-Holdfast-Role"] = self.role
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            response = await handler(request)
+        except BadRequest as e:
+            response = _error(400, str(e), "invalid_request_error")
+        except Unavailable as e:
+            response = _error(503, str(e), "unavailable")
+        except web.HTTPException as e:
+            response = _error(e.status, e.reason, "invalid_request_error")
+        self.metrics.count(response.status)
+        return response
+
+    def _check_serving(self, kind: str) -> None:
+        if self.state == "draining":
+            raise Unavailable(f"engine {self.name} is draining and takes no new requests")
+        if self.state == "starting":
+            raise Unavailable(f"engine {self.name} is still starting")
+        if self.role == "standby":
+            raise Unavailable(f"engine {self.name} is a standby: it serves once promoted "
+                              f"(`supervisor promote {self.name}`)")
+        if self.model.kind != kind:
+            what = "/v1/embeddings" if self.model.kind == "embed" else "/v1/completions"
+            raise BadRequest(f"this model serves {what} only")
+
+    # ---- handlers ----
+    async def health(self, request: web.Request) -> web.Response:
+        ok = self.state in ("ready", "serving")
+        body = {"name": self.name, "role": self.role, "epoch": self.epoch, "state": self.state,
+                "in_flight": self.in_flight, "weights": self.metrics.weights_source}
+        return web.json_response(body, status=200 if ok else 503)
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        text = self.metrics.render(name=self.name, role=self.role, epoch=self.epoch,
+                                   in_flight=self.in_flight, queued=self.queued)
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        self._check_serving("generate")
+        req = api.decode_body(await request.read(), api.CompletionRequest)
+        prompt = api.completion_prompt(req, self.tokenizer, self.limits)
+        job = Job(tuple(prompt), req.max_tokens, req.logprobs or 0, req.ignore_eos)
+        if req.stream:
+            return await self._stream(request, job)
+        t0 = time.perf_counter()
+        gen: Generation = await self.call_model(self.model.run, job)
+        self.metrics.add_tokens(len(gen.steps))
+        log.info("completion", prompt=len(prompt), tokens=len(gen.steps),
+                 ms=round((time.perf_counter() - t0) * 1e3, 1))
+        return web.json_response(self._completion(gen, req.logprobs is not None))
+
+    async def _stream(self, request: web.Request, job: Job) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        steps: asyncio.Queue[Step | None] = asyncio.Queue()
+
+        def on_step(step: Step) -> None:
+            loop.call_soon_threadsafe(steps.put_nowait, step)
+
+        task = asyncio.ensure_future(self.call_model(self.model.run, job, on_step))
+        task.add_done_callback(lambda _: steps.put_nowait(None))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        rid, done, text = _rid(), [], ""
+        try:
+            while (step := await steps.get()) is not None:
+                done.append(step.token)
+                piece, text = self._delta(done, text)
+                await _sse(resp, _chunk(rid, self.name, piece, [step.token], None))
+            gen: Generation = await task
+        finally:
+            if not task.done():
+                task.cancel()
+        self.metrics.add_tokens(len(gen.steps))
+        await _sse(resp, _chunk(rid, self.name, "", [], gen.finish_reason))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        self._check_serving("embed")
+        req = api.decode_body(await request.read(), api.EmbeddingRequest)
+        batch = api.embedding_inputs(req, self.tokenizer, self.limits)
+        vectors: list[list[float]] = await self.call_model(self.model.embed, batch)
+        data = [{"object": "embedding", "index": i, "embedding": v}
+                for i, v in enumerate(vectors)]
+        return web.json_response({"object": "list", "data": data, "model": self.name,
+                                  "usage": {"prompt_tokens": sum(map(len, batch))}})
+
+    # ---- bodies ----
+    def _delta(self, ids: list[int], before: str) -> tuple[str, str]:
+        if self.tokenizer is None:
+            return "", ""
+        text = self.tokenizer.decode(ids)
+        return text[len(before):], text
+
+    def _completion(self, gen: Generation, with_logprobs: bool) -> dict[str, Any]:
+        text = self.tokenizer.decode(gen.tokens) if self.tokenizer else ""
+        choice = {"index": 0, "text": text, "token_ids": gen.tokens,
+                  "logprobs": _logprobs(gen) if with_logprobs else None,
+                  "finish_reason": gen.finish_reason}
+        n = len(gen.steps)
+        return {"id": _rid(), "object": "text_completion", "created": int(time.time()),
+                "model": self.name, "choices": [choice],
+                "usage": {"prompt_tokens": gen.prompt_tokens, "completion_tokens": n,
+                          "total_tokens": gen.prompt_tokens + n}}
+
+
+def _rid() -> str:
+    return "cmpl-" + uuid.uuid4().hex[:24]
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind}}, status=status)
+
+
+def _logprobs(gen: Generation) -> dict[str, Any]:
+    return {"tokens": [str(s.token) for s in gen.steps],
+            "token_logprobs": [s.logprob for s in gen.steps],
+            "top_logprobs": [{str(t): lp for t, lp in s.top} for s in gen.steps]}
+
+
+def _chunk(rid: str, model: str, text: str, ids: list[int], finish: str | None) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "token_ids": ids, "finish_reason": finish}]}
+
+
+async def _sse(resp: web.StreamResponse, body: dict[str, Any]) -> None:
+    await resp.write(b"data: " + json.dumps(body).encode() + b"\n\n")
