@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Everything that needs the GPU machine, in one call. Writes logs and JSON under $OUT.
+#   bench/gpu_run.sh [env] [tests] [probe] [bench]     (default: all stages)
+# Wheels for packages the GPU image lacks travel in .whl/ (carry it).
+set -uo pipefail
+OUT=${OUT:-/tmp/holdfast-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site
+fi
+stages=${*:-env tests probe bench}
+for stage in $stages; do
+  echo "=== $stage $(date -u +%H:%M:%S)"
+  case $stage in
+    env)
+      { nvidia-smi; python3 -V; nproc; free -g; df -h /tmp; uname -r
+        python3 -c "import torch, cuda.bindings as cb; print(torch.__version__, torch.version.cuda, cb.__version__, torch.cuda.get_device_capability())"
+        python3 -m pip list 2>/dev/null | grep -iE "^(torch|safetensors|numpy|cuda|msgspec|pyzmq|structlog|tenacity|aiomqtt|paho|rich|pytest|aiohttp|pyyaml) "
+        sync; echo 3 > /proc/sys/vm/drop_caches && echo "drop_caches: ok"
+      } 2>&1 | tee "$OUT/env.txt" ;;
+    tests)
+      timeout 300 python3 -m pytest -x -q -p no:cacheprovider tests/test_cuda*.py 2>&1 | tee "$OUT/tests.txt" ;;
+    probe)
+      timeout 300 python3 bench/cuda_vmm_probe.py --out "$OUT/h200_vmm_probe.json" 2>&1 | tail -20 ;;
+    bench)
+      timeout 420 python3 bench/cuda_load_bench.py --out "$OUT/h200_load.json" 2>&1 | tee "$OUT/bench.txt" ;;
+  esac
+done
