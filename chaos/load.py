@@ -56,6 +56,18 @@ class LoadGenerator:
         self.rows: list[RequestRow] = []
         self.fallback: tuple[str, int | None] = ("", None)
         self._rng = random.Random(seed)
+        self._changed = asyncio.Condition()
+
+    async def first_ok_after(self, ts: float, timeout: float) -> RequestRow | None:
+        """The first successful request started at or after `ts`, waiting up to `timeout`."""
+
+        def first() -> RequestRow | None:
+            return next((r for r in self.rows if r.ok and r.start >= ts), None)
+
+        async with self._changed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait_for(lambda: first() is not None), timeout)
+            return first()
 
     async def run(self, stop: asyncio.Event, *, duration_s: float | None = None) -> None:
         """Send until `stop` is set, `duration_s` passes or `max_requests` were sent."""
@@ -89,7 +101,9 @@ class LoadGenerator:
             row = await self._attempts(session, body, start)
         finally:
             slots.release()
-        self.rows.append(row)
+        async with self._changed:
+            self.rows.append(row)
+            self._changed.notify_all()
 
     async def _attempts(
         self, session: aiohttp.ClientSession, body: object, start: float

@@ -71,6 +71,12 @@ class EventRecorder:
                 await asyncio.wait_for(self._changed.wait_for(lambda: first() is not None), timeout)
             return first()
 
+    async def changed(self, timeout: float) -> None:
+        """Return at the next recorded event, or after `timeout` seconds."""
+        async with self._changed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout)
+
     async def _add(self, data: bytes, source: str) -> None:
         try:
             ev = decode_event(data)

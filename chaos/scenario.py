@@ -59,7 +59,6 @@ class Stage(_Spec):
     name: str
     policy: str  # relative to the scenario file
     faults: list[FaultSpec]
-    checkpoint: str = "tiny"  # preset made with `cachedaemon make-checkpoint`
 
 
 class Scenario(_Spec):

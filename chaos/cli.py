@@ -1,0 +1,113 @@
+"""`chaos run SCENARIO.yaml`: faults under load, a report, and an exit code from the checks."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+import structlog
+
+from chaos.checks import RUN_METRICS, STATS, TRIAL_METRICS
+from chaos.errors import ChaosError
+from chaos.report import Results
+from chaos.runner import RunOptions, preflight, run
+from chaos.scenario import FAULT_KINDS, load_scenario
+
+EPILOG = """\
+examples:
+  chaos run chaos/scenarios/smoke.yaml --out /tmp/chaos-smoke
+  chaos run chaos/scenarios/soak.yaml --trials 20 --seed 7 --out bench/results/soak
+  chaos run my.yaml --policy policies/demo.yaml --attach     # a supervisor already running it
+  chaos validate chaos/scenarios/gpu.yaml
+
+exit status: 0 every check passed; 1 a check failed or the run stopped early;
+2 the scenario or its policy is unusable (nothing was started); 130 interrupted (Ctrl-C).
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="chaos", description="Inject faults into a supervised engine pool under load and "
+        "measure recovery.", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    run_p = sub.add_parser("run", help="run a scenario and write its report", epilog=EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    run_p.add_argument("scenario", type=Path, help="scenario YAML (see chaos/scenarios/)")
+    run_p.add_argument("--policy", type=Path, help="policy YAML for every stage, instead of "
+                       "the scenario's own")
+    run_p.add_argument("--trials", type=int, help="trials per fault, instead of the scenario's")
+    run_p.add_argument("--seed", type=int, help="seed for the fault order and the load")
+    run_p.add_argument("--out", type=Path, default=Path("chaos-out"),
+                       help="report dir (default: ./chaos-out)")
+    run_p.add_argument("--attach", action="store_true",
+                       help="drive a supervisor that already runs --policy instead of starting one")
+    run_p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run_p.add_argument("-v", "--verbose", action="store_true", help="log every fault and event")
+    val_p = sub.add_parser("validate", help="check a scenario and its policies, start nothing",
+                           epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    val_p.add_argument("scenario", type=Path)
+    val_p.add_argument("--policy", type=Path)
+    sub.add_parser("kinds", help="list fault kinds, metrics and statistics")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "kinds":
+        return _kinds()
+    _logging(getattr(args, "verbose", False))
+    try:
+        plan = load_scenario(args.scenario, trials=getattr(args, "trials", None),
+                             seed=getattr(args, "seed", None))
+        if args.command == "validate":
+            preflight(plan, RunOptions(out=Path("."), command="", policy=args.policy))
+            print(f"{args.scenario}: ok, {plan.total_faults} faults, {len(plan.checks)} checks")
+            return 0
+        opts = RunOptions(
+            out=args.out, command=shlex.join(["chaos", *(argv if argv is not None else sys.argv[1:])]),
+            policy=args.policy, attach=args.attach, progress=not args.no_progress,
+        )
+        preflight(plan, opts)
+    except ChaosError as exc:
+        print(f"chaos: {exc}", file=sys.stderr)
+        return 2
+    results, interrupted = asyncio.run(run(plan, opts))
+    _summary(results, args.out)
+    if interrupted:
+        return 130
+    passed = results.meta.complete and all(c.passed for c in results.checks)
+    return 0 if passed else 1
+
+
+def _summary(results: Results, out: Path) -> None:
+    for check in results.checks:
+        print(f"{'pass' if check.passed else 'FAIL'}  {check.check}  (value {check.value})")
+    if results.meta.note:
+        print(f"note: {results.meta.note}")
+    print(f"report: {out / 'report.md'}")
+
+
+def _kinds() -> int:
+    print("fault kinds:")
+    for kind, what in FAULT_KINDS.items():
+        print(f"  {kind:26} {what}")
+    print("per-fault metrics ([fault.]metric.stat):")
+    for metric, what in TRIAL_METRICS.items():
+        print(f"  {metric:26} {what}")
+    print("whole-run metrics:")
+    for metric, what in RUN_METRICS.items():
+        print(f"  {metric:26} {what}")
+    print(f"statistics: {', '.join(STATS)}")
+    return 0
+
+
+def _logging(verbose: bool) -> None:
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO if verbose else logging.WARNING),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )

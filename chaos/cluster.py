@@ -1,0 +1,193 @@
+"""The supervisor under test: a derived policy, the process, and its health API.
+
+The suite runs the scenario's policy with its own runtime dir, free router/API ports and
+(by default) its own MQTT broker, so a run never collides with anything else on the host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import msgspec
+import structlog
+import yaml
+
+from chaos.broker import free_port
+from chaos.errors import ClusterError
+from chaos.procs import ProcRef, descendants
+from supervisor.errors import PolicyError
+from supervisor.policy import MqttSpec, Policy, load_policy, split_listen
+
+log = structlog.get_logger("chaos.cluster")
+
+
+class EngineView(msgspec.Struct, frozen=True):
+    name: str
+    role: str
+    state: str
+    pid: int | None = None
+    port: int | None = None
+    restarts: int = 0
+    heartbeat_age_ms: float | None = None
+
+
+class DaemonView(msgspec.Struct, frozen=True):
+    rank: int
+    state: str
+    pid: int | None = None
+    fingerprint: str = ""
+    pool_bytes: int = 0
+    adoptions: int = 0
+
+
+class ClusterView(msgspec.Struct, frozen=True):
+    epoch: int
+    primary: str | None
+    engines: list[EngineView] = []
+    daemons: list[DaemonView] = []
+
+    def in_state(self, state: str) -> list[EngineView]:
+        return [e for e in self.engines if e.state == state and e.pid]
+
+    def engine(self, name: str) -> EngineView | None:
+        return next((e for e in self.engines if e.name == name), None)
+
+
+def derive_policy(source: Path, run_dir: Path, mqtt: MqttSpec | None) -> Policy:
+    """The scenario's policy with this run's runtime dir, free ports and broker."""
+    try:
+        policy = load_policy(source)
+    except PolicyError as exc:
+        raise ClusterError(f"the scenario's policy cannot start: {exc}") from exc
+    events = policy.events
+    if mqtt is not None:
+        base = events.mqtt or mqtt
+        events = msgspec.structs.replace(
+            events, mqtt=msgspec.structs.replace(base, host=mqtt.host, port=mqtt.port)
+        )
+    return msgspec.structs.replace(
+        policy,
+        cache=msgspec.structs.replace(policy.cache, runtime_dir=str(run_dir)),
+        router=msgspec.structs.replace(policy.router, listen=f"127.0.0.1:{free_port()}"),
+        api=msgspec.structs.replace(policy.api, listen=f"127.0.0.1:{free_port()}"),
+        events=events,
+    )
+
+
+def write_policy(policy: Policy, path: Path) -> Path:
+    data = msgspec.to_builtins(policy)
+    data.pop("source", None)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def ready(view: ClusterView, policy: Policy) -> bool:
+    """The pool the policy asks for: one primary, every standby, every batch engine."""
+    engines = policy.engines
+    return (
+        view.primary is not None
+        and len(view.in_state("primary")) == 1
+        and len(view.in_state("standby")) >= engines.standby
+        and len(view.in_state("batch")) >= sum(b.count for b in engines.batch)
+    )
+
+
+class Supervisor:
+    """One `supervisor run` process (or an attached one), and its health API."""
+
+    def __init__(
+        self, policy: Policy, policy_file: Path, log_file: Path, *, attached: bool = False
+    ) -> None:
+        self.attached = attached
+        self.policy = policy
+        self.policy_file = policy_file
+        self.log_file = log_file
+        host, port = split_listen(policy.api.listen)
+        self.api = f"http://{host}:{port}"
+        host, port = split_listen(policy.router.listen)
+        self.router = f"http://{host}:{port}"
+        self.run_dir = Path(policy.cache.runtime_dir)
+        self.proc: asyncio.subprocess.Process | None = None
+        self.ref: ProcRef | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Supervisor:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+        if self._session is not None:
+            await self._session.close()
+
+    async def start(self) -> None:
+        with self.log_file.open("ab") as out:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "supervisor", "run", str(self.policy_file),
+                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
+                start_new_session=True,
+            )
+        self.ref = ProcRef.of(self.proc.pid)
+        log.info("supervisor_started", pid=self.proc.pid, policy=str(self.policy_file))
+
+    def children(self) -> list[ProcRef]:
+        if self.proc is not None:
+            return descendants(self.proc.pid)
+        if self.attached:  # the live supervisor writes its pid into its lock file
+            holder = (self.run_dir / "supervisor.lock").read_text().strip()
+            return descendants(int(holder)) if holder.isdigit() else []
+        return []
+
+    def exited(self) -> int | None:
+        return self.proc.returncode if self.proc is not None else None
+
+    async def cluster(self) -> ClusterView | None:
+        """The health API's /cluster, or None while nothing answers."""
+        assert self._session is not None, "use `async with Supervisor(...)`"
+        try:
+            async with self._session.get(self.api + "/cluster") as resp:
+                if resp.status != 200:
+                    return None
+                return msgspec.json.decode(await resp.read(), type=ClusterView)
+        except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError):
+            return None
+
+    async def kill(self) -> ProcRef | None:
+        """SIGKILL the supervisor alone (not its group): its children must go by themselves."""
+        proc, ref = self.proc, self.ref
+        if proc is None or ref is None:
+            return None
+        ref.signal(signal.SIGKILL)
+        await proc.wait()
+        self.proc = None
+        return ref
+
+    async def stop(self, grace: float = 10.0) -> int | None:
+        """SIGTERM, wait `grace`, then SIGKILL the whole session; returns the exit code."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return None
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), grace)
+            except TimeoutError:
+                log.warning("supervisor_stop_timeout", pid=proc.pid, grace_s=grace)
+                proc.kill()
+                await proc.wait()
+        return proc.returncode
+
+
+def describe_exit(sup: Supervisor, started: float) -> str:
+    tail = ""
+    if sup.log_file.exists():
+        tail = " | ".join(sup.log_file.read_text(errors="replace").strip().splitlines()[-6:])
+    return (
+        f"supervisor exited after {time.time() - started:.1f}s; policy {sup.policy_file}; "
+        f"last log lines: {tail}"
+    )

@@ -1,0 +1,169 @@
+"""Fault injectors. Each finds its victim in the cluster view, signals it, and says what a
+recovery looks like; `heal` undoes what must be undone (SIGCONT, broker back up).
+
+Signals go only to processes below the supervisor the suite started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import structlog
+
+from chaos.broker import OwnBroker
+from chaos.cluster import ClusterView, Supervisor
+from chaos.errors import FaultError
+from chaos.procs import ProcRef, wait_gone
+from chaos.scenario import FaultSpec
+from supervisor.policy import Policy
+
+log = structlog.get_logger("chaos.faults")
+
+LINGER_GRACE_S = 5.0
+
+
+class Victim(msgspec.Struct, frozen=True):
+    kind: str  # engine | daemon | broker | supervisor
+    name: str
+    ref: ProcRef | None
+
+
+class Injection(msgspec.Struct, frozen=True):
+    victims: list[Victim]
+    injected: float  # wall clock, seconds
+    lingering: int = 0
+    note: str = ""
+
+
+class FaultContext(msgspec.Struct):
+    sup: Supervisor
+    broker: OwnBroker | None
+    view: ClusterView
+    spec: FaultSpec
+
+
+def requirement(kind: str, policy: Policy, own_broker: bool, attached: bool) -> str | None:
+    """Why `kind` cannot run against `policy`, or None when it can."""
+    engines = policy.engines
+    needs = {
+        "kill-standby": (engines.standby >= 1, "engines.standby >= 1"),
+        "stop-standby": (engines.standby >= 1, "engines.standby >= 1"),
+        "kill-batch": (sum(b.count for b in engines.batch) >= 1, "an engines.batch entry"),
+        "stop-batch": (sum(b.count for b in engines.batch) >= 1, "an engines.batch entry"),
+        "memory-pressure": (sum(b.count for b in engines.batch) >= 1, "an engines.batch entry"),
+        "kill-tp-rank": (policy.model.tp_size >= 2, "model.tp_size >= 2"),
+        "restart-broker": (own_broker and not attached, "the suite's own broker (not --attach)"),
+        "kill-supervisor": (not attached, "a supervisor the suite started (not --attach)"),
+    }
+    ok, what = needs.get(kind, (True, ""))
+    return None if ok else f"fault {kind} needs {what} in policy {policy.source}"
+
+
+def _engine(ctx: FaultContext, state: str) -> Victim:
+    if state == "primary":
+        engine = ctx.view.engine(ctx.view.primary or "")
+        found = [engine] if engine is not None and engine.pid else []
+    else:
+        found = ctx.view.in_state(state)
+    if not found:
+        raise FaultError(f"no {state} engine to target; the policy runs none ready right now")
+    return _own(ctx, "engine", found[0].name, found[0].pid)
+
+
+def _daemon(ctx: FaultContext) -> Victim:
+    daemon = next((d for d in ctx.view.daemons if d.rank == 0 and d.pid), None)
+    if daemon is None:
+        raise FaultError("no rank-0 cache daemon with a pid in /cluster")
+    return _own(ctx, "daemon", str(daemon.rank), daemon.pid)
+
+
+def _tp_rank(ctx: FaultContext) -> Victim:
+    primary = ctx.view.primary or ""
+    last = str(ctx.sup.policy.model.tp_size - 1)
+    for ref in ctx.sup.children():
+        if ref.env("HOLDFAST_NAME") == primary and ref.env("HOLDFAST_RANK") == last:
+            return Victim("engine", primary, ref)
+    raise FaultError(f"no process with HOLDFAST_NAME={primary} HOLDFAST_RANK={last}")
+
+
+def _own(ctx: FaultContext, kind: str, name: str, pid: int | None) -> Victim:
+    own = {ref.pid: ref for ref in ctx.sup.children()}
+    if pid is None or pid not in own:
+        raise FaultError(f"{kind} {name} (pid {pid}) is not a process of this supervisor")
+    return Victim(kind, name, own[pid])
+
+
+def _signal(victims: list[Victim], sig: signal.Signals) -> Injection:
+    injected = time.time()
+    for victim in victims:
+        if victim.ref is not None:
+            victim.ref.signal(sig)
+    return Injection(victims, injected)
+
+
+async def inject(kind: str, ctx: FaultContext) -> Injection:
+    sig = signal.SIGSTOP if kind.startswith("stop-") else signal.SIGKILL
+    pickers: dict[str, Callable[[FaultContext], list[Victim]]] = {
+        "primary": lambda c: [_engine(c, "primary")],
+        "standby": lambda c: [_engine(c, "standby")],
+        "batch": lambda c: [_engine(c, "batch")],
+        "daemon": lambda c: [_daemon(c)],
+        "tp-rank": lambda c: [_tp_rank(c)],
+        "daemon-and-primary": lambda c: [_daemon(c), _engine(c, "primary")],
+    }
+    target = kind.split("-", 1)[1]
+    if target in pickers:
+        return _signal(pickers[target](ctx), sig)
+    special: dict[str, Callable[[FaultContext], Awaitable[Injection]]] = {
+        "restart-broker": _stop_broker,
+        "kill-supervisor": _kill_supervisor,
+        "memory-pressure": _memory_pressure,
+    }
+    return await special[kind](ctx)
+
+
+async def heal(kind: str, ctx: FaultContext, injection: Injection) -> None:
+    """Undo what the fault left behind, `hold_s` after it: SIGCONT, broker back up."""
+    if kind.startswith("stop-") or kind == "restart-broker":
+        await asyncio.sleep(ctx.spec.hold_s)
+    if kind.startswith("stop-"):
+        for victim in injection.victims:
+            if victim.ref is not None:
+                victim.ref.signal(signal.SIGCONT)
+    elif kind == "restart-broker" and ctx.broker is not None:
+        await ctx.broker.start()
+
+
+async def _stop_broker(ctx: FaultContext) -> Injection:
+    """Stop the broker, then kill the primary while it is away: failover must not wait on it."""
+    if ctx.broker is None:
+        raise FaultError("restart-broker needs the suite's own broker")
+    await ctx.broker.stop()
+    primary = _engine(ctx, "primary")
+    injection = _signal([primary], signal.SIGKILL)
+    return msgspec.structs.replace(
+        injection, victims=[Victim("broker", "mqtt", None), primary],
+        note="broker stopped, primary killed during the outage",
+    )
+
+
+async def _kill_supervisor(ctx: FaultContext) -> Injection:
+    children = ctx.sup.children()
+    injected = time.time()
+    ref = await ctx.sup.kill()
+    left = await wait_gone(children, LINGER_GRACE_S)
+    for orphan in left:
+        log.error("lingering_child", pid=orphan.pid, name=orphan.env("HOLDFAST_NAME"))
+        orphan.signal(signal.SIGKILL)
+    await wait_gone(left, LINGER_GRACE_S)
+    await ctx.sup.start()
+    note = f"{len(left)} of {len(children)} children outlived the supervisor" if left else ""
+    return Injection([Victim("supervisor", "supervisor", ref)], injected, len(left), note)
+
+
+async def _memory_pressure(ctx: FaultContext) -> Injection:
+    raise FaultError("memory-pressure is not wired to the supervisor's admission yet")

@@ -1,0 +1,200 @@
+"""A whole chaos run: per stage, start broker + supervisor, drive load, run the trials; then
+the report. Ctrl-C stops the faults and the load, stops every process, writes what it has."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import msgspec
+import structlog
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from chaos import plots, report
+from chaos.broker import OwnBroker
+from chaos.cluster import Supervisor, derive_policy, write_policy
+from chaos.errors import ChaosError, ScenarioError
+from chaos.faults import requirement
+from chaos.load import LoadGenerator, RequestRow
+from chaos.metrics import TrialRow, baseline_ms, evaluate, run_figures, with_requests
+from chaos.procs import wait_gone
+from chaos.recorder import EventRecorder, EventRow, MqttTarget
+from chaos.scenario import FaultSpec, Plan, Stage
+from chaos.trial import Harness, run_trial, wait_ready
+from supervisor.errors import PolicyError
+from supervisor.policy import MqttSpec, Policy, load_policy
+
+log = structlog.get_logger("chaos.runner")
+
+
+class RunOptions(msgspec.Struct, frozen=True):
+    out: Path
+    command: str
+    policy: Path | None = None  # replaces every stage's policy
+    attach: bool = False  # drive a supervisor that already runs this policy
+    progress: bool = True
+
+
+class Collected(msgspec.Struct):
+    trials: list[TrialRow] = []
+    requests: list[RequestRow] = []
+    events: list[EventRow] = []
+    baseline_before: float | None = None
+    lingering_after_stop: int = 0
+    notes: list[str] = []
+
+
+def preflight(plan: Plan, opts: RunOptions) -> list[Policy]:
+    """Every stage's policy loads and suits its faults; checked before anything starts."""
+    policies = []
+    for stage in plan.scenario.stages:
+        path = opts.policy or plan.policy_path(stage)
+        try:
+            policy = load_policy(path)
+        except PolicyError as exc:
+            raise ScenarioError(f"stage {stage.name}: the policy cannot start: {exc}") from exc
+        for kind in sorted({f.kind for f in stage.faults}):
+            why = requirement(kind, policy, own_broker=not opts.attach, attached=opts.attach)
+            if why is not None:
+                raise ScenarioError(f"stage {stage.name}: {why}")
+        policies.append(policy)
+    return policies
+
+
+async def run(plan: Plan, opts: RunOptions) -> tuple[report.Results, bool]:
+    """Returns the results and whether the run was interrupted (Ctrl-C)."""
+    preflight(plan, opts)
+    started = datetime.now(UTC)
+    got = Collected()
+    interrupted = False
+    with _progress(opts) as progress:
+        try:
+            for stage, faults in zip(plan.scenario.stages, plan.order, strict=True):
+                await _stage(plan, stage, faults, opts, got, progress)
+        except asyncio.CancelledError:
+            interrupted = True
+            got.notes.append("interrupted (Ctrl-C); partial results")
+        except ChaosError as exc:
+            got.notes.append(str(exc))
+            log.error("stage_failed", error=str(exc))
+    results = _results(plan, opts, got, started, complete=not got.notes)
+    _write(opts.out, results)
+    return results, interrupted
+
+
+async def _stage(
+    plan: Plan, stage: Stage, faults: list[FaultSpec], opts: RunOptions, got: Collected,
+    progress: Progress,
+) -> None:
+    workdir = Path(tempfile.mkdtemp(prefix="hf-chaos-"))  # short: unix socket paths
+    stage_out = opts.out / stage.name
+    stage_out.mkdir(parents=True, exist_ok=True)
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            broker = None if opts.attach else await stack.enter_async_context(OwnBroker(workdir))
+            sup = await stack.enter_async_context(_supervisor(plan, stage, opts, workdir, broker))
+            await _drive(plan, stage, faults, sup, broker, got, progress)
+            children = sup.children()
+            await sup.stop()
+            left = await wait_gone(children, 10.0)
+            got.lingering_after_stop += len(left)
+            if left:
+                got.notes.append(f"{len(left)} processes outlived a clean supervisor stop")
+    finally:
+        if (workdir / "supervisor.log").exists():
+            shutil.copy2(workdir / "supervisor.log", stage_out)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _supervisor(
+    plan: Plan, stage: Stage, opts: RunOptions, workdir: Path, broker: OwnBroker | None
+) -> Supervisor:
+    source = opts.policy or plan.policy_path(stage)
+    if opts.attach:
+        policy = load_policy(source)
+        return Supervisor(policy, source, workdir / "supervisor.log", attached=True)
+    mqtt = MqttSpec(host=broker.host, port=broker.port) if broker is not None else None
+    policy = derive_policy(source, workdir / "run", mqtt)
+    policy_file = write_policy(policy, opts.out / stage.name / "policy.yaml")
+    return Supervisor(policy, policy_file, workdir / "supervisor.log")
+
+
+async def _drive(
+    plan: Plan, stage: Stage, faults: list[FaultSpec], sup: Supervisor,
+    broker: OwnBroker | None, got: Collected, progress: Progress,
+) -> None:
+    sc = plan.scenario
+    mqtt = sup.policy.events.mqtt
+    target = MqttTarget(mqtt.host, mqtt.port, f"{mqtt.prefix}/events") if mqtt else None
+    recorder = EventRecorder(sup.run_dir, target)
+    load = LoadGenerator(sup.router, sc.load, seed=sc.seed)
+    h = Harness(sc, stage.name, sup, broker, recorder, load)
+    stop_recorder, stop_load = asyncio.Event(), asyncio.Event()
+    began = time.time()
+    try:
+        async with asyncio.TaskGroup() as group:
+            group.create_task(recorder.run(stop_recorder))
+            try:
+                if not sup.attached:
+                    await sup.start()
+                await wait_ready(h, sc.ready_timeout_s, began)
+                group.create_task(load.run(stop_load))
+                await asyncio.sleep(sc.warmup_s)
+                got.baseline_before = got.baseline_before or time.time()
+                await _trials(h, faults, got, progress)
+            finally:
+                stop_load.set()
+                stop_recorder.set()
+    finally:
+        base = baseline_ms(load.rows, got.baseline_before or time.time())
+        mine = [t for t in got.trials if t.stage == stage.name]
+        got.trials[len(got.trials) - len(mine):] = [with_requests(t, load.rows, base) for t in mine]
+        got.requests += load.rows
+        got.events += recorder.rows
+
+
+async def _trials(h: Harness, faults: list[FaultSpec], got: Collected, progress: Progress) -> None:
+    task = progress.add_task(h.stage, total=len(faults))
+    for fault in faults:
+        progress.update(task, description=f"{h.stage}: {fault.kind}")
+        got.trials.append(await run_trial(h, len(got.trials), fault))
+        progress.advance(task)
+
+
+def _results(
+    plan: Plan, opts: RunOptions, got: Collected, started: datetime, *, complete: bool
+) -> report.Results:
+    base = baseline_ms(got.requests, got.baseline_before or time.time())
+    figures = run_figures(got.requests, got.trials, base)
+    figures = msgspec.structs.replace(
+        figures, lingering_processes=figures.lingering_processes + got.lingering_after_stop
+    )
+    checks = [evaluate(check, got.trials, figures) for check in plan.checks]
+    meta = report.RunMeta(
+        scenario=plan.scenario.name, command=opts.command, started=_iso(started),
+        finished=_iso(datetime.now(UTC)), machine=report.machine(), complete=complete,
+        note="; ".join(got.notes),
+    )
+    return report.Results(meta, figures, checks, got.trials, got.requests, got.events)
+
+
+def _write(out: Path, results: report.Results) -> None:
+    report.write(out, results)
+    plots.timeline(out / "timeline.png", results.requests, results.trials)
+    plots.recovery(out / "recovery.png", results.trials)
+
+
+def _iso(when: datetime) -> str:
+    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _progress(opts: RunOptions) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        disable=not opts.progress, transient=False,
+    )

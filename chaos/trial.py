@@ -1,0 +1,126 @@
+"""One trial: wait for a whole pool, inject one fault, measure until the pool is whole again."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import msgspec
+import structlog
+
+from chaos.broker import OwnBroker
+from chaos.cluster import ClusterView, Supervisor, describe_exit, ready
+from chaos.errors import ClusterError
+from chaos.faults import FaultContext, Injection, heal, inject
+from chaos.load import LoadGenerator
+from chaos.metrics import PRIMARY_FAULTS, TrialRow, expected
+from chaos.recorder import EventRecorder, EventRow
+from chaos.scenario import FaultSpec, Scenario
+
+log = structlog.get_logger("chaos.trial")
+
+WAKE_S = 0.25  # re-read /cluster at least this often while waiting for the pool
+
+
+class Harness(msgspec.Struct):
+    """Everything a trial drives or watches, for one stage."""
+
+    scenario: Scenario
+    stage: str
+    sup: Supervisor
+    broker: OwnBroker | None
+    recorder: EventRecorder
+    load: LoadGenerator
+
+
+async def wait_ready(h: Harness, timeout: float, since: float) -> ClusterView:
+    """The cluster view once the policy's pool is whole; ClusterError after `timeout`."""
+    deadline = time.monotonic() + timeout
+    view: ClusterView | None = None
+    while time.monotonic() < deadline:
+        view = await h.sup.cluster()
+        if view is not None:
+            h.load.fallback = (view.primary or "", view.epoch)
+            if ready(view, h.sup.policy):
+                return view
+        if h.sup.exited() is not None:
+            raise ClusterError(describe_exit(h.sup, since))
+        await h.recorder.changed(min(WAKE_S, max(0.0, deadline - time.monotonic())))
+    raise ClusterError(
+        f"the pool was not whole within {timeout:.0f}s (policy {h.sup.policy_file}); "
+        f"last /cluster: {view}; raise ready_timeout_s in the scenario, or check the log "
+        f"{h.sup.log_file}"
+    )
+
+
+async def run_trial(h: Harness, index: int, fault: FaultSpec) -> TrialRow:
+    sc = h.scenario
+    await wait_ready(h, sc.ready_timeout_s, time.time())
+    await asyncio.sleep(sc.settle_s)
+    view = await h.sup.cluster()
+    if view is None:
+        raise ClusterError(f"the health API {h.sup.api} stopped answering")
+    ctx = FaultContext(h.sup, h.broker, view, fault)
+    injection = await inject(fault.kind, ctx)
+    log.info("fault", index=index, kind=fault.kind, victims=[v.name for v in injection.victims])
+    deadline = time.monotonic() + sc.trial_timeout_s
+    async with asyncio.TaskGroup() as group:
+        detected = group.create_task(h.recorder.wait_for(_about(injection), sc.trial_timeout_s))
+        promoted = group.create_task(
+            h.recorder.wait_for(_promoted(injection.injected), sc.trial_timeout_s)
+        )
+        await heal(fault.kind, ctx, injection)
+        if expected("detection_ms", fault.kind):
+            await asyncio.wait([detected], timeout=max(deadline - time.monotonic(), 0.0))
+        note = await _recovered(h, injection, deadline)
+        for task in (detected, promoted):
+            if not task.done():
+                task.cancel()
+    return TrialRow(
+        index=index, stage=h.stage, fault=fault.kind,
+        victim="+".join(f"{v.kind}:{v.name}" for v in injection.victims),
+        pid=injection.victims[0].ref.pid if injection.victims[0].ref else None,
+        injected=injection.injected, ended=time.time(),
+        detection_ms=_ms(detected, injection),
+        promotion_ms=_ms(promoted, injection) if fault.kind in PRIMARY_FAULTS else None,
+        lingering=injection.lingering, note="; ".join(n for n in (injection.note, note) if n),
+    )
+
+
+async def _recovered(h: Harness, injection: Injection, deadline: float) -> str:
+    """Wait for a successful request started after the fault, then for a whole pool."""
+    left = deadline - time.monotonic()
+    if await h.load.first_ok_after(injection.injected, max(left, 0.0)) is None:
+        return "no successful request before the trial timeout"
+    try:
+        await wait_ready(h, max(deadline - time.monotonic(), 0.0), injection.injected)
+    except ClusterError:
+        return "pool not whole again before the trial timeout"
+    return ""
+
+
+def _about(injection: Injection) -> Callable[[EventRow], bool]:
+    targets = {(v.kind, v.name) for v in injection.victims if v.kind in ("engine", "supervisor")}
+    daemon = any(v.kind == "daemon" for v in injection.victims)
+
+    def match(ev: EventRow) -> bool:
+        if ev.ts < injection.injected:
+            return False
+        return (ev.kind, ev.name) in targets or (daemon and ev.kind == "daemon")
+
+    return match
+
+
+def _promoted(since: float) -> Callable[[EventRow], bool]:
+    def match(ev: EventRow) -> bool:
+        return ev.ts >= since and ev.kind == "engine" and ev.event == "promoted"
+
+    return match
+
+
+def _ms(task: asyncio.Task[EventRow | None], injection: Injection) -> float | None:
+    if not task.done() or task.cancelled() or task.result() is None:
+        return None
+    row = task.result()
+    return (row.ts - injection.injected) * 1000.0 if row is not None else None
