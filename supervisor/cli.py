@@ -1,0 +1,162 @@
+"""`supervisor` (also `python -m supervisor`): run, validate, status, promote, evict, restart,
+stop."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+import msgspec
+import structlog
+
+from cachedaemon.errors import HoldfastError
+from supervisor.control import (
+    ClusterStatus,
+    EvictReq,
+    PromoteReq,
+    RestartReq,
+    StatusReq,
+    StopReq,
+    request,
+)
+from supervisor.errors import PolicyError
+from supervisor.policy import Policy, load_policy
+
+EXAMPLES = """examples:
+  supervisor run                          # the demo policy: tiny CPU model, 1+1+1 engines
+  supervisor run policies/h200.yaml
+  supervisor validate policies/tp2.yaml
+  supervisor status --json
+  supervisor promote e2 --policy policies/h200.yaml
+  supervisor evict batch-1 --runtime-dir /tmp/holdfast-demo
+  supervisor restart batch-1
+  supervisor stop
+"""
+
+
+def configure_logging(fmt: str, level: str) -> None:
+    renderer: structlog.types.Processor = (
+        structlog.processors.JSONRenderer() if fmt == "json"
+        else structlog.dev.ConsoleRenderer(colors=False))
+    structlog.configure(
+        processors=[structlog.processors.add_log_level,
+                    structlog.processors.TimeStamper(fmt="iso", utc=True), renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.getLevelNamesMapping()[level.upper()]),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="supervisor", description="Supervise cache daemons and a pool of engines: one "
+        "primary, warm standbys, batch engines; fail over in milliseconds.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="run a policy until SIGINT/SIGTERM or `supervisor stop`",
+                         epilog="example: supervisor run policies/demo.yaml",
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    run.add_argument("policy", nargs="?", help="policy YAML (default: the demo policy)")
+    val = sub.add_parser("validate", help="check a policy; print every error with its path",
+                         epilog="example: supervisor validate policies/h200.yaml")
+    val.add_argument("policy", nargs="?", help="policy YAML (default: the demo policy)")
+    for name, text in (("status", "show the cluster: epoch, primary, engines, daemons"),
+                       ("promote", "make a ready standby the primary (fences the old one)"),
+                       ("evict", "evict a batch engine until `restart NAME`"),
+                       ("restart", "kill and restart an engine (clears quarantine)"),
+                       ("stop", "stop the supervisor and everything it runs")):
+        c = sub.add_parser(name, help=text, description=text,
+                           epilog=f"example: supervisor {name}"
+                           + (" e2" if name in ("promote", "restart") else "")
+                           + (" batch-1" if name == "evict" else "")
+                           + " --runtime-dir /tmp/holdfast-demo")
+        if name in ("promote", "evict", "restart"):
+            c.add_argument("name", help="engine name, as `supervisor status` lists it")
+        if name == "status":
+            c.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        where = c.add_mutually_exclusive_group()
+        where.add_argument("--policy", help="find the runtime dir from this policy")
+        where.add_argument("--runtime-dir", help="the supervisor's runtime dir")
+    return p
+
+
+def _endpoint(args: argparse.Namespace) -> str:
+    run = args.runtime_dir or load_policy(args.policy).cache.runtime_dir
+    return f"ipc://{run}/control"
+
+
+def _print_status(st: ClusterStatus, as_json: bool) -> None:
+    if as_json:
+        sys.stdout.write(msgspec.json.encode(st).decode() + "\n")
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"epoch {st.epoch}, primary {st.primary or '-'}")
+    for col in ("name", "role", "state", "pid", "port", "restarts", "heartbeat ms", "load"):
+        t.add_column(col)
+    for e in st.engines:
+        age = "-" if e.heartbeat_age_ms is None else f"{e.heartbeat_age_ms:.0f}"
+        t.add_row(e.name, e.role, e.state, str(e.pid or "-"), str(e.port or "-"),
+                  str(e.restarts), age, str(e.in_flight))
+    d = Table(title="cache daemons")
+    for col in ("rank", "state", "pid", "pool bytes", "adoptions", "fingerprint"):
+        d.add_column(col)
+    for x in st.daemons:
+        d.add_row(str(x.rank), x.state, str(x.pid or "-"), str(x.pool_bytes),
+                  str(x.adoptions), x.fingerprint[:16])
+    console = Console()
+    console.print(t)
+    console.print(d)
+
+
+def _command(args: argparse.Namespace) -> int:
+    endpoint = _endpoint(args)
+    reqs = {"status": StatusReq, "stop": StopReq}
+    named = {"promote": PromoteReq, "evict": EvictReq, "restart": RestartReq}
+    req = reqs[args.cmd]() if args.cmd in reqs else named[args.cmd](name=args.name)
+    reply = request(endpoint, req)
+    if not reply.ok:
+        print(f"supervisor: {reply.message}", file=sys.stderr)
+        return 1
+    if reply.status is not None:
+        _print_status(reply.status, bool(getattr(args, "json", False)))
+    elif reply.message:
+        print(reply.message)
+    return 0
+
+
+def _validate(policy: Policy) -> int:
+    print(f"{policy.source}: ok (model {policy.model.path or policy.model.preset}, "
+          f"1 primary + {policy.engines.standby} standby + "
+          f"{sum(b.count for b in policy.engines.batch)} batch, runtime dir "
+          f"{policy.cache.runtime_dir})")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        if args.cmd in ("run", "validate"):
+            policy = load_policy(args.policy)
+            if args.cmd == "validate":
+                return _validate(policy)
+            configure_logging(policy.log.format, policy.log.level)
+            from supervisor.service import Service
+
+            return asyncio.run(Service(policy).run())
+        return _command(args)
+    except PolicyError as e:
+        print(f"{e.source}: invalid policy", file=sys.stderr)
+        for line in e.errors:
+            print(f"  {line}", file=sys.stderr)
+        return 2
+    except HoldfastError as e:
+        print(f"supervisor: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

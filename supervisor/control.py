@@ -1,0 +1,142 @@
+"""Operator commands over `ipc://<run>/control`: status, promote, evict, restart, stop.
+
+A zmq REQ client sends one tagged msgpack struct; the supervisor's ROUTER answers with one
+`ControlReply`. The runtime dir is 0700 and the socket is created under umask 077, so only
+our own uid can connect; a malformed request gets an error reply and is counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from supervisor.errors import ControlError
+
+
+class _Req(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
+    pass
+
+
+class StatusReq(_Req, frozen=True):
+    pass
+
+
+class PromoteReq(_Req, frozen=True):
+    name: str
+
+
+class EvictReq(_Req, frozen=True):
+    name: str
+
+
+class RestartReq(_Req, frozen=True):
+    name: str
+
+
+class StopReq(_Req, frozen=True):
+    pass
+
+
+Request = StatusReq | PromoteReq | EvictReq | RestartReq | StopReq
+
+
+class EngineStatus(msgspec.Struct, frozen=True):
+    name: str
+    role: str
+    state: str
+    pid: int
+    port: int
+    restarts: int
+    heartbeat_age_ms: float | None
+    in_flight: int = 0
+
+
+class DaemonStatus(msgspec.Struct, frozen=True):
+    rank: int
+    state: str
+    pid: int
+    fingerprint: str
+    pool_bytes: int
+    adoptions: int
+    adopted: bool = False
+
+
+class ClusterStatus(msgspec.Struct, frozen=True):
+    epoch: int
+    primary: str | None
+    engines: list[EngineStatus]
+    daemons: list[DaemonStatus]
+    events: int = 0
+    events_dropped: int = 0
+    mqtt_connected: bool = False
+
+
+class ControlReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    ok: bool
+    message: str = ""
+    status: ClusterStatus | None = None
+
+
+_req_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(ControlReply)
+Handler = Callable[[StatusReq | PromoteReq | EvictReq | RestartReq | StopReq],
+                   Awaitable[ControlReply]]
+
+
+class ControlServer:
+    """Answers control requests with `handler`; runs as one task owned by the supervisor."""
+
+    def __init__(self, endpoint: str, handler: Handler) -> None:
+        self._ctx = zmq.asyncio.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(endpoint)
+        self._handler = handler
+        self.malformed = 0
+
+    async def serve(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            if len(frames) != 3 or frames[1] != b"":
+                self.malformed += 1
+                continue
+            ident, _, body = frames
+            reply = await self._answer(body)
+            await self._sock.send_multipart([ident, b"", msgspec.msgpack.encode(reply)])
+
+    async def _answer(self, body: bytes) -> ControlReply:
+        try:
+            req = _req_decoder.decode(body)
+        except msgspec.DecodeError as e:
+            self.malformed += 1
+            return ControlReply(ok=False, message=f"malformed control request: {e}")
+        try:
+            return await self._handler(req)
+        except ControlError as e:
+            return ControlReply(ok=False, message=str(e))
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+def request(endpoint: str, req: _Req, timeout: float = 5.0) -> ControlReply:
+    """Send one request to the supervisor at `endpoint` and return its reply."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, int(timeout * 1000))
+    sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
+    try:
+        sock.connect(endpoint)
+        sock.send(msgspec.msgpack.encode(req))
+        return _reply_decoder.decode(sock.recv())
+    except zmq.Again as e:
+        raise ControlError(f"no supervisor answered on {endpoint} within {timeout:.0f}s; "
+                           "is `supervisor run` up for this policy/--runtime-dir?") from e
+    finally:
+        sock.close(linger=0)
+

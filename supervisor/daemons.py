@@ -1,0 +1,188 @@
+"""The cache daemons, one per device rank, and the keeper that holds their pools in escrow.
+
+The keeper lives inside the supervisor (torch-free), so a daemon that dies leaves its pool
+in escrow; its replacement reclaims it and serves again without reading the checkpoint.
+Engines that mapped the pool keep serving meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from supervisor.backoff import RestartBook
+from supervisor.errors import StartupError
+from supervisor.events import EventBus, UnitState
+from supervisor.fswatch import DirWatch
+from supervisor.policy import Policy
+from supervisor.procs import Proc
+from supervisor.units import Daemon, Incarnation
+
+log = structlog.get_logger("supervisor.daemons")
+
+
+def daemon_status(sock: str, timeout: float = 2.0) -> Any:
+    """The daemon's StatusReply (torch-free wire protocol), or None if it does not answer."""
+    from cachedaemon import protocol
+    from cachedaemon.errors import CacheError
+
+    try:
+        reply, _ = protocol.call(sock, protocol.StatusRequest(), timeout=timeout)
+    except (CacheError, OSError):
+        return None
+    return reply if isinstance(reply, protocol.StatusReply) else None
+
+
+class DaemonPool:
+    def __init__(self, policy: Policy, run: Path, model_dir: str, bus: EventBus,
+                 kick: Callable[[], None], epoch: Callable[[], int]) -> None:
+        self.policy = policy
+        self.run = run
+        self.model_dir = model_dir
+        self.bus = bus
+        self._kick = kick
+        self._epoch = epoch
+        self.keeper: Any = None
+        self.keeper_path = run / "keeper.sock"
+        self.daemons = [Daemon(rank=r, device=dev, book=RestartBook(policy.restart))
+                        for r, dev in enumerate(policy.devices.ids)]
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._changed = asyncio.Event()
+
+    def sockets(self) -> list[str]:
+        return [str(self.run / f"daemon-{d.rank}.sock") for d in self.daemons]
+
+    def start_keeper(self) -> None:
+        if self.policy.cache.keeper:
+            from cachedaemon.keeper import Keeper
+
+            self.keeper = Keeper(self.keeper_path).start()
+
+    async def start(self) -> None:
+        """Start every daemon and wait until all serve (cache.ready_timeout_s)."""
+        self.start_keeper()
+        for d in self.daemons:
+            await self.spawn(d)
+        deadline = time.monotonic() + self.policy.cache.ready_timeout_s
+        for d in self.daemons:
+            while d.state != "serving":
+                left = deadline - time.monotonic()
+                if d.state in ("quarantined", "dead") or left <= 0:
+                    tail = d.inc.tail() if d.inc else ""
+                    raise StartupError(f"cache daemon rank {d.rank} did not serve ({d.state}) "
+                                       f"within cache.ready_timeout_s; it printed:\n{tail}")
+                self._changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(left):
+                        await self._changed.wait()
+
+    def argv(self, d: Daemon) -> list[str]:
+        m = self.policy.model
+        argv = [sys.executable, "-m", "cachedaemon", "--log-format", "json", "serve",
+                "--model", self.model_dir, "--device", d.device, "--runtime-dir", str(self.run),
+                "--tp-size", str(m.tp_size), "--tp-rank", str(d.rank), "--dtype", m.dtype,
+                "--quantization", m.quantization]
+        argv += ["--backend", self.policy.cache.backend]
+        if self.keeper is not None:
+            argv += ["--keeper", str(self.keeper_path)]
+        if not self.policy.cache.verify:
+            argv.append("--no-verify")
+        return argv
+
+    async def spawn(self, d: Daemon) -> None:
+        proc = await Proc.spawn(self.argv(d), dict(os.environ),
+                                self.run / "logs" / f"daemon-{d.rank}.log")
+        inc = Incarnation([proc])
+        d.inc, d.state = inc, "starting"
+        self._publish(d, "starting")
+        self._own(self._watch(d, inc))
+        self._own(self._await_ready(d, inc))
+
+    def _own(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _await_ready(self, d: Daemon, inc: Incarnation) -> None:
+        ready = self.run / f"daemon-{d.rank}.ready"
+
+        def check() -> bool:
+            try:
+                info = json.loads(ready.read_text())
+            except (OSError, ValueError):
+                return False
+            return bool(info.get("pid") == inc.pid) or inc.handled
+
+        watch = DirWatch(self.run)
+        try:
+            ok = await watch.wait(check, self.policy.cache.ready_timeout_s)
+        finally:
+            watch.close()
+        if not ok or inc.handled or d.inc is not inc:
+            return
+        info = json.loads(ready.read_text())
+        d.fingerprint = str(info.get("fingerprint", ""))
+        d.adopted = bool(info.get("adopted", False))
+        d.adoptions += int(d.adopted)
+        status = await asyncio.to_thread(daemon_status, str(info.get("socket", "")))
+        d.pool_bytes = int(getattr(status, "pool_bytes", 0))
+        d.state = "serving"
+        ms = (time.monotonic() - d.died_at) * 1000 if d.died_at else None
+        self._publish(d, "serving", adopted=d.adopted, pool_bytes=d.pool_bytes,
+                      fingerprint=d.fingerprint, down_ms=ms)
+        self._kick()
+
+    async def _watch(self, d: Daemon, inc: Incarnation) -> None:
+        code = await inc.procs[0].wait()
+        if inc.handled:
+            return
+        inc.handled = True
+        d.died_at = time.monotonic()
+        quarantine = d.book.record()
+        d.state = "quarantined" if quarantine else "dead"
+        d.next_start = time.monotonic() + d.book.delay()
+        self._publish(d, d.state, exit_code=code, tail=inc.tail()[-500:])
+        self._kick()
+
+    def reconcile(self, now: float) -> float | None:
+        """Restart dead daemons whose backoff ran out; the next time one is due, or None."""
+        due: float | None = None
+        for d in self.daemons:
+            if d.state != "dead":
+                continue
+            if now >= d.next_start:
+                self._own(self.spawn(d))
+                d.state = "starting"
+            else:
+                due = d.next_start if due is None else min(due, d.next_start)
+        return due
+
+    def _publish(self, d: Daemon, state: str, **data: Any) -> None:
+        self._changed.set()
+        epoch = self._epoch()
+        self.bus.emit("daemon", str(d.rank), state, epoch, pid=d.pid, **data)
+        self.bus.state(UnitState(ts=time.time(), kind="daemon", name=str(d.rank), state=state,
+                                 epoch=epoch, pid=d.pid))
+
+    async def stop(self) -> None:
+        for d in self.daemons:
+            if d.inc is not None:
+                d.inc.handled = True
+                for p in d.inc.procs:
+                    await p.terminate(grace=5.0)
+            d.state = "stopped"
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.keeper is not None:
+            self.keeper.close()
+            self.keeper = None

@@ -1,0 +1,124 @@
+"""Starting, watching and stopping engine processes (one process per tp rank).
+
+An engine is a group of rank processes; if one rank dies the whole group is dead
+(one_for_all). Exits are reported through `on_exit(engine, incarnation, detail)` the moment
+the event loop's child watcher sees them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from supervisor.policy import Policy
+from supervisor.procs import Proc, free_port
+from supervisor.units import Engine, Incarnation
+
+ExitFn = Callable[[Engine, Incarnation, str], None]
+BeatFn = Callable[[Engine, Incarnation], None]
+
+
+class EngineLauncher:
+    def __init__(self, policy: Policy, run: Path, model_dir: str, daemons: list[str],
+                 on_exit: ExitFn, on_beat: BeatFn) -> None:
+        self.policy = policy
+        self.run = run
+        self.model_dir = model_dir
+        self.daemons = daemons
+        self.on_exit = on_exit
+        self.on_beat = on_beat
+        self._next_port = policy.engines.port_base
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def _port(self) -> int:
+        if not self.policy.engines.port_base:
+            return free_port()
+        self._next_port += 1
+        return self._next_port
+
+    def env(self, e: Engine, rank: int, epoch: int) -> dict[str, str]:
+        p = self.policy
+        env = {**os.environ, **p.engines.env}
+        env.update({
+            "HOLDFAST_NAME": e.name, "HOLDFAST_ROLE": e.role, "HOLDFAST_PORT": str(e.port),
+            "HOLDFAST_EPOCH": str(epoch), "HOLDFAST_MODEL": self.model_dir,
+            "HOLDFAST_DAEMONS": ",".join(self.daemons), "HOLDFAST_RANK": str(rank),
+            "HOLDFAST_WORLD_SIZE": str(p.model.tp_size), "HOLDFAST_DEVICE": p.devices.ids[rank],
+            "HOLDFAST_HEARTBEAT_MS": str(p.heartbeat.interval_ms), "HOLDFAST_RUN": str(self.run),
+        })
+        env.pop("HOLDFAST_AGENT", None)
+        if rank == 0 and p.engines.health == "agent":
+            env["HOLDFAST_AGENT"] = f"ipc://{self.run / 'agents'}"
+        return env
+
+    def argv(self, e: Engine, env: dict[str, str]) -> list[str]:
+        values = {
+            "python": sys.executable, "name": e.name, "role": e.role, "port": env["HOLDFAST_PORT"],
+            "epoch": env["HOLDFAST_EPOCH"], "model": self.model_dir,
+            "agent": env.get("HOLDFAST_AGENT", ""), "daemons": env["HOLDFAST_DAEMONS"],
+            "rank": env["HOLDFAST_RANK"], "world_size": env["HOLDFAST_WORLD_SIZE"],
+            "device": env["HOLDFAST_DEVICE"], "run": str(self.run),
+        }
+        return [arg.format(**values) for arg in e.command]
+
+    async def spawn(self, e: Engine, epoch: int) -> Incarnation:
+        """Start every rank of `e`; raises StartupError when the command cannot start."""
+        e.port = self._port()
+        procs: list[Proc] = []
+        try:
+            for rank in range(self.policy.model.tp_size):
+                env = self.env(e, rank, epoch)
+                log = self.run / "logs" / f"{e.name}.{rank}.log"
+                procs.append(await Proc.spawn(self.argv(e, env), env, log))
+        except BaseException:
+            for p in procs:
+                await p.fence()
+            raise
+        inc = Incarnation(procs)
+        self._own(self._watch(e, inc))
+        if self.policy.engines.health == "http":
+            self._own(self._http_health(e, inc))
+        return inc
+
+    def _own(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _watch(self, e: Engine, inc: Incarnation) -> None:
+        waits = [asyncio.ensure_future(p.wait()) for p in inc.procs]
+        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        first = next(iter(done))
+        rank = waits.index(first)
+        for p in inc.procs:  # one_for_all: the rest of the group goes too
+            p.kill_group()
+        for w in pending:
+            w.cancel()
+        detail = f"rank {rank} exited with {first.result()}"
+        if not inc.handled:
+            self.on_exit(e, inc, detail)
+
+    async def _http_health(self, e: Engine, inc: Incarnation) -> None:
+        """Heartbeats for engines without the agent: GET /health on their port."""
+        interval = self.policy.heartbeat.interval_ms / 1000.0
+        timeout = aiohttp.ClientTimeout(total=max(interval, 0.5))
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            while not inc.handled and e.inc is inc:
+                try:
+                    async with http.get(f"http://127.0.0.1:{e.port}/health") as r:
+                        if r.status == 200:
+                            self.on_beat(e, inc)
+                except (aiohttp.ClientError, OSError, TimeoutError):
+                    pass
+                await asyncio.sleep(interval)
+
+    async def stop(self) -> None:
+        for t in list(self.tasks):
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)

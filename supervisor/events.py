@@ -1,0 +1,92 @@
+"""The in-process event bus: every state change is one `Event`, fanned out to structlog, a
+zmq PUB socket at `ipc://<run>/events` (topic frame, then `encode_event`) and MQTT.
+
+`emit()` is synchronous and never blocks: PUB drops at its high-water mark, MQTT queues in
+`MqttPublisher`, and in-process subscribers get a bounded asyncio queue each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import msgspec
+import structlog
+import zmq
+
+from supervisor.mqtt import MqttPublisher
+from supervisor.policy import EventsSpec
+from supervisor.protocol import Event, encode_event
+
+log = structlog.get_logger("supervisor.events")
+
+
+class UnitState(msgspec.Struct, frozen=True):
+    """The retained payload of `<prefix>/<kind>/<name>/state`."""
+
+    ts: float
+    kind: str
+    name: str
+    state: str
+    epoch: int
+    role: str = ""
+    pid: int = 0
+
+
+class EventBus:
+    def __init__(self, endpoint: str, spec: EventsSpec) -> None:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._pub = ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.SNDHWM, 10000)
+        self._pub.bind(endpoint)
+        self.mqtt = MqttPublisher(spec.mqtt, spec.queue) if spec.mqtt is not None else None
+        self._prefix = spec.mqtt.prefix if spec.mqtt is not None else ""
+        self._qos = spec.mqtt.qos if spec.mqtt is not None else 0
+        self._subscribers: list[asyncio.Queue[Event]] = []
+        self._task: asyncio.Task[None] | None = None
+        self.count = 0
+
+    def start(self) -> None:
+        if self.mqtt is not None:
+            self._task = asyncio.get_running_loop().create_task(self.mqtt.run(), name="mqtt")
+
+    def emit(self, kind: str, name: str, event: str, epoch: int, **data: Any) -> Event:
+        ev = Event(ts=time.time(), kind=kind, name=name, event=event, epoch=epoch, data=data)
+        self.count += 1
+        log.info(ev.topic, epoch=epoch, **data)
+        body = encode_event(ev)
+        with contextlib.suppress(zmq.Again):
+            self._pub.send_multipart([ev.topic.encode(), body], zmq.NOBLOCK)
+        if self.mqtt is not None:
+            self.mqtt.offer(f"{self._prefix}/events", body, qos=self._qos)
+        for q in self._subscribers:
+            with contextlib.suppress(asyncio.QueueFull):
+                q.put_nowait(ev)
+        return ev
+
+    def state(self, st: UnitState) -> None:
+        """Publish a unit's retained state (MQTT only; the event carries it elsewhere)."""
+        if self.mqtt is not None:
+            topic = f"{self._prefix}/{st.kind}/{st.name}/state"
+            self.mqtt.offer(topic, msgspec.json.encode(st), qos=self._qos, retain=True)
+
+    def subscribe(self, size: int = 1000) -> asyncio.Queue[Event]:
+        q: asyncio.Queue[Event] = asyncio.Queue(maxsize=size)
+        self._subscribers.append(q)
+        return q
+
+    @property
+    def dropped(self) -> int:
+        return self.mqtt.dropped if self.mqtt is not None else 0
+
+    async def close(self) -> None:
+        if self.mqtt is not None:
+            await self.mqtt.flush(timeout=1.0)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._pub.close(linger=0)

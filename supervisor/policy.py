@@ -1,0 +1,270 @@
+"""The supervisor's policy: a YAML file validated by this schema, the only home of defaults.
+
+`load_policy(path)` returns a frozen `Policy` or raises `PolicyError` listing every problem
+with its path in the file (`$.engines.standby: expected int, got str`). Unknown keys are
+errors. `load_policy(None)` reads the embedded demo policy (`policies/demo.yaml`).
+"""
+
+from __future__ import annotations
+
+import os
+import string
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import yaml
+
+from supervisor import schema
+from supervisor.errors import PolicyError
+
+TEMPLATE_KEYS = frozenset(
+    {"python", "name", "role", "port", "epoch", "model", "agent", "daemons", "rank",
+     "world_size", "device", "run"})
+
+
+class _Spec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class ModelSpec(_Spec, frozen=True):
+    path: str | None = None  # HF checkpoint dir; relative to the policy file
+    preset: Literal["tiny", "small", "llama-8b"] | None = None  # generated when path is unset
+    seed: int = 0
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    quantization: Literal["none", "fp8-block"] = "none"
+    tp_size: int = 1
+
+
+class DevicesSpec(_Spec, frozen=True):
+    ids: list[str] = msgspec.field(default_factory=lambda: ["cpu"])  # one per tp rank
+    memory_mb: int = 0  # per device, for batch admission; 0 = unlimited
+
+
+class CacheSpec(_Spec, frozen=True):
+    backend: Literal["memfd", "cuda-vmm"] = "memfd"
+    runtime_dir: str = "/tmp/holdfast-demo"
+    keeper: bool = True
+    verify: bool = True
+    ready_timeout_s: float = 120.0
+
+
+class BatchSpec(_Spec, frozen=True):
+    name: str = "batch"
+    count: int = 1
+    priority: int = 0  # lower is evicted first
+    memory_mb: int = 0
+    command: list[str] | None = None  # defaults to engines.command
+
+
+class LoadSpec(_Spec, frozen=True):
+    evict_above: int = 8  # primary in-flight requests that evict one batch engine
+    respawn_below: int = 2  # ... and below which evicted batch engines come back
+    respawn_hold_s: float = 1.0  # load must stay below respawn_below this long
+
+
+class EnginesSpec(_Spec, frozen=True):
+    command: list[str] = msgspec.field(default_factory=lambda: ["{python}", "-m", "engine"])
+    env: dict[str, str] = msgspec.field(default_factory=dict)
+    health: Literal["agent", "http"] = "agent"
+    primary: int = 1
+    standby: int = 1
+    memory_mb: int = 0  # per primary/standby engine, beyond the shared weights
+    ready_timeout_s: float = 120.0
+    stop_grace_s: float = 2.0
+    port_base: int = 0  # 0: free ports chosen by the OS
+    batch: list[BatchSpec] = msgspec.field(default_factory=list)
+    load: LoadSpec = msgspec.field(default_factory=LoadSpec)
+
+
+class HeartbeatSpec(_Spec, frozen=True):
+    interval_ms: int = 50
+    miss_limit: int = 4
+
+
+class RestartSpec(_Spec, frozen=True):
+    initial_s: float = 0.05
+    max_s: float = 5.0
+    multiplier: float = 2.0
+    jitter_s: float = 0.05
+    max_restarts: int = 5  # more than this within window_s: quarantined
+    window_s: float = 60.0
+
+
+class RouterSpec(_Spec, frozen=True):
+    listen: str = "127.0.0.1:8000"
+    retry: bool = True
+    retry_deadline_s: float = 5.0
+    upstream_timeout_s: float = 300.0
+
+
+class ApiSpec(_Spec, frozen=True):
+    listen: str = "127.0.0.1:8001"
+
+
+class MqttSpec(_Spec, frozen=True):
+    host: str = "127.0.0.1"
+    port: int = 1883
+    prefix: str = "holdfast"
+    qos: Literal[0, 1, 2] = 1
+    keepalive_s: int = 5
+
+
+class EventsSpec(_Spec, frozen=True):
+    mqtt: MqttSpec | None = None  # no MQTT when unset
+    queue: int = 10000  # events kept while the broker is away; older ones are dropped
+
+
+class LogSpec(_Spec, frozen=True):
+    format: Literal["console", "json"] = "console"
+    level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class Policy(_Spec, frozen=True):
+    model: ModelSpec = msgspec.field(default_factory=ModelSpec)
+    devices: DevicesSpec = msgspec.field(default_factory=DevicesSpec)
+    cache: CacheSpec = msgspec.field(default_factory=CacheSpec)
+    engines: EnginesSpec = msgspec.field(default_factory=EnginesSpec)
+    heartbeat: HeartbeatSpec = msgspec.field(default_factory=HeartbeatSpec)
+    restart: RestartSpec = msgspec.field(default_factory=RestartSpec)
+    router: RouterSpec = msgspec.field(default_factory=RouterSpec)
+    api: ApiSpec = msgspec.field(default_factory=ApiSpec)
+    events: EventsSpec = msgspec.field(default_factory=EventsSpec)
+    log: LogSpec = msgspec.field(default_factory=LogSpec)
+    source: str = ""  # the file it came from; set by load_policy
+
+
+def demo_path() -> Path:
+    """The embedded default policy: package data, or the repo's policies/ dir."""
+    packaged = Path(__file__).with_name("policies") / "demo.yaml"
+    if packaged.exists():
+        return packaged
+    return Path(__file__).resolve().parents[1] / "policies" / "demo.yaml"
+
+
+def load_policy(path: str | os.PathLike[str] | None = None) -> Policy:
+    """Read, validate and resolve a policy file; None reads the demo policy."""
+    src = Path(path) if path is not None else demo_path()
+    try:
+        text = src.read_text()
+    except OSError as e:
+        raise PolicyError([f"cannot read {src}: {e.strerror}; pass an existing policy file"],
+                          str(src)) from e
+    return parse_policy(text, src)
+
+
+def parse_policy(text: str, src: Path) -> Policy:
+    try:
+        data: Any = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise PolicyError([f"$: not valid YAML: {e}"], str(src)) from e
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise PolicyError([f"$: expected a mapping at the top, got {type(data).__name__}"],
+                          str(src))
+    if "source" in data:
+        raise PolicyError(["$.source: unknown key; it is set from the file name"], str(src))
+    errors = schema.check(data, Policy)
+    if errors:
+        raise PolicyError(errors, str(src))
+    policy = msgspec.convert({**data, "source": str(src)}, Policy)
+    policy = _resolve(policy, src.parent)
+    errors = semantic_errors(policy)
+    if errors:
+        raise PolicyError(errors, str(src))
+    return policy
+
+
+def _resolve(policy: Policy, base: Path) -> Policy:
+    model = policy.model
+    if model.path is not None:
+        model = msgspec.structs.replace(model, path=str((base / model.path).resolve()))
+    run = str(Path(os.path.expandvars(os.path.expanduser(policy.cache.runtime_dir))).absolute())
+    cache = msgspec.structs.replace(policy.cache, runtime_dir=run)
+    return msgspec.structs.replace(policy, model=model, cache=cache)
+
+
+def semantic_errors(p: Policy) -> list[str]:
+    """Cross-field rules msgspec cannot express, each naming the key to change."""
+    errors = _model_errors(p) + _engine_errors(p.engines)
+    for path, value in (("$.router.listen", p.router.listen), ("$.api.listen", p.api.listen)):
+        errors += _listen_errors(path, value)
+    if p.router.listen == p.api.listen:
+        errors.append("$.api.listen: same address as router.listen; give each its own port")
+    for key in ("interval_ms", "miss_limit"):
+        if getattr(p.heartbeat, key) < 1:
+            errors.append(f"$.heartbeat.{key}: must be at least 1")
+    r = p.restart
+    if r.initial_s <= 0 or r.max_s < r.initial_s or r.multiplier < 1 or r.jitter_s < 0:
+        errors.append("$.restart: need 0 < initial_s <= max_s, multiplier >= 1, jitter_s >= 0")
+    if r.max_restarts < 0 or r.window_s <= 0:
+        errors.append("$.restart: need max_restarts >= 0 and window_s > 0")
+    if p.events.queue < 1:
+        errors.append("$.events.queue: must be at least 1")
+    return errors
+
+
+def _model_errors(p: Policy) -> list[str]:
+    m = p.model
+    errors: list[str] = []
+    if m.path is None and m.preset is None:
+        errors.append("$.model: set model.path to a checkpoint dir, or model.preset to generate one")
+    if m.path is not None and not (Path(m.path) / "config.json").is_file():
+        errors.append(f"$.model.path: {m.path} holds no config.json; point it at a Hugging Face "
+                      "checkpoint dir (config.json + *.safetensors)")
+    if m.tp_size < 1:
+        errors.append("$.model.tp_size: must be at least 1")
+    elif len(p.devices.ids) != m.tp_size:
+        errors.append(f"$.devices.ids: {len(p.devices.ids)} devices for tp_size {m.tp_size}; "
+                      "list one device per rank")
+    return errors
+
+
+def _engine_errors(e: EnginesSpec) -> list[str]:
+    errors: list[str] = []
+    if e.primary != 1:
+        errors.append(f"$.engines.primary: got {e.primary}, must be 1 (one primary at a time)")
+    if e.standby < 0:
+        errors.append("$.engines.standby: must be 0 or more")
+    if not e.command:
+        errors.append("$.engines.command: empty; give the engine command as a list")
+    errors += _template_errors("$.engines.command", e.command)
+    names = [b.name for b in e.batch]
+    for i, b in enumerate(e.batch):
+        if b.count < 0 or b.memory_mb < 0:
+            errors.append(f"$.engines.batch[{i}]: count and memory_mb must be 0 or more")
+        if not b.name.isidentifier() or names.count(b.name) > 1:
+            errors.append(f"$.engines.batch[{i}].name: {b.name!r} must be a unique identifier")
+        if b.command is not None:
+            errors += _template_errors(f"$.engines.batch[{i}].command", b.command)
+    if e.load.respawn_below > e.load.evict_above:
+        errors.append("$.engines.load.respawn_below: must not exceed evict_above")
+    if not 0 <= e.port_base < 65000:
+        errors.append("$.engines.port_base: must be 0 (OS-chosen) or a port below 65000")
+    return errors
+
+
+def _template_errors(path: str, command: list[str]) -> list[str]:
+    errors = []
+    for i, arg in enumerate(command):
+        try:
+            keys = {k for _, k, _, _ in string.Formatter().parse(arg) if k is not None}
+        except ValueError as exc:
+            errors.append(f"{path}[{i}]: bad template {arg!r}: {exc}")
+            continue
+        for key in sorted(keys - TEMPLATE_KEYS):
+            errors.append(f"{path}[{i}]: unknown placeholder {{{key}}}; "
+                          f"known: {', '.join(sorted(TEMPLATE_KEYS))}")
+    return errors
+
+
+def _listen_errors(path: str, value: str) -> list[str]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        return [f"{path}: {value!r} is not HOST:PORT (like 127.0.0.1:8000)"]
+    return []
+
+
+def split_listen(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    return host, int(port)

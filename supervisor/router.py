@@ -1,0 +1,135 @@
+"""The router: an HTTP reverse proxy to the current epoch's primary, streaming through.
+
+Requests go only to the primary of the current epoch. A request whose upstream fails before
+the first response byte is retried once on the next primary, within the retry deadline; a
+request that arrives while no primary serves waits for one within the same deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from supervisor.policy import RouterSpec
+
+log = structlog.get_logger("supervisor.router")
+
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
+                        "te", "trailers", "transfer-encoding", "upgrade", "host",
+                        "content-length"})
+UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError)
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    port: int
+    epoch: int
+
+
+class PrimaryView:
+    """The current primary, and a way to wait for the next one."""
+
+    def __init__(self) -> None:
+        self.target: Target | None = None
+        self._changed = asyncio.Event()
+
+    def set(self, target: Target | None) -> None:
+        self.target = target
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def next_after(self, epoch: int, deadline: float) -> Target | None:
+        """A primary of an epoch later than `epoch`, or None at the deadline."""
+        while self.target is None or self.target.epoch <= epoch:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                async with asyncio.timeout(left):
+                    await self._changed.wait()
+            except TimeoutError:
+                return None
+        return self.target
+
+
+class Router:
+    def __init__(self, spec: RouterSpec, view: PrimaryView) -> None:
+        self.spec = spec
+        self.view = view
+        self.forwarded = 0
+        self.retried = 0
+        self.failed = 0
+        self.broken = 0
+        self._session: aiohttp.ClientSession | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def _close(self, _: web.Application) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            timeout = aiohttp.ClientTimeout(total=self.spec.upstream_timeout_s, connect=2.0)
+            self._session = aiohttp.ClientSession(
+                timeout=timeout, auto_decompress=False,
+                connector=aiohttp.TCPConnector(limit=0, force_close=False))
+        return self._session
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        deadline = time.monotonic() + self.spec.retry_deadline_s
+        target = self.view.target or await self.view.next_after(-1, deadline)
+        attempts = 2 if self.spec.retry else 1
+        error = "no primary is serving"
+        for attempt in range(attempts):
+            if target is None:
+                break
+            try:
+                return await self._forward(request, body, target)
+            except UPSTREAM_ERRORS as e:
+                error = f"primary {target.name} failed before answering: {type(e).__name__}"
+                if attempt + 1 < attempts:
+                    self.retried += 1
+                    target = await self.view.next_after(target.epoch, deadline)
+        self.failed += 1
+        log.warning("route_failed", path=request.path, error=error)
+        return web.json_response({"error": error}, status=502)
+
+    async def _forward(self, request: web.Request, body: bytes,
+                       target: Target) -> web.StreamResponse:
+        url = f"http://127.0.0.1:{target.port}{request.rel_url}"
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        async with self._client().request(request.method, url, headers=headers, data=body,
+                                          allow_redirects=False) as up:
+            resp = web.StreamResponse(status=up.status, reason=up.reason)
+            for k, v in up.headers.items():
+                if k.lower() not in HOP_BY_HOP and k.lower() != "content-encoding":
+                    resp.headers.add(k, v)
+            if "Content-Encoding" in up.headers:
+                resp.headers["Content-Encoding"] = up.headers["Content-Encoding"]
+            resp.headers["X-Holdfast-Engine"] = target.name
+            resp.headers["X-Holdfast-Epoch"] = str(target.epoch)
+            first = await up.content.readany()  # upstream failures up to here are retried
+            await resp.prepare(request)
+            self.forwarded += 1
+            chunk = first
+            try:
+                while chunk:
+                    await resp.write(chunk)
+                    chunk = await up.content.readany()
+                await resp.write_eof()
+            except UPSTREAM_ERRORS as e:  # after the first byte: too late to retry
+                self.broken += 1
+                log.warning("stream_broken", engine=target.name, error=type(e).__name__)
+            return resp

@@ -1,0 +1,172 @@
+"""`supervisor run`: bring everything up in order, reconcile until told to stop, tear down.
+
+Order: runtime dir (lock) -> model -> events -> agents + control sockets -> keeper and
+daemons (ready) -> router + health API -> engines via the reconcile loop. SIGINT/SIGTERM
+or `supervisor stop` stop everything: engines, daemons, keeper, sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from supervisor import reconcile
+from supervisor.agents import AgentHub
+from supervisor.api import HealthApi
+from supervisor.control import ControlReply, ControlServer, Request
+from supervisor.core import Cluster
+from supervisor.daemons import DaemonPool
+from supervisor.engines import EngineLauncher
+from supervisor.errors import StartupError
+from supervisor.events import EventBus
+from supervisor.policy import Policy, split_listen
+from supervisor.router import PrimaryView, Router
+from supervisor.runtime import RuntimeDir
+
+log = structlog.get_logger("supervisor")
+
+
+def models_cache() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "holdfast" / "models"
+
+
+async def ensure_model(policy: Policy) -> str:
+    """The checkpoint dir: model.path, or model.preset generated once into the cache."""
+    m = policy.model
+    if m.path is not None:
+        return m.path
+    out = models_cache() / f"{m.preset}-seed{m.seed}"
+    if (out / "config.json").is_file():
+        return str(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "cachedaemon", "make-checkpoint", str(tmp), "--preset",
+        str(m.preset), "--seed", str(m.seed), stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT)
+    output, _ = await proc.communicate()
+    if proc.returncode != 0:
+        raise StartupError(f"generating the {m.preset} checkpoint into {out} failed; set "
+                           f"model.path instead. It printed:\n{output.decode()[-1500:]}")
+    with contextlib.suppress(OSError):
+        tmp.rename(out)  # another supervisor may have won the race; both are identical
+    return str(out)
+
+
+class Service:
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.stop = asyncio.Event()
+        self.view = PrimaryView()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._runners: list[web.AppRunner] = []
+
+    def _own(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+        self._tasks.append(asyncio.get_running_loop().create_task(coro, name=name))
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.stop.set)
+        os.umask(0o077)  # every socket and file we create is ours alone
+        rd = RuntimeDir.acquire(self.policy.cache.runtime_dir)
+        bus = EventBus(rd.endpoint("events"), self.policy.events)
+        bus.start()
+        c = Cluster(self.policy, bus, self.view)
+        try:
+            await self._start(c, rd)
+            await self._loop(c)
+            return 0
+        finally:
+            bus.emit("supervisor", "main", "stopping", c.epoch)
+            await self._teardown(c)
+            bus.emit("supervisor", "main", "stopped", c.epoch)
+            await bus.close()
+            rd.release()
+
+    async def _start(self, c: Cluster, rd: RuntimeDir) -> None:
+        c.bus.emit("supervisor", "main", "starting", 0, pid=os.getpid(),
+                   policy=self.policy.source, run=str(rd.path))
+        model_dir = await ensure_model(self.policy)
+        c.hub = AgentHub(rd.endpoint("agents"), on_hello=c.on_hello,
+                         on_heartbeat=c.on_heartbeat, on_state=c.on_state, on_ack=c.on_ack)
+        self._own(c.hub.serve(), "agents")
+        control = ControlServer(rd.endpoint("control"), lambda r: self._control(c, r))
+        self._own(control.serve(), "control")
+        self._control_server = control
+        c.daemons = DaemonPool(self.policy, rd.path, model_dir, c.bus, c.wake.set,
+                               lambda: c.epoch)
+        t0 = time.monotonic()
+        await c.daemons.start()
+        c.bus.emit("supervisor", "main", "daemons-ready", c.epoch,
+                   ms=round((time.monotonic() - t0) * 1000, 1))
+        c.launcher = EngineLauncher(self.policy, rd.path, model_dir, c.daemons.sockets(),
+                                    on_exit=c.on_exit, on_beat=c.on_http_beat)
+        router = Router(self.policy.router, self.view)
+        await self._serve_http(router.app(), self.policy.router.listen)
+        await self._serve_http(HealthApi(c.snapshot).app(), self.policy.api.listen)
+        c.bus.emit("supervisor", "main", "started", c.epoch, router=self.policy.router.listen,
+                   api=self.policy.api.listen)
+
+    async def _control(self, c: Cluster, req: Request) -> ControlReply:
+        return await reconcile.handle(c, req, self.stop)
+
+    async def _serve_http(self, app: web.Application, listen: str) -> None:
+        host, port = split_listen(listen)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        self._runners.append(runner)
+        try:
+            await web.TCPSite(runner, host, port, reuse_address=True).start()
+        except OSError as e:
+            raise StartupError(f"cannot listen on {listen}: {e.strerror}; change router.listen "
+                               "or api.listen in the policy") from e
+
+    async def _loop(self, c: Cluster) -> None:
+        interval = self.policy.heartbeat.interval_ms / 1000.0
+        stop = asyncio.ensure_future(self.stop.wait())
+        try:
+            while not self.stop.is_set():
+                c.wake.clear()
+                due = await reconcile.tick(c)
+                left = interval if due is None else max(0.0, min(interval, due - time.monotonic()))
+                wake = asyncio.ensure_future(c.wake.wait())
+                await asyncio.wait([wake, stop], timeout=left,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                wake.cancel()
+                self._check_tasks()
+        finally:
+            stop.cancel()
+
+    def _check_tasks(self) -> None:
+        for t in self._tasks:
+            if t.done() and not t.cancelled() and t.exception() is not None:
+                raise StartupError(f"supervisor task {t.get_name()} failed") from t.exception()
+
+    async def _teardown(self, c: Cluster) -> None:
+        await c.stop_all()
+        if c.launcher is not None:
+            await c.launcher.stop()
+        if c.daemons is not None:
+            await c.daemons.stop()
+        for runner in self._runners:
+            await runner.cleanup()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if c.hub is not None:
+            c.hub.close()
+        control = getattr(self, "_control_server", None)
+        if control is not None:
+            control.close()
