@@ -1,0 +1,152 @@
+"""Real engine processes over HTTP: attach vs disk parity, TP 2 vs 1, bad requests."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import DaemonProc
+
+from engine.launch import EngineProcess, free_port
+
+PROMPTS = [[1, 2, 3], [200, 17, 5, 9, 77, 3, 12], [42]]
+
+
+def post(url: str, body: bytes | dict[str, Any], path: str = "/v1/completions",
+         ) -> tuple[int, dict[str, str], Any]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            raw, status, headers = resp.read(), resp.status, dict(resp.headers)
+    except urllib.error.HTTPError as e:
+        raw, status, headers = e.read(), e.code, dict(e.headers)
+    text = raw.decode()
+    return status, headers, (json.loads(text) if text.startswith("{") else text)
+
+
+def complete(url: str, prompt: list[int], **extra: Any) -> dict[str, Any]:
+    status, _, body = post(url, {"prompt_token_ids": prompt, "max_tokens": 12, **extra})
+    assert status == 200, body
+    return body["choices"][0]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
+            ) -> Iterator[dict[str, EngineProcess]]:
+    run = tmp_path_factory.mktemp("run")
+    daemon = DaemonProc(["serve", "--model", str(tiny_model), "--runtime-dir", str(run),
+                         "--dtype", "float32"])
+    common = ["--model", str(tiny_model), "--dtype", "float32"]
+    dist = f"tcp://127.0.0.1:{free_port()}"
+    procs = {
+        "disk": EngineProcess([*common, "--allow-disk-fallback", "--name", "disk"]),
+        "tp0": EngineProcess([*common, "--allow-disk-fallback", "--world-size", "2",
+                              "--rank", "0", "--dist-init", dist, "--name", "tp"]),
+        "tp1": EngineProcess([*common, "--allow-disk-fallback", "--world-size", "2",
+                              "--rank", "1", "--dist-init", dist]),
+    }
+    try:
+        daemon.wait_serving()
+        procs["attached"] = EngineProcess([*common, "--daemons", str(run / "daemon-0.sock"),
+                                           "--name", "attached"])
+        for p in procs.values():
+            p.wait_ready()
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()
+        daemon.stop()
+
+
+def test_attached_engine_generates_the_same_tokens_as_disk(
+        engines: dict[str, EngineProcess]) -> None:
+    assert engines["attached"].ready is not None
+    assert engines["attached"].ready["weights"] == "daemon"
+    assert engines["disk"].ready is not None and engines["disk"].ready["weights"] == "disk"
+    for prompt in PROMPTS:
+        got = complete(engines["attached"].url, prompt, ignore_eos=True)
+        want = complete(engines["disk"].url, prompt, ignore_eos=True)
+        assert len(got["token_ids"]) == 12
+        assert got["token_ids"] == want["token_ids"]
+
+
+def test_streamed_tokens_equal_the_whole_completion(engines: dict[str, EngineProcess]) -> None:
+    url = engines["attached"].url
+    status, headers, text = post(url, {"prompt_token_ids": PROMPTS[1], "max_tokens": 12,
+                                       "stream": True, "ignore_eos": True})
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert [t for c in chunks for t in c["token_ids"]] == complete(
+        url, PROMPTS[1], ignore_eos=True)["token_ids"]
+    assert chunks[-1]["finish_reason"] == "length"
+
+
+def test_tp2_gives_the_same_tokens_and_close_logprobs(engines: dict[str, EngineProcess]) -> None:
+    for prompt in PROMPTS:
+        got = complete(engines["tp0"].url, prompt, logprobs=5, ignore_eos=True)
+        want = complete(engines["disk"].url, prompt, logprobs=5, ignore_eos=True)
+        assert got["token_ids"] == want["token_ids"]
+        assert got["logprobs"]["token_logprobs"] == pytest.approx(
+            want["logprobs"]["token_logprobs"], abs=1e-4)
+        for g, w in zip(got["logprobs"]["top_logprobs"], want["logprobs"]["top_logprobs"],
+                        strict=True):
+            assert g.keys() == w.keys()
+            assert list(g.values()) == pytest.approx(list(w.values()), abs=1e-4)
+
+
+def test_responses_say_who_answered(engines: dict[str, EngineProcess]) -> None:
+    status, headers, body = post(engines["tp0"].url, {"prompt_token_ids": [1], "max_tokens": 1})
+    assert status == 200
+    assert headers["X-Holdfast-Engine"] == "tp" and headers["X-Holdfast-Epoch"] == "0"
+    with urllib.request.urlopen(engines["attached"].url + "/health", timeout=10) as resp:
+        health = json.loads(resp.read())
+    assert health["state"] == "serving" and health["name"] == "attached"
+
+
+BAD = [
+    (b"{not json", "malformed JSON"),
+    ({"max_tokens": 4}, "send exactly one of `prompt`"),
+    ({"prompt": "hello"}, "no tokenizer.json; send token ids in `prompt_token_ids`"),
+    ({"prompt_token_ids": [1, 256], "max_tokens": 4}, "outside the vocabulary [0, 256): [256]"),
+    ({"prompt_token_ids": [1] * 510, "max_tokens": 8}, "exceeds the context length 512"),
+    ({"prompt_token_ids": [1], "max_tokens": 5000}, "must be in 1..1024"),
+    ({"prompt_token_ids": [1], "max_tokens": "many"}, "Expected `int`"),
+]
+
+
+@pytest.mark.parametrize(("body", "message"), BAD)
+def test_bad_requests_get_400_and_the_engine_keeps_serving(
+        engines: dict[str, EngineProcess], body: bytes | dict[str, Any], message: str) -> None:
+    url = engines["disk"].url
+    status, _, reply = post(url, body)
+    assert status == 400
+    assert message in reply["error"]["message"]
+    assert complete(url, [1, 2])["token_ids"]
+
+
+def test_metrics_count_requests_and_startup_phases(engines: dict[str, EngineProcess]) -> None:
+    complete(engines["attached"].url, [3, 4])
+    with urllib.request.urlopen(engines["attached"].url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    assert float(samples['holdfast_engine_requests_total{code="200"}']) >= 1
+    assert float(samples["holdfast_engine_generated_tokens_total"]) >= 1
+    assert float(samples["holdfast_engine_startup_ms"]) > 0
+    for phase in ("imports", "context_init", "build", "attach", "warmup"):
+        assert f'holdfast_engine_startup_phase_ms{{phase="{phase}"}}' in samples
+
+
+def test_no_daemon_exits_nonzero_naming_the_socket(tiny_model: Path, tmp_path: Path) -> None:
+    sock = tmp_path / "daemon-0.sock"
+    proc = EngineProcess(["--model", str(tiny_model), "--daemons", str(sock)])
+    assert proc.wait_exit(60) != 0
+    assert f"no daemon answers on {sock}" in proc.log
+    assert "--allow-disk-fallback" in proc.log
