@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU machine, in one call. Writes logs and JSON under $OUT.
-#   bench/gpu_run.sh [env] [tests] [probe] [bench]     (default: all stages)
+#   bench/gpu_run.sh [env] [tests] [probe] [moe] [lifetime] [llama]   (default: all)
 # Wheels for packages the GPU image lacks travel in .whl/ (carry it).
 set -uo pipefail
 OUT=${OUT:-/tmp/holdfast-out}; mkdir -p "$OUT"
@@ -9,7 +9,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site
 fi
-stages=${*:-env tests probe bench}
+stages=${*:-env tests probe moe lifetime llama}
 for stage in $stages; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case $stage in
@@ -20,10 +20,15 @@ for stage in $stages; do
         sync; echo 3 > /proc/sys/vm/drop_caches && echo "drop_caches: ok"
       } 2>&1 | tee "$OUT/env.txt" ;;
     tests)
-      timeout 300 python3 -m pytest -x -q -p no:cacheprovider tests/test_cuda*.py 2>&1 | tee "$OUT/tests.txt" ;;
+      timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_cuda*.py 2>&1 | tee "$OUT/tests.txt" ;;
     probe)
       timeout 300 python3 bench/cuda_vmm_probe.py --out "$OUT/h200_vmm_probe.json" 2>&1 | tail -20 ;;
-    bench)
-      timeout 420 python3 bench/cuda_load_bench.py --out "$OUT/h200_load.json" 2>&1 | tee "$OUT/bench.txt" ;;
+    moe|llama)
+      preset=$stage; [ "$stage" = llama ] && preset=llama-8b
+      timeout 420 python3 bench/cuda_load_bench.py --only $preset --out "$OUT/h200_load_$preset.json" \
+        2>&1 | grep -v '"event": "loading' | tee "$OUT/bench_$preset.txt" ;;
+    lifetime)
+      timeout 120 python3 bench/cuda_lifetime.py --model /tmp/models/moe --out "$OUT/h200_lifetime.json" \
+        2>&1 | tee "$OUT/lifetime.txt" ;;
   esac
 done

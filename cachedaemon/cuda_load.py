@@ -1,0 +1,163 @@
+"""The GPU load path: parallel readers into pinned staging buffers, async copies to the GPU,
+transforms (dtype, TP shard, fp8-block) on the GPU, one batched checksum at the end.
+
+`fill_parallel` has the signature of `cachedaemon.pool._fill`, so `build_pool` can use it
+for cuda-vmm pools. Each worker thread owns a CUDA stream and two pinned buffers: it
+preads piece k+1 while piece k is copied to the device. A tensor that needs no transform
+is copied straight into its place in the pool; one that does lands in a GPU scratch
+tensor first and is transformed there, by the same `loader.transform` the CPU path uses.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from cachedaemon.backends.base import Backend, OwnedChunk
+from cachedaemon.checkpoint import CheckpointReader, TensorInfo
+from cachedaemon.cuda_checksum import ALGO, gpu_checksums
+from cachedaemon.errors import CheckpointError
+from cachedaemon.loader import LoadOptions, SourcePlan, dtype_of, transform
+from cachedaemon.manifest import TensorEntry
+
+WORKERS = 8
+PIECE = 64 << 20  # bytes per pread and per host-to-device copy
+Place = tuple[int, int, int]  # chunk, offset, nbytes
+
+
+class _Stager:
+    """One worker's stream and double pinned buffers."""
+
+    def __init__(self, device: torch.device, piece: int) -> None:
+        self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        self.bufs = [torch.empty(piece, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.views = [b.numpy().data for b in self.bufs]
+        self.done: list[torch.cuda.Event | None] = [None, None]
+
+    def copy_in(self, fd: int, info: TensorInfo, dst: torch.Tensor) -> None:
+        """pread the tensor's bytes piece by piece and queue each piece's copy into `dst`."""
+        piece = len(self.views[0])
+        for k, start in enumerate(range(0, info.nbytes, piece)):
+            n = min(piece, info.nbytes - start)
+            slot = k % 2
+            event = self.done[slot]
+            if event is not None:
+                event.synchronize()  # the copy out of this buffer has finished
+            _pread_exact(fd, self.views[slot][:n], info.start + start, info)
+            with torch.cuda.stream(self.stream):
+                dst[start : start + n].copy_(self.bufs[slot][:n], non_blocking=True)
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(self.stream)
+                self.done[slot] = event
+
+
+def _pread_exact(fd: int, buf: memoryview, offset: int, info: TensorInfo) -> None:
+    done = 0
+    while done < len(buf):
+        got = os.preadv(fd, [buf[done:]], offset + done)
+        if got <= 0:
+            raise CheckpointError(f"{info.path}: short read in tensor {info.name!r}; truncated?")
+        done += got
+
+
+def _needs_transform(sp: SourcePlan) -> bool:
+    return sp.dim is not None or len(sp.outputs) > 1 or sp.outputs[0].dtype != sp.info.dtype
+
+
+class _Job:
+    def __init__(
+        self,
+        opts: LoadOptions,
+        chunks: Sequence[OwnedChunk],
+        fds: dict[str, int],
+        piece: int,
+    ) -> None:
+        self.opts, self.chunks, self.fds, self.piece = opts, chunks, fds, piece
+        self.device = torch.device(opts.device)
+        self._local = threading.local()
+
+    def stager(self) -> _Stager:
+        st: _Stager | None = getattr(self._local, "stager", None)
+        if st is None:
+            st = self._local.stager = _Stager(self.device, self.piece)
+        return st
+
+    def region(self, place: Place) -> torch.Tensor:
+        chunk, offset, nbytes = place
+        return self.chunks[chunk].tensor[offset : offset + nbytes]
+
+    def run(self, sp: SourcePlan, places: list[Place]) -> list[torch.Tensor]:
+        """Load one source tensor into its places; returns the filled regions."""
+        st = self.stager()
+        regions = [self.region(p) for p in places]
+        fd = self.fds[sp.info.path]
+        if not _needs_transform(sp):
+            st.copy_in(fd, sp.info, regions[0])
+        else:
+            with torch.cuda.stream(st.stream):
+                raw = torch.empty(sp.info.nbytes, dtype=torch.uint8, device=self.device)
+            st.copy_in(fd, sp.info, raw)
+            with torch.cuda.stream(st.stream):
+                src = raw.view(dtype_of(sp.info.dtype)).view(sp.info.shape)
+                outs = transform(src, sp, self.opts)
+                for out, region, spec in zip(outs, regions, sp.outputs, strict=True):
+                    region.view(dtype_of(spec.dtype)).view(spec.shape).copy_(out)
+        st.stream.synchronize()
+        return regions
+
+
+def fill_parallel(
+    reader: CheckpointReader,
+    plans: list[SourcePlan],
+    opts: LoadOptions,
+    chunks: Sequence[OwnedChunk],
+    places: list[Place],
+    backend: Backend,
+    on_bytes: Callable[[int], None] | None,
+    *,
+    workers: int = WORKERS,
+    piece: int = PIECE,
+) -> list[TensorEntry]:
+    """Fill the pool's chunks from the checkpoint on `workers` threads; the entries in plan order."""
+    from cachedaemon.pool import contiguous_stride
+
+    per_plan: list[list[Place]] = []
+    it = iter(places)
+    for sp in plans:
+        per_plan.append([next(it) for _ in sp.outputs])
+    fds = {p: os.open(p, os.O_RDONLY | os.O_CLOEXEC) for p in {sp.info.path for sp in plans}}
+    job = _Job(opts, chunks, fds, piece)
+    try:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="holdfast-load") as ex:
+            futures = [ex.submit(job.run, sp, pl) for sp, pl in zip(plans, per_plan, strict=True)]
+            regions: list[torch.Tensor] = []
+            for sp, fut in zip(plans, futures, strict=True):
+                regions += fut.result()
+                reader.bytes_read += sp.info.nbytes
+                if on_bytes:
+                    on_bytes(sp.info.nbytes)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    if backend.checksum_algo == ALGO:
+        sums = gpu_checksums(regions)  # one device sync for the whole pool
+    else:
+        sums = [backend.checksum(r) for r in regions]
+    specs = [o for sp in plans for o in sp.outputs]
+    return [
+        TensorEntry(
+            name=spec.name,
+            chunk=place[0],
+            offset=place[1],
+            dtype=spec.dtype,
+            shape=spec.shape,
+            stride=contiguous_stride(spec.shape),
+            nbytes=place[2],
+            checksum=checksum,
+        )
+        for spec, place, checksum in zip(specs, places, sums, strict=True)
+    ]
