@@ -1,0 +1,109 @@
+"""Shared fixtures: generated checkpoints and real daemon processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def has_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from cachedaemon.checkpoint_gen import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("models") / "tiny", "tiny")
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+class DaemonProc:
+    """A real `cachedaemon serve` process; `started` is set when it logs that it serves."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cachedaemon", "--log-format", "json", *args],
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+        )
+        self.lines: list[str] = []
+        self.started = threading.Event()
+        self.exited = threading.Event()
+        self._changed = threading.Event()  # serving or exited
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            if '"event": "serving"' in line:
+                self.started.set()
+                self._changed.set()
+        self.proc.stderr.close()
+        self.exited.set()
+        self._changed.set()
+
+    def wait_serving(self, timeout: float = 60.0) -> None:
+        self._changed.wait(timeout)
+        if not self.started.is_set():
+            raise AssertionError("daemon did not serve:\n" + "".join(self.lines[-30:]))
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc.wait()
+        self.exited.wait(5)
+
+
+@pytest.fixture
+def start_daemon() -> Iterator[object]:
+    procs: list[DaemonProc] = []
+
+    def start(model: Path, run_dir: Path, *extra: str, wait: bool = True) -> DaemonProc:
+        d = DaemonProc(["serve", "--model", str(model), "--runtime-dir", str(run_dir), *extra])
+        procs.append(d)
+        if wait:
+            d.wait_serving()
+        return d
+
+    yield start
+    for d in procs:
+        d.stop()
