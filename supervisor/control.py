@@ -7,6 +7,7 @@ our own uid can connect; a malformed request gets an error reply and is counted.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -123,8 +124,23 @@ class ControlServer:
         self._sock.close(linger=0)
 
 
+def _check_reachable(endpoint: str) -> None:
+    path = endpoint.removeprefix("ipc://")
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        raise ControlError(f"no supervisor runs on {os.path.dirname(path)} (no control "
+                           "socket); start one with `supervisor run`, or pass the right "
+                           "--policy/--runtime-dir") from None
+    except PermissionError:
+        raise ControlError(f"{os.path.dirname(path)} is not yours (uid {os.getuid()} may not "
+                           "enter it); run this as the user who runs the supervisor") from None
+
+
 def request(endpoint: str, req: _Req, timeout: float = 5.0) -> ControlReply:
     """Send one request to the supervisor at `endpoint` and return its reply."""
+    if endpoint.startswith("ipc://"):
+        _check_reachable(endpoint)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)

@@ -89,4 +89,4 @@ class EventBus:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        self._pub.close(linger=0)
+        self._pub.close(linger=500)  # let the last events (stopping, stopped) out

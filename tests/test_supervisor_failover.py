@@ -1,0 +1,297 @@
+"""One real supervisor with echo engines, a real cache daemon and the real broker: boot,
+kill -9 and SIGSTOP of the primary under router load, daemon death, batch eviction and
+quarantine, operator commands, control hardening, clean stop. Tests run in file order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiomqtt
+import msgspec
+import pytest
+import zmq
+
+from supervisor.protocol import Event
+from tests.engines.harness import (
+    ECHO,
+    Load,
+    Supervisor,
+    complete,
+    env,
+    get,
+    mqtt_broker,
+    pid_alive,
+    topic,
+    write_policy,
+)
+
+HANG_S = 0.05 * 4
+PREFIX = f"hf-test/{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def sup(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Supervisor]:
+    base = tmp_path_factory.mktemp("sup")
+    host, port = mqtt_broker()
+    policy = write_policy(
+        base / "policy.yaml", tiny_model, base / "run",
+        engines={"batch": [
+            {"name": "batch", "count": 1, "priority": 0},
+            {"name": "flaky", "count": 1, "priority": 1, "command": [*ECHO, "--exit-now"]},
+            {"name": "missing", "count": 1, "priority": 2,
+             "command": ["/nonexistent/engine-binary"]}],
+            "load": {"evict_above": 3, "respawn_below": 1, "respawn_hold_s": 0.5}},
+        restart={"initial_s": 0.05, "max_s": 0.2, "max_restarts": 3, "window_s": 60},
+        heartbeat={"interval_ms": 50, "miss_limit": 4},
+        events={"mqtt": {"host": host, "port": port, "prefix": PREFIX}})
+    s = Supervisor(policy)
+    try:
+        yield s
+    finally:
+        s.stop(signal.SIGKILL if s.proc.poll() is None else signal.SIGTERM)
+
+
+def primary(sup: Supervisor) -> dict[str, Any]:
+    code, body = get(f"{sup.api}/primary")
+    assert code == 200, body
+    return body  # type: ignore[no-any-return]
+
+
+def wait_standby(sup: Supervisor, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    mark = 0
+    while get(f"{sup.api}/standby")[0] != 200:
+        sup.wait(topic_suffix(".ready"), max(0.1, deadline - time.monotonic()), after=mark)
+        mark = sup.tap.mark()
+
+
+def topic_suffix(suffix: str) -> Any:
+    return lambda ev: ev.topic.endswith(suffix)
+
+
+def test_boot_promotes_one_primary_and_serves(sup: Supervisor) -> None:
+    sup.wait(topic("daemon.0.serving"), timeout=120)
+    promoted = sup.wait(lambda e: e.event == "promoted", timeout=60)
+    assert promoted.epoch == 1
+    sup.wait(topic("engine.batch-1.ready"), timeout=60)
+    wait_standby(sup)
+    p = primary(sup)
+    assert p["name"] == promoted.name and p["state"] == "primary"
+    code, body = complete(sup.router, "boot")
+    assert code == 200 and body["engine"] == p["name"] and body["text"] == "echo:boot"
+    st = sup.status()
+    assert set(st) >= {"epoch", "primary", "engines", "daemons"}
+    assert set(st["engines"][0]) >= {"name", "role", "state", "pid", "port", "restarts",
+                                     "heartbeat_age_ms"}
+    assert set(st["daemons"][0]) >= {"rank", "state", "pid", "fingerprint", "pool_bytes",
+                                     "adoptions"}
+    assert st["daemons"][0]["state"] == "serving" and st["daemons"][0]["pool_bytes"] > 0
+    assert os.stat(sup.run).st_mode & 0o777 == 0o700
+
+
+def test_birth_and_unit_state_on_the_broker(sup: Supervisor) -> None:
+    host, port = mqtt_broker()
+    wanted = {f"{PREFIX}/status": b"online", f"{PREFIX}/engine/e1/state": None}
+
+    async def retained() -> dict[str, bytes]:
+        seen: dict[str, bytes] = {}
+        async with aiomqtt.Client(host, port) as client:
+            await client.subscribe(f"{PREFIX}/#", qos=1)
+            async with asyncio.timeout(10):
+                async for msg in client.messages:
+                    seen[str(msg.topic)] = bytes(msg.payload)  # type: ignore[arg-type]
+                    if set(wanted) <= set(seen):
+                        return seen
+        return seen
+
+    seen = asyncio.run(retained())
+    assert seen[f"{PREFIX}/status"] == b"online"
+    state = msgspec.json.decode(seen[f"{PREFIX}/engine/e1/state"])
+    assert state["name"] == "e1" and state["kind"] == "engine"
+
+
+def test_kill_primary_under_load_loses_no_request(sup: Supervisor) -> None:
+    wait_standby(sup)
+    old = primary(sup)
+    load = Load(sup.router, clients=3)
+    try:
+        load.wait_ok(20)
+        mark = sup.tap.mark()
+        t_kill = time.time()
+        os.kill(old["pid"], signal.SIGKILL)
+        promoted = sup.wait(lambda e: e.event == "promoted", timeout=5, after=mark)
+        assert promoted.name != old["name"]
+        assert promoted.ts - t_kill < 1.0, "standby was not promoted within 1 s"
+        assert promoted.data["previous"] == old["name"]
+        sup.wait(topic(f"engine.{old['name']}.ready"), timeout=30, after=mark)
+        load.wait_ok(20)
+    finally:
+        load.stop()
+    assert load.failures == []
+    assert {old["name"], promoted.name} <= load.engines
+    assert not pid_alive(old["pid"])
+
+
+def test_sigstop_primary_is_fenced_and_replaced(sup: Supervisor) -> None:
+    wait_standby(sup)
+    old = primary(sup)
+    load = Load(sup.router, clients=2)
+    try:
+        mark = sup.tap.mark()
+        t_stop = time.time()
+        os.kill(old["pid"], signal.SIGSTOP)
+        died = sup.wait(topic(f"engine.{old['name']}.died"), timeout=5, after=mark)
+        promoted = sup.wait(lambda e: e.event == "promoted", timeout=5, after=mark)
+        assert died.data["cause"] == "hang"
+        assert promoted.ts - t_stop < HANG_S + 1.0
+        assert not pid_alive(old["pid"]), "the hung primary was not fenced"
+        sup.wait(topic(f"engine.{old['name']}.ready"), timeout=30, after=mark)
+    finally:
+        load.stop()
+    assert load.failures == []
+
+
+def test_daemon_kill_engines_keep_serving_and_it_adopts_from_escrow(sup: Supervisor) -> None:
+    from cachedaemon import protocol
+
+    daemon = sup.status()["daemons"][0]
+    load = Load(sup.router, clients=2)
+    try:
+        mark = sup.tap.mark()
+        os.kill(daemon["pid"], signal.SIGKILL)
+        back = sup.wait(topic("daemon.0.serving"), timeout=90, after=mark)
+    finally:
+        load.stop()
+    assert load.failures == [] and load.ok > 0
+    assert back.data["adopted"] is True
+    assert back.data["fingerprint"] == daemon["fingerprint"]
+    reply, _ = protocol.call(str(sup.run / "daemon-0.sock"), protocol.StatusRequest())
+    assert isinstance(reply, protocol.StatusReply) and reply.adopted
+    assert sup.status()["daemons"][0]["adoptions"] == daemon["adoptions"] + 1
+
+
+def test_load_evicts_batch_and_low_load_respawns_it(sup: Supervisor) -> None:
+    sup.wait(topic("engine.batch-1.ready"), timeout=30)
+    mark = sup.tap.mark()
+    held = [threading.Thread(target=complete, args=(sup.router,),
+                             kwargs={"sleep_s": 2.0, "timeout": 30}) for _ in range(6)]
+    for t in held:
+        t.start()
+    evicted = sup.wait(topic("engine.batch-1.evicted"), timeout=10, after=mark)
+    assert evicted.data["reason"].startswith("load")
+    for t in held:
+        t.join()
+    back = sup.wait(topic("engine.batch-1.ready"), timeout=30, after=mark)
+    assert back.ts - evicted.ts >= 0.5  # respawn_hold_s
+
+
+def test_crash_loop_and_missing_command_are_quarantined(sup: Supervisor) -> None:
+    flaky = sup.wait(topic("engine.flaky-1.quarantined"), timeout=60)
+    assert "refusing to start (--exit-now)" in flaky.data["tail"]
+    assert flaky.data["restarts"] == 4  # max_restarts 3, the 4th one quarantines
+    missing = sup.wait(topic("engine.missing-1.quarantined"), timeout=10)
+    assert "/nonexistent/engine-binary" in missing.data["detail"]
+    states = {e["name"]: e["state"] for e in sup.status()["engines"]}
+    assert states["flaky-1"] == states["missing-1"] == "quarantined"
+
+
+def test_operator_promote_evict_restart(sup: Supervisor) -> None:
+    wait_standby(sup)
+    old = primary(sup)
+    standby = next(e for e in sup.status()["engines"] if e["state"] == "standby")
+    mark = sup.tap.mark()
+    assert "is primary" in sup.cli("promote", standby["name"]).stdout
+    promoted = sup.wait(lambda e: e.event == "promoted", timeout=5, after=mark)
+    assert promoted.name == standby["name"] and promoted.data["cause"] == "operator"
+    assert primary(sup)["name"] == standby["name"] and not pid_alive(old["pid"])
+    refused = sup.cli("promote", "batch-1", check=False)
+    assert refused.returncode == 1 and "only a ready standby" in refused.stderr
+
+    sup.wait(topic("engine.batch-1.ready"), timeout=30)
+    mark = sup.tap.mark()
+    sup.cli("evict", "batch-1")
+    evicted = sup.wait(topic("engine.batch-1.evicted"), timeout=10, after=mark)
+    assert evicted.data["reason"] == "operator"
+    time.sleep(1.0)  # longer than respawn_hold_s: an operator eviction must hold
+    assert {e["name"]: e["state"] for e in sup.status()["engines"]}["batch-1"] == "evicted"
+    sup.cli("restart", "batch-1")
+    sup.wait(topic("engine.batch-1.ready"), timeout=30, after=mark)
+    unknown = sup.cli("restart", "nope", check=False)
+    assert unknown.returncode == 1 and "no engine named 'nope'" in unknown.stderr
+
+
+def test_malformed_and_foreign_control_messages(sup: Supervisor) -> None:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(f"ipc://{sup.run}/control")
+    sock.send(b"\xc1 not msgpack")
+    reply = msgspec.msgpack.decode(sock.recv())
+    sock.close(linger=0)
+    assert reply["ok"] is False and "malformed" in reply["message"]
+    assert sup.status()["primary"] is not None  # still answering
+
+    if os.getuid() != 0:
+        pytest.skip("needs root to act as another uid")
+    assert "is not yours" in as_uid(65534, sup.run)
+    assert sup.proc.poll() is None and sup.status()["primary"] is not None
+
+
+def as_uid(uid: int, run: Path) -> str:
+    """What `supervisor stop` tells another uid: the message of its ControlError."""
+    from supervisor.control import StopReq, request
+    from supervisor.errors import ControlError
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child only stats a path and reports; it never returns to pytest
+        os.close(r)
+        message = b"request went through"
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            request(f"ipc://{run}/control", StopReq(), timeout=2.0)
+        except ControlError as e:
+            message = str(e).encode()
+        finally:
+            os.write(w, message)
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        text = f.read().decode()
+    os.waitpid(pid, 0)
+    return text
+
+
+def test_second_supervisor_on_the_same_dir_is_refused(sup: Supervisor) -> None:
+    cp = subprocess.run([sys.executable, "-m", "supervisor", "run", str(sup.policy_path)],
+                        env=env(), capture_output=True, text=True, timeout=60)
+    assert cp.returncode == 1
+    assert f"another supervisor (pid {sup.proc.pid}) runs on {sup.run}" in cp.stderr
+    assert sup.status()["primary"] is not None
+
+
+def test_sigterm_stops_everything_cleanly(sup: Supervisor) -> None:
+    st = sup.status()
+    pids = [e["pid"] for e in st["engines"] if e["pid"]] + [d["pid"] for d in st["daemons"]]
+    assert len(pids) >= 4
+    mark = sup.tap.mark()
+    tap = sup.tap
+    assert sup.stop(signal.SIGTERM) == 0, sup.output()
+    assert any(isinstance(e, Event) and e.topic == "supervisor.main.stopped"
+               for e in tap.events[mark:])
+    assert [p for p in pids if pid_alive(p)] == []
+    left = sorted(p.name for p in sup.run.iterdir() if p.is_socket())
+    assert left == [], f"stale sockets: {left}"

@@ -1,0 +1,104 @@
+"""The policy schema: every error with its path, unknown keys refused, shipped policies valid."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from supervisor.errors import PolicyError
+from supervisor.policy import Policy, load_policy, parse_policy
+from tests.engines.harness import REPO, env
+
+
+def errors_of(text: str, tmp_path: Path) -> list[str]:
+    with pytest.raises(PolicyError) as info:
+        parse_policy(text, tmp_path / "policy.yaml")
+    return info.value.errors
+
+
+def test_every_error_is_reported_with_its_path(tmp_path: Path) -> None:
+    errors = errors_of(
+        "engines: {standby: two, bogus: 1, batch: [{count: x}]}\n"
+        "model: {dtype: int3}\nheartbeat: {interval_ms: 1.5}\nrouter: {listen: 80}\n",
+        tmp_path)
+    assert "$.engines.standby: expected int, got str" in errors
+    assert any(e.startswith("$.engines.bogus: unknown key") for e in errors)
+    assert "$.engines.batch[0].count: expected int, got str" in errors
+    assert any(e.startswith("$.model.dtype: got 'int3', expected one of") for e in errors)
+    assert "$.heartbeat.interval_ms: expected int, got float" in errors
+    assert "$.router.listen: expected str, got int" in errors
+    assert len(errors) == 6
+
+
+def test_cross_field_rules_name_the_key(tmp_path: Path) -> None:
+    errors = errors_of(
+        "model: {path: /nonexistent/model}\nengines: {primary: 2, command: ['{pyhton}']}\n"
+        "devices: {ids: [cpu, cpu]}\nrouter: {listen: 'localhost'}\n", tmp_path)
+    text = "\n".join(errors)
+    assert "$.model.path: /nonexistent/model holds no config.json" in text
+    assert "$.engines.primary: got 2, must be 1" in text
+    assert "$.engines.command[0]: unknown placeholder {pyhton}" in text
+    assert "$.devices.ids: 2 devices for tp_size 1" in text
+    assert "$.router.listen: 'localhost' is not HOST:PORT" in text
+
+
+def test_top_level_garbage(tmp_path: Path) -> None:
+    assert errors_of("- a\n- b\n", tmp_path) == [
+        "$: expected a mapping at the top, got list"]
+    assert errors_of("model: [unclosed\n", tmp_path)[0].startswith("$: not valid YAML")
+
+
+def test_defaults_live_in_the_schema(tmp_path: Path) -> None:
+    p = parse_policy("model: {preset: tiny}\n", tmp_path / "p.yaml")
+    assert p.heartbeat.interval_ms == 50 and p.heartbeat.miss_limit == 4
+    assert p.engines.primary == 1 and p.engines.standby == 1
+    assert p.events.mqtt is None
+    assert p.cache.runtime_dir == "/tmp/holdfast-demo"
+
+
+def test_relative_model_path_is_resolved_against_the_policy(tmp_path: Path) -> None:
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    p = parse_policy("model: {path: m}\n", tmp_path / "p.yaml")
+    assert p.model.path == str(tmp_path / "m")
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "h200.yaml", "tp2.yaml"])
+def test_shipped_policies_are_valid(name: str) -> None:
+    path = REPO / "policies" / name
+    if name != "demo.yaml":
+        # Real deployments name real checkpoints; check everything except that path.
+        text = path.read_text()
+        policy = parse_policy(text.replace("path:", "preset: tiny\n  # path:"), path)
+    else:
+        policy = load_policy(None)
+    assert isinstance(policy, Policy)
+    assert len(policy.devices.ids) == policy.model.tp_size
+
+
+def test_validate_cli_prints_every_error_and_exits_2(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engines: {standby: x}\nextra: 1\n")
+    cp = subprocess.run([sys.executable, "-m", "supervisor", "validate", str(bad)], env=env(),
+                        capture_output=True, text=True, timeout=30)
+    assert cp.returncode == 2
+    assert "$.engines.standby: expected int, got str" in cp.stderr
+    assert "$.extra: unknown key" in cp.stderr
+    ok = subprocess.run([sys.executable, "-m", "supervisor", "validate"], env=env(),
+                        capture_output=True, text=True, timeout=30)
+    assert ok.returncode == 0, ok.stderr
+    assert "demo.yaml: ok" in ok.stdout
+
+
+def test_help_has_examples_and_no_torch() -> None:
+    cp = subprocess.run([sys.executable, "-m", "supervisor", "--help"], env=env(),
+                        capture_output=True, text=True, timeout=30)
+    assert cp.returncode == 0 and "supervisor run policies/h200.yaml" in cp.stdout
+    code = ("import supervisor.cli, supervisor.agent, supervisor.service; import sys; "
+            "assert 'torch' not in sys.modules, 'supervisor imported torch'")
+    subprocess.run([sys.executable, "-c", code], env=env(), check=True, timeout=30)
+    assert os.path.exists(REPO / "supervisor" / "__main__.py")
