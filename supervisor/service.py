@@ -105,6 +105,9 @@ class Service:
         control = ControlServer(rd.endpoint("control"), lambda r: self._control(c, r))
         self._own(control.serve(), "control")
         self._control_server = control
+        router = Router(self.policy.router, self.view)
+        await self._serve_http(router.app(), self.policy.router.listen)
+        await self._serve_http(HealthApi(c.snapshot).app(), self.policy.api.listen)
         c.daemons = DaemonPool(self.policy, rd.path, model_dir, c.bus, c.wake.set,
                                lambda: c.epoch)
         t0 = time.monotonic()
@@ -113,9 +116,6 @@ class Service:
                    ms=round((time.monotonic() - t0) * 1000, 1))
         c.launcher = EngineLauncher(self.policy, rd.path, model_dir, c.daemons.sockets(),
                                     on_exit=c.on_exit, on_beat=c.on_http_beat)
-        router = Router(self.policy.router, self.view)
-        await self._serve_http(router.app(), self.policy.router.listen)
-        await self._serve_http(HealthApi(c.snapshot).app(), self.policy.api.listen)
         c.bus.emit("supervisor", "main", "started", c.epoch, router=self.policy.router.listen,
                    api=self.policy.api.listen)
 

@@ -1,0 +1,61 @@
+"""Bad input is refused before anything starts, with a message naming what to change, and
+nothing already in the runtime dir is touched."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.engines.harness import env, write_policy
+
+
+def run(policy: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "supervisor", "run", str(policy)], env=env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_missing_model_path_is_a_policy_error(tmp_path: Path) -> None:
+    policy = write_policy(tmp_path / "p.yaml", tmp_path / "no-such-model", tmp_path / "run")
+    cp = run(policy)
+    assert cp.returncode == 2
+    assert f"$.model.path: {tmp_path / 'no-such-model'} holds no config.json" in cp.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to make a dir another uid owns")
+def test_runtime_dir_of_another_user_is_refused(tmp_path: Path, tiny_model: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "keep.txt").write_text("theirs")
+    os.chown(run_dir, 65534, 65534)
+    cp = run(write_policy(tmp_path / "p.yaml", tiny_model, run_dir))
+    assert cp.returncode == 1
+    assert f"runtime dir {run_dir} is owned by uid 65534" in cp.stderr
+    assert "set cache.runtime_dir" in cp.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == ["keep.txt"]
+
+
+def test_router_port_in_use_fails_before_loading(tmp_path: Path, tiny_model: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        policy = write_policy(tmp_path / "p.yaml", tiny_model, tmp_path / "run",
+                              router={"listen": f"127.0.0.1:{port}"})
+        cp = run(policy)
+    assert cp.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in cp.stderr and "router.listen" in cp.stderr
+    assert not (tmp_path / "run" / "daemon-0.ready").exists()
+    assert [p.name for p in (tmp_path / "run").iterdir() if p.is_socket()] == []
+
+
+def test_status_without_a_supervisor_says_so(tmp_path: Path) -> None:
+    cp = subprocess.run([sys.executable, "-m", "supervisor", "status", "--runtime-dir",
+                         str(tmp_path)], env=env(), capture_output=True, text=True, timeout=30)
+    assert cp.returncode == 1
+    assert f"no supervisor runs on {tmp_path}" in cp.stderr
