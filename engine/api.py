@@ -27,7 +27,7 @@ class CompletionRequest(msgspec.Struct, frozen=True):
 
 
 class EmbeddingRequest(msgspec.Struct, frozen=True):
-    input: str | list[int] | list[str] | list[list[int]]
+    input: str | list[str | int | list[int]]
 
 
 class Limits(msgspec.Struct, frozen=True):
@@ -90,8 +90,15 @@ def completion_prompt(req: CompletionRequest, tok: Tokenizer | None, limits: Lim
 def embedding_inputs(req: EmbeddingRequest, tok: Tokenizer | None,
                      limits: Limits) -> list[list[int]]:
     raw = req.input
-    single = isinstance(raw, str) or bool(raw and isinstance(raw[0], int))
-    items: list[str | list[int]] = [raw] if single else list(raw)  # type: ignore[list-item,arg-type]
+    items: list[str | list[int]]
+    if isinstance(raw, str):
+        items = [raw]
+    elif all(isinstance(x, int) for x in raw):
+        items = [[x for x in raw if isinstance(x, int)]]
+    elif any(isinstance(x, int) for x in raw):
+        raise BadRequest("`input` mixes token ids with texts or lists; send one kind")
+    else:
+        items = [x for x in raw if not isinstance(x, int)]
     if not items:
         raise BadRequest("`input` is empty; send text, token ids, or a list of either")
     out = [tokens(item, tok, "input") for item in items]

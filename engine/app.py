@@ -80,9 +80,12 @@ def build_llama(cfg: EngineConfig, device: torch.device,
 
 def build_hf(cfg: EngineConfig, device: torch.device,
              clock: Clock, phases: Phases) -> tuple[Model, api.Limits, str]:
+    import transformers  # noqa: F401  (timed as an import, not as building the model)
+
     from engine.hf import HFModel
     from engine.weights import load_weights
 
+    phases.imports += clock.lap()
     model = HFModel(cfg.model, getattr(torch, cfg.dtype), device)
     phases.build = clock.lap()
     report = load_weights(model.module, cfg)

@@ -26,10 +26,9 @@ def params_on_meta() -> Iterator[None]:
     original = nn.Module.register_parameter
 
     def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:  # a tied (shared) one is already meta
+            param = nn.Parameter(param.to("meta"), requires_grad=False)
         original(module, name, param)
-        if param is not None:
-            meta = nn.Parameter(param.to("meta"), requires_grad=False)
-            module._parameters[name] = meta
 
     nn.Module.register_parameter = register  # type: ignore[method-assign]
     try:
@@ -68,16 +67,21 @@ class HFModel:
         finally:
             torch.set_default_dtype(previous)
         self.module.eval()
+        self.tie()  # tied weights share one meta tensor, so one checkpoint entry fills both
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.vocab_size = int(text.vocab_size)
         self.max_len = int(getattr(text, "max_position_embeddings", 2048) or 2048)
         eos = getattr(config, "eos_token_id", None)
         self.eos = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
-    def finish(self) -> None:
-        """After weights are in: re-tie shared weights the checkpoint stores once."""
+    def tie(self) -> None:
+        """Share the weights the config ties (input embeddings and LM head)."""
         if hasattr(self.module, "tie_weights"):
             self.module.tie_weights()
+
+    def finish(self) -> None:
+        """After weights are in: tie again, in case attach replaced one side of a tie."""
+        self.tie()
 
     def warmup(self) -> None:
         if self.kind == "generate":

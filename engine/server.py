@@ -132,6 +132,9 @@ class EngineServer:
             response = _error(503, str(e), "unavailable")
         except web.HTTPException as e:
             response = _error(e.status, e.reason, "invalid_request_error")
+        except Exception as e:  # a bug, not the client's fault: say so, keep serving
+            log.exception("request failed", path=request.path)
+            response = _error(500, f"internal error: {type(e).__name__}: {e}", "internal_error")
         self.metrics.count(response.status)
         return response
 
