@@ -96,19 +96,58 @@ def layouts(backend: CudaVmmBackend, total: int) -> list[dict[str, object]]:
     return rows
 
 
-def checksum_rate(backend: CudaVmmBackend, nbytes: int) -> dict[str, float]:
+def checksum_rate(backend: CudaVmmBackend, nbytes: int, tensors: int) -> dict[str, float]:
+    """One chunk cut into `tensors` equal 256-aligned regions, checksummed in one batch."""
+    from cachedaemon.cuda_checksum import gpu_checksums
+
     chunk = backend.create(nbytes)
     chunk.tensor.view(torch.int32).random_()
-    gpu_checksum(chunk.tensor[: 64 << 20])
-    torch.cuda.synchronize()
+    per = chunk.size // tensors // 256 * 256
+    regions = [chunk.tensor[i * per : (i + 1) * per - 3] for i in range(tensors)]
+    gpu_checksums(regions[:4])
     times = []
     for _ in range(3):
+        torch.cuda.synchronize()
         t0 = time.perf_counter()
-        gpu_checksum(chunk.tensor)
+        gpu_checksums(regions)
         times.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for r in regions[:100]:
+        gpu_checksum(r)
+    one_by_one_ms = (time.perf_counter() - t0) * 1e3 / 100
+    del regions
     chunk.close()
     best = min(times)
-    return {"bytes": nbytes, "seconds": best, "gb_per_s": nbytes / best / 1e9}
+    return {
+        "bytes": nbytes,
+        "tensors": tensors,
+        "batched_ms": round(best * 1e3, 3),
+        "gb_per_s": round(nbytes / best / 1e9, 1),
+        "one_tensor_call_ms": round(one_by_one_ms, 3),
+    }
+
+
+def fp8_parity() -> dict[str, object]:
+    """fp8-block scales on GPU vs CPU: as quant.py computes them, and with a tensor divisor."""
+    from cachedaemon import quant
+
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(4096, 4096, generator=gen) * 0.02).to(torch.bfloat16)
+    cq, cs = quant.fp8_block_quantize(w)
+    gq, gs = quant.fp8_block_quantize(w.cuda())
+    blocks = w.float().view(32, 128, 32, 128).abs().amax(dim=(1, 3))
+    out: dict[str, object] = {
+        "quant_py_q_equal": bool(torch.equal(cq.view(torch.uint8), gq.cpu().view(torch.uint8))),
+        "quant_py_scale_equal": bool(torch.equal(cs, gs.cpu())),
+        "scalar_divisor_equal": bool(torch.equal(blocks / 448.0, (blocks.cuda() / 448.0).cpu())),
+        "tensor_divisor_equal": bool(
+            torch.equal(
+                blocks / torch.full_like(blocks, 448.0),
+                (blocks.cuda() / torch.full_like(blocks.cuda(), 448.0)).cpu(),
+            )
+        ),
+    }
+    return out
 
 
 def main() -> None:
@@ -117,6 +156,7 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--total-gib", type=int, default=16)
+    parser.add_argument("--layouts", action="store_true", help="also time attach by chunk layout")
     args = parser.parse_args()
     backend = CudaVmmBackend("cuda:0")
     result = {
@@ -126,11 +166,15 @@ def main() -> None:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "granularity": backend.granularity,
-        "checksum": checksum_rate(backend, args.total_gib * GiB),
-        "layouts": layouts(backend, args.total_gib * GiB),
+        "fp8_parity": fp8_parity(),
+        "checksum": [
+            checksum_rate(backend, args.total_gib * GiB, 324),
+            checksum_rate(backend, 2 * GiB, 3000),
+        ],
+        "layouts": layouts(backend, args.total_gib * GiB) if args.layouts else "not run",
     }
     args.out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result["checksum"]))
+    print(json.dumps({k: result[k] for k in ("fp8_parity", "checksum")}, indent=1))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ for stage in $stages; do
     tests)
       timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_cuda*.py 2>&1 | tee "$OUT/tests.txt" ;;
     probe)
-      timeout 300 python3 bench/cuda_vmm_probe.py --out "$OUT/h200_vmm_probe.json" 2>&1 | tail -20 ;;
+      timeout 300 python3 bench/cuda_vmm_probe.py --out "$OUT/h200_checksum_fp8_probe.json" 2>&1 | tail -20 ;;
     moe|llama)
       preset=$stage; [ "$stage" = llama ] && preset=llama-8b
       timeout 420 python3 bench/cuda_load_bench.py --only $preset --out "$OUT/h200_load_$preset.json" \

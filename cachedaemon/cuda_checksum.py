@@ -1,27 +1,34 @@
-"""A checksum of a tensor's bytes computed where the bytes live, in one pass on the GPU.
+"""Checksums of tensors' bytes computed where the bytes live: a few kernels per pool chunk,
+however many tensors it holds, and one device-to-host copy for all of them.
 
-Algorithm `int8mm-v1`: the bytes, read as int8 rows of 4096, are multiplied by a fixed
-4096x16 int8 matrix (an exact int8 GEMM with int32 accumulation: at most
-4096*128*128 < 2**31); each row's 16 values are weighted by a per-row factor and summed
-in int64 (exact modulo 2**64, so the result does not depend on reduction order); the
-last partial row is summed with per-byte weights. The host folds the byte count and those
-integers with BLAKE2b. A GEMM with 16 output columns reads each byte once on the matrix
-units, so the pass runs near memory bandwidth.
+Algorithm `int8mm-v2`, for one tensor of n bytes:
+- its full 256-byte rows, read as int8, are multiplied by a fixed 256x8 int8 matrix: an
+  exact int8 GEMM with int32 accumulation (|value| <= 256*128*128 < 2**31), giving P[j];
+- S1 = sum_j P[j] and S2 = sum_j (j + 1) * P[j], per column, in int64 (exact modulo
+  2**64, so the reduction order does not matter);
+- the n % 256 trailing bytes b[k] give T1 = sum (k + 1) * b[k], T2 = sum (k + 1)**2 * b[k];
+- the host folds n, S1, S2, T1, T2 with BLAKE2b.
+Tensors of one pool chunk start at 256-byte aligned offsets, so the chunk is projected in
+one GEMM and every tensor's S1/S2 come from prefix sums at its first and last row:
+S2 = (A[e] - A[s]) - s * (B[e] - B[s]) with A, B the prefix sums of (i + 1) * P[i] and P[i].
 
 Changing anything here changes every checksum: bump the version in ALGO.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import struct
+from collections.abc import Sequence
 
 import torch
 
-ALGO = "int8mm-v1"
-ROW = 4096  # bytes per GEMM row
-COLS = 16  # output columns of the projection
-_MIN_ROWS = 17  # torch._int_mm needs more than 16 rows
+ALGO = "int8mm-v2"
+ROW = 256  # bytes per GEMM row; pool tensors start at multiples of it
+COLS = 8
+SLICE_ROWS = 1 << 22  # rows projected per GEMM: 1 GiB of input, bounded scratch
+_MIN_GEMM_ROWS = 17  # torch._int_mm needs more than 16 rows
 _projections: dict[torch.device, torch.Tensor] = {}
 
 
@@ -37,33 +44,69 @@ def _projection(device: torch.device) -> torch.Tensor:
     return proj
 
 
-def _weights(count: int, device: torch.device, mult: int) -> torch.Tensor:
-    """Position weights in [1, 2**31): distinct per position, exact in int64 products."""
-    i = torch.arange(count, dtype=torch.int64, device=device)
-    return (i * mult + 12345) % 2147483629 + 1
+def _project(rows: torch.Tensor) -> torch.Tensor:
+    """(r, ROW) int8 -> (r, COLS) int64, exactly."""
+    proj = _projection(rows.device)
+    if rows.shape[0] >= _MIN_GEMM_ROWS:
+        if rows.data_ptr() % 16:
+            rows = rows.clone()  # the int8 GEMM wants 16-byte aligned rows
+        return torch._int_mm(rows, proj).to(torch.int64)
+    return (rows.to(torch.int64).unsqueeze(2) * proj.to(torch.int64).unsqueeze(0)).sum(1)
 
 
-def _terms(data: torch.Tensor) -> torch.Tensor:
-    """COLS + 2 int64 values on data's device; no host sync."""
-    flat = data.reshape(-1)
-    if flat.dtype != torch.uint8:
-        raise TypeError(f"checksum takes a flat uint8 tensor, got {flat.dtype}")
-    rows = flat.numel() // ROW
-    if rows < _MIN_ROWS:
-        rows = 0
-    out = torch.zeros(COLS + 2, dtype=torch.int64, device=flat.device)
-    if rows:
-        a = flat[: rows * ROW].view(torch.int8).view(rows, ROW)
-        if a.data_ptr() % 16:
-            a = a.clone()  # the int8 GEMM wants 16-byte aligned rows
-        proj = torch._int_mm(a, _projection(flat.device))
-        w = _weights(rows, flat.device, 2654435761)
-        out[:COLS] = (proj.to(torch.int64) * w[:, None]).sum(dim=0)
-    tail = flat[rows * ROW :].to(torch.int64)
-    if tail.numel():
-        out[COLS] = (tail * _weights(tail.numel(), flat.device, 40503)).sum()
-        out[COLS + 1] = (tail * _weights(tail.numel(), flat.device, 97)).sum()
+def _prefix_at(span: torch.Tensor, points: list[int]) -> torch.Tensor:
+    """B[k] and A[k] (prefix sums over rows < k) at each sorted row index k: (len, 2*COLS)."""
+    dev = span.device
+    out = torch.zeros(len(points), 2 * COLS, dtype=torch.int64, device=dev)
+    carry = torch.zeros(2 * COLS, dtype=torch.int64, device=dev)
+    total = points[-1] if points else 0
+    for lo in range(0, total, SLICE_ROWS):
+        hi = min(lo + SLICE_ROWS, total)
+        p = _project(span[lo * ROW : hi * ROW].view(torch.int8).view(hi - lo, ROW))
+        idx = torch.arange(lo + 1, hi + 1, dtype=torch.int64, device=dev)
+        acc = torch.cat([p, p * idx[:, None]], dim=1).cumsum(0) + carry
+        first, last = bisect.bisect_right(points, lo), bisect.bisect_right(points, hi)
+        if last > first:
+            at = torch.tensor(points[first:last], dtype=torch.int64) - lo - 1
+            out[first:last] = acc[at.to(dev)]
+        carry = acc[-1]
     return out
+
+
+def _span_terms(span: torch.Tensor, starts: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    """(len(starts), 2*COLS + 2) int64 terms of the byte ranges [start, start+size) of span;
+    every start is a multiple of ROW."""
+    dev = span.device
+    first = [s // ROW for s in starts]
+    last = [s // ROW + n // ROW for s, n in zip(starts, sizes, strict=True)]
+    points = sorted(set(first) | set(last))
+    pref = _prefix_at(span, points)
+    where = {k: i for i, k in enumerate(points)}
+    s_idx = torch.tensor([where[k] for k in first], device=dev)
+    e_idx = torch.tensor([where[k] for k in last], device=dev)
+    diff = pref[e_idx] - pref[s_idx]
+    b, a = diff[:, :COLS], diff[:, COLS:]
+    s_rows = torch.tensor(first, dtype=torch.int64, device=dev)[:, None]
+    return torch.cat([b, a - s_rows * b, _tail_terms(span, starts, sizes)], dim=1)
+
+
+def _tail_terms(span: torch.Tensor, starts: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    """T1, T2 of each range's trailing n % ROW bytes: (len(starts), 2) int64."""
+    dev = span.device
+    out = torch.zeros(len(starts), 2, dtype=torch.int64, device=dev)
+    size = torch.tensor(sizes, dtype=torch.int64)
+    tails = size % ROW
+    total = int(tails.sum())
+    if not total:
+        return out
+    seg = torch.repeat_interleave(torch.arange(len(starts)), tails)
+    first = torch.cumsum(tails, 0) - tails  # where each range's tail begins in the gather
+    k = torch.arange(total) - first[seg] + 1  # 1-based position inside the tail
+    pos = (torch.tensor(starts, dtype=torch.int64) + size - tails)[seg] + k - 1
+    byte = span[pos.to(dev)].to(torch.int64)
+    kk = k.to(dev)
+    terms = torch.stack([byte * kk, byte * kk * kk], dim=1)
+    return out.index_add_(0, seg.to(dev), terms)
 
 
 def _fold(nbytes: int, values: list[int]) -> str:
@@ -71,13 +114,44 @@ def _fold(nbytes: int, values: list[int]) -> str:
     return hashlib.blake2b(packed, digest_size=16).hexdigest()
 
 
-def gpu_checksums(tensors: list[torch.Tensor]) -> list[str]:
-    """Checksums of many flat uint8 tensors with a single device-to-host sync."""
+def _groups(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, list[int], list[int]]]:
+    """(span, starts, members) per storage whose members all start ROW-aligned from its
+    lowest offset; any other tensor is a span of its own."""
+    by_storage: dict[tuple[str, int], list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_storage.setdefault((str(t.device), t.untyped_storage().data_ptr()), []).append(i)
+    out = []
+    for (_, base_ptr), members in by_storage.items():
+        offs = [tensors[i].data_ptr() - base_ptr for i in members]
+        low = min(offs)
+        if len(members) > 1 and all((o - low) % ROW == 0 for o in offs):
+            end = max(o + tensors[i].numel() for o, i in zip(offs, members, strict=True))
+            span = tensors[members[0]].as_strided((end - low,), (1,), low)
+            out.append((span, [o - low for o in offs], members))
+        else:
+            out += [(tensors[i], [0], [i]) for i in members]
+    return out
+
+
+def gpu_checksums(tensors: Sequence[torch.Tensor]) -> list[str]:
+    """Checksums of flat uint8 tensors (pool regions), with one device-to-host copy."""
+    for t in tensors:
+        if t.dtype != torch.uint8 or t.dim() != 1 or t.stride(0) != 1:
+            raise TypeError(
+                f"checksum takes flat contiguous uint8 tensors, got {t.dtype} {t.shape}"
+            )
     if not tensors:
         return []
-    terms = torch.stack([_terms(t) for t in tensors]).cpu().tolist()
-    return [_fold(t.numel(), v) for t, v in zip(tensors, terms, strict=True)]
+    rows: list[list[int]] = [[] for _ in tensors]
+    parts, order = [], []
+    for span, starts, members in _groups(tensors):
+        parts.append(_span_terms(span, starts, [tensors[i].numel() for i in members]))
+        order += members
+    values = torch.cat(parts).cpu().tolist()
+    for i, v in zip(order, values, strict=True):
+        rows[i] = v
+    return [_fold(t.numel(), rows[i]) for i, t in enumerate(tensors)]
 
 
 def gpu_checksum(data: torch.Tensor) -> str:
-    return gpu_checksums([data])[0]
+    return gpu_checksums([data.reshape(-1)])[0]

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("cuda.bindings")
 
 from cachedaemon.backends.cuda_vmm import CudaVmmBackend  # noqa: E402
-from cachedaemon.cuda_checksum import gpu_checksum  # noqa: E402
+from cachedaemon.cuda_checksum import ROW, gpu_checksum, gpu_checksums  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
@@ -174,3 +174,18 @@ def test_checksum_is_exact_and_sensitive() -> None:
     swapped[[0, 4096]] = gpu[[4096, 0]]
     if gpu[0] != gpu[4096]:
         assert gpu_checksum(swapped) != gpu_checksum(gpu)
+
+
+def test_batched_checksums_equal_one_by_one(backend: CudaVmmBackend) -> None:
+    """Regions of one chunk are checksummed together; each equals its checksum alone."""
+    chunk = backend.create(8 * MiB)
+    chunk.tensor.view(torch.int32).random_()
+    sizes = [1, 255, 256, 257, 17 * ROW, 17 * ROW + 3, 3 * MiB + 5, 100_000]
+    regions, offset = [], 0
+    for n in sizes:
+        regions.append(chunk.tensor[offset : offset + n])
+        offset = -(-(offset + n) // ROW) * ROW
+    together = gpu_checksums(regions)
+    assert together == [gpu_checksum(r.clone()) for r in regions]
+    assert len(set(together)) == len(sizes)
+    chunk.close()

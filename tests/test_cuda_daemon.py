@@ -258,6 +258,8 @@ def test_kill9_daemon_mid_forward_then_reclaim_from_keeper(
     finally:
         client.kill()
         client.wait(10)
+        client.stdin.close()
+        client.stdout.close()
 
 
 def _assert_keeper_has_no_cuda(keeper_pid: int, daemon_pid: int) -> None:
