@@ -51,6 +51,7 @@ class EngineLauncher:
             "HOLDFAST_DAEMONS": ",".join(self.daemons), "HOLDFAST_RANK": str(rank),
             "HOLDFAST_WORLD_SIZE": str(p.model.tp_size), "HOLDFAST_DEVICE": p.devices.ids[rank],
             "HOLDFAST_HEARTBEAT_MS": str(p.heartbeat.interval_ms), "HOLDFAST_RUN": str(self.run),
+            "HOLDFAST_DTYPE": p.model.dtype, "HOLDFAST_QUANTIZATION": p.model.quantization,
         })
         env.pop("HOLDFAST_AGENT", None)
         if rank == 0 and p.engines.health == "agent":

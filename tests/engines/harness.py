@@ -168,14 +168,17 @@ def get(url: str, timeout: float = 5.0) -> tuple[int, Any]:
         return e.code, json.loads(e.read() or b"null")
 
 
-def complete(router: str, prompt: str = "hi", timeout: float = 10.0, **extra: Any
+def complete(router: str, prompt: str | None = "hi", timeout: float = 10.0, **extra: Any
              ) -> tuple[int, dict[str, Any]]:
-    body = json.dumps({"prompt": prompt, **extra}).encode()
+    fields = {"prompt": prompt, **extra} if prompt is not None else extra
+    body = json.dumps(fields).encode()
     req = urllib.request.Request(f"{router}/v1/completions", data=body,
                                  headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
+            body: dict[str, Any] = json.loads(r.read())
+            body.setdefault("engine", r.headers.get("X-Holdfast-Engine", ""))
+            return r.status, body
     except urllib.error.HTTPError as e:
         return e.code, {"error": e.read().decode(errors="replace")}
 
