@@ -1,0 +1,235 @@
+"""Failover benchmark: kill -9 and SIGSTOP the primary, kill -9 the cache daemon, under load.
+
+Runs one real `supervisor run` with the echo engine (tests/engines/echo.py: aiohttp + the
+agent SDK, no torch; the lightest engine that still serves HTTP through the router and
+heartbeats like the reference engine) and a real cache daemon on the tiny checkpoint.
+Clients send requests through the router the whole time. Per trial it measures, from the
+signal to the event the supervisor publishes on ipc://<run>/events:
+
+  kill:   death -> promoted, death -> first successful request served by the new primary
+  hang:   SIGSTOP -> promoted (heartbeat interval x miss limit, then fence)
+  daemon: kill -9 -> serving again from escrow (adopted, no checkpoint read)
+
+    python bench/failover.py --kills 200 --hangs 50 --daemon-kills 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import http.client
+import json
+import os
+import platform
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.engines.harness import ECHO, Supervisor, free_port, get  # noqa: E402
+
+HEARTBEAT_MS, MISS_LIMIT = 50, 4
+
+
+class Clients:
+    """Threads sending requests through the router over keep-alive connections."""
+
+    def __init__(self, router: str, n: int) -> None:
+        host, _, port = router.removeprefix("http://").partition(":")
+        self.addr = (host, int(port))
+        self.done: list[tuple[float, int]] = []  # (time.time() answered, epoch)
+        self.failed: list[str] = []
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self.run, daemon=True) for _ in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def run(self) -> None:
+        conn = http.client.HTTPConnection(*self.addr, timeout=30)
+        body = json.dumps({"prompt": "bench"})
+        while not self.stop.is_set():
+            try:
+                conn.request("POST", "/v1/completions", body,
+                             {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                resp.read()
+                epoch = int(resp.headers.get("X-Holdfast-Epoch", "0"))
+                with self.lock:
+                    if resp.status == 200:
+                        self.done.append((time.time(), epoch))
+                    else:
+                        self.failed.append(f"status {resp.status}")
+            except (OSError, http.client.HTTPException) as e:
+                with self.lock:
+                    self.failed.append(repr(e))
+                conn.close()
+                conn = http.client.HTTPConnection(*self.addr, timeout=30)
+
+    def first_after(self, t0: float, epoch: int, timeout: float = 10.0) -> float | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                hits = [t for t, e in self.done if t >= t0 and e >= epoch]
+            if hits:
+                return min(hits)
+            self.stop.wait(0.005)
+        return None
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(30)
+
+
+def policy(base: Path, standby: int) -> Path:
+    p = {
+        "model": {"preset": "tiny", "dtype": "float32"},
+        "cache": {"runtime_dir": str(base / "run")},
+        "engines": {"command": ECHO, "standby": standby, "stop_grace_s": 1.0},
+        "heartbeat": {"interval_ms": HEARTBEAT_MS, "miss_limit": MISS_LIMIT},
+        "restart": {"initial_s": 0.05, "max_s": 0.1, "multiplier": 1.0, "jitter_s": 0.02,
+                    "max_restarts": 100000, "window_s": 60},
+        "router": {"listen": f"127.0.0.1:{free_port()}", "retry_deadline_s": 5.0},
+        "api": {"listen": f"127.0.0.1:{free_port()}"},
+        "log": {"level": "warning"},
+    }
+    path = base / "policy.yaml"
+    path.write_text(yaml.safe_dump(p))
+    return path
+
+
+def ready_standby(sup: Supervisor, after: int, name: str) -> None:
+    sup.wait(lambda e: e.topic == f"engine.{name}.ready", timeout=60, after=after)
+    while get(f"{sup.api}/standby")[0] != 200:
+        sup.wait(lambda e: e.event == "ready", timeout=60, after=sup.tap.mark())
+
+
+def trial(sup: Supervisor, clients: Clients, sig: int) -> dict[str, Any]:
+    old = get(f"{sup.api}/primary")[1]
+    mark = sup.tap.mark()
+    t0 = time.time()
+    os.kill(old["pid"], sig)
+    promoted = sup.wait(lambda e: e.event == "promoted", timeout=10, after=mark)
+    served = clients.first_after(t0, promoted.epoch)
+    ready_standby(sup, mark, old["name"])
+    return {"promoted_ms": (promoted.ts - t0) * 1000,
+            "first_request_ms": None if served is None else (served - t0) * 1000,
+            "supervisor_promote_ms": promoted.data.get("promote_ms")}
+
+
+def daemon_trial(sup: Supervisor) -> dict[str, Any]:
+    pid = sup.status()["daemons"][0]["pid"]
+    mark = sup.tap.mark()
+    t0 = time.time()
+    os.kill(pid, signal.SIGKILL)
+    back = sup.wait(lambda e: e.topic == "daemon.0.serving", timeout=120, after=mark)
+    return {"serving_ms": (back.ts - t0) * 1000, "adopted": back.data.get("adopted")}
+
+
+def summary(xs: list[float]) -> dict[str, float | int | None]:
+    if not xs:
+        return {"n": 0, "p50": None, "p99": None, "max": None}
+    xs = sorted(xs)
+    p99 = xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))]
+    return {"n": len(xs), "p50": round(statistics.median(xs), 2), "p99": round(p99, 2),
+            "max": round(xs[-1], 2)}
+
+
+def machine() -> dict[str, Any]:
+    cpu = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = names[0] if names else ""
+    return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(),
+            "python": platform.python_version(), "kernel": platform.release()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kills", type=int, default=200)
+    ap.add_argument("--hangs", type=int, default=50)
+    ap.add_argument("--daemon-kills", type=int, default=10)
+    ap.add_argument("--standby", type=int, default=1)
+    ap.add_argument("--clients", type=int, default=2)
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "failover.json"))
+    args = ap.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="hf-bench-"))
+    sup = Supervisor(policy(base, args.standby))
+    results: dict[str, list[dict[str, Any]]] = {"kill": [], "hang": [], "daemon": []}
+    try:
+        sup.wait(lambda e: e.event == "promoted", timeout=180)
+        while get(f"{sup.api}/standby")[0] != 200:
+            sup.wait(lambda e: e.event == "ready", timeout=60, after=sup.tap.mark())
+        clients = Clients(sup.router, args.clients)
+        time.sleep(1.0)  # warm the router's and clients' connections
+        for kind, n, sig in (("kill", args.kills, signal.SIGKILL),
+                             ("hang", args.hangs, signal.SIGSTOP)):
+            for i in range(n):
+                results[kind].append(trial(sup, clients, sig))
+                print(kind, i, json.dumps(results[kind][-1]), flush=True)
+        for i in range(args.daemon_kills):
+            results["daemon"].append(daemon_trial(sup))
+            print("daemon", i, json.dumps(results["daemon"][-1]), flush=True)
+        time.sleep(0.5)
+        clients.close()
+        report(args, results, clients, sup)
+    finally:
+        sup.stop(signal.SIGTERM)
+    return 0
+
+
+def report(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]],
+           clients: Clients, sup: Supervisor) -> None:
+    def col(kind: str, key: str) -> list[float]:
+        return [float(r[key]) for r in results[kind] if r.get(key) is not None]
+
+    hang_bar = HEARTBEAT_MS * MISS_LIMIT + 100
+    out = {
+        "benchmark": "failover",
+        "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "engine": "tests/engines/echo.py (aiohttp + agent SDK, no torch)",
+        "policy": {"standby": args.standby, "heartbeat_ms": HEARTBEAT_MS,
+                   "miss_limit": MISS_LIMIT, "clients": args.clients},
+        "counts": {k: len(v) for k, v in results.items()},
+        "kill_to_promoted_ms": summary(col("kill", "promoted_ms")),
+        "kill_to_first_request_ms": summary(col("kill", "first_request_ms")),
+        "kill_supervisor_promote_ms": summary(col("kill", "supervisor_promote_ms")),
+        "hang_to_promoted_ms": summary(col("hang", "promoted_ms")),
+        "hang_to_first_request_ms": summary(col("hang", "first_request_ms")),
+        "daemon_kill_to_serving_ms": summary(col("daemon", "serving_ms")),
+        "daemon_adopted": sum(1 for r in results["daemon"] if r.get("adopted")),
+        "requests_ok": len(clients.done),
+        "requests_failed": len(clients.failed),
+        "failures": clients.failed[:20],
+        "trials": results,
+    }
+    bars = {
+        "kill_to_promoted_p99_under_50ms": (out["kill_to_promoted_ms"]["p99"] or 1e9) < 50,
+        f"hang_to_promoted_p99_under_{hang_bar}ms":
+            (out["hang_to_promoted_ms"]["p99"] or 1e9) < hang_bar,
+        "daemon_kill_to_serving_p99_under_500ms":
+            (out["daemon_kill_to_serving_ms"]["p99"] or 1e9) < 500,
+        "zero_failed_requests": out["requests_failed"] == 0,
+    }
+    out["bars"] = bars
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in out.items() if k != "trials"}, indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
