@@ -19,7 +19,15 @@ import torch
 
 from cachedaemon.backends import Backend, Mapping, OwnedChunk
 from cachedaemon.checkpoint import CheckpointReader
-from cachedaemon.loader import LoadOptions, OutSpec, SourcePlan, dtype_of, plan, produce
+from cachedaemon.loader import (
+    LoadOptions,
+    OutSpec,
+    SourcePlan,
+    dtype_of,
+    plan,
+    read_source,
+    transform,
+)
 from cachedaemon.manifest import ChunkEntry, Manifest, TensorEntry
 from cachedaemon.progress import ByteProgress
 
@@ -152,12 +160,20 @@ def _fill(
     on_bytes: Callable[[int], None] | None,
 ) -> list[TensorEntry]:
     entries = []
-    for (spec, tensor), (chunk, offset, nbytes) in zip(
-        produce(reader, plans, opts, on_bytes), places, strict=True
-    ):
-        region = chunks[chunk].tensor[offset : offset + nbytes]
-        region.view(tensor.dtype).view(tensor.shape).copy_(tensor)
-        entries.append(
+    slots = iter(places)
+    for sp in plans:
+        regions = []
+        for spec in sp.outputs:
+            chunk, offset, nbytes = next(slots)
+            regions.append((spec, chunk, offset, chunks[chunk].tensor[offset : offset + nbytes]))
+        if _is_plain_copy(sp, opts) and regions[0][3].device.type == "cpu":
+            reader.read_into(sp.info, regions[0][3].numpy().data)  # straight into the pool
+        else:
+            for (_, _, _, region), t in zip(
+                regions, transform(read_source(reader, sp.info), sp, opts), strict=True
+            ):
+                region.view(t.dtype).view(t.shape).copy_(t)
+        entries += [
             TensorEntry(
                 name=spec.name,
                 chunk=chunk,
@@ -165,8 +181,16 @@ def _fill(
                 dtype=spec.dtype,
                 shape=spec.shape,
                 stride=contiguous_stride(spec.shape),
-                nbytes=nbytes,
+                nbytes=region.numel(),
                 checksum=backend.checksum(region),
             )
-        )
+            for spec, chunk, offset, region in regions
+        ]
+        if on_bytes:
+            on_bytes(sp.info.nbytes)
     return entries
+
+
+def _is_plain_copy(sp: SourcePlan, opts: LoadOptions) -> bool:
+    """The pool bytes equal the file bytes: no shard, no dtype change, no transform."""
+    return sp.dim is None and len(sp.outputs) == 1 and sp.outputs[0].dtype == sp.info.dtype
