@@ -144,7 +144,8 @@ class Cluster:
         if was_primary:
             self.primary = None
             self.view.set(None)
-            self._promote_best(t_detect, cause=cause, old=e.name)
+            silent_ms = round((t_detect - e.last_beat) * 1000, 1) if e.last_beat else None
+            self._promote_best(t_detect, cause=cause, old=e.name, silent_ms=silent_ms)
         e.role = "batch" if e.group != "serving" else "standby"
         quarantine = counted and e.book.record()
         tail = inc.tail()[-1500:]
@@ -176,18 +177,22 @@ class Cluster:
                  and e.inc is not None and not e.inc.handled and now - e.last_beat < self.hang_s]
         return min(ready, key=lambda e: (e.in_flight, now - e.last_beat), default=None)
 
-    def _promote_best(self, t_detect: float, *, cause: str, old: str | None) -> None:
+    def _promote_best(self, t_detect: float, *, cause: str, old: str | None,
+                      silent_ms: float | None) -> None:
         s = self.best_standby()
         if s is not None:
-            self.promote(s, t_detect, cause=cause, old=old)
+            self.promote(s, t_detect, cause=cause, old=old, silent_ms=silent_ms)
 
-    def promote(self, s: Engine, t_detect: float, *, cause: str, old: str | None) -> None:
+    def promote(self, s: Engine, t_detect: float, *, cause: str, old: str | None,
+                silent_ms: float | None = None) -> None:
+        """Route to `s` and tell it; `silent_ms`: how long the old primary had been silent
+        when its loss was detected, `promote_ms`: detection to routed and told."""
         self.epoch += 1
         s.role = s.state = "primary"
         self.primary = s
         self.view.set(Target(s.name, s.port, self.epoch))
         told = self.hub.send(s.name, Promote(epoch=self.epoch)) if self.hub else False
-        self.publish(s, "promoted", previous=old, cause=cause, told=told,
+        self.publish(s, "promoted", previous=old, cause=cause, told=told, silent_ms=silent_ms,
                      promote_ms=round((time.monotonic() - t_detect) * 1000, 3))
 
     # ---- eviction ----

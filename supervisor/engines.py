@@ -97,8 +97,10 @@ class EngineLauncher:
         done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         first = next(iter(done))
         rank = waits.index(first)
-        for p in inc.procs:  # one_for_all: the rest of the group goes too
+        for p in inc.procs:  # one_for_all: the rest of the group goes too, confirmed
             p.kill_group()
+        if pending:
+            await asyncio.wait(pending, timeout=2.0)
         for w in pending:
             w.cancel()
         detail = f"rank {rank} exited with {first.result()}"

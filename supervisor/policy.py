@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import string
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -135,11 +136,10 @@ class Policy(_Spec, frozen=True):
 
 
 def demo_path() -> Path:
-    """The embedded default policy: package data, or the repo's policies/ dir."""
-    packaged = Path(__file__).with_name("policies") / "demo.yaml"
-    if packaged.exists():
-        return packaged
-    return Path(__file__).resolve().parents[1] / "policies" / "demo.yaml"
+    """The embedded default policy: the repo's policies/ dir, or where an install put it."""
+    candidates = [Path(__file__).resolve().parents[1] / "policies" / "demo.yaml",
+                  Path(sys.prefix) / "share" / "holdfast" / "policies" / "demo.yaml"]
+    return next((c for c in candidates if c.is_file()), candidates[0])
 
 
 def load_policy(path: str | os.PathLike[str] | None = None) -> Policy:

@@ -53,7 +53,17 @@ class Echo:
         return web.json_response({"ok": True, "engine": self.name, "role": self.role})
 
 
+async def follower() -> None:
+    """Ranks other than 0 serve nothing; they live until told to stop (one_for_all)."""
+    done = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, done.set)
+    await done.wait()
+
+
 async def serve(args: argparse.Namespace) -> None:
+    if os.environ.get("HOLDFAST_RANK", "0") != "0":
+        await follower()
+        return
     echo = Echo(os.environ.get("HOLDFAST_NAME", "echo"))
     app = web.Application()
     app.router.add_post("/v1/completions", echo.complete)

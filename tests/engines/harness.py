@@ -45,9 +45,9 @@ def mqtt_broker() -> tuple[str, int]:
             int(os.environ.get("HOLDFAST_MQTT_PORT", "1883")))
 
 
-def write_policy(path: Path, model: Path, run: Path, **sections: Any) -> Path:
+def write_policy(path: Path, checkpoint: Path, run: Path, **sections: Any) -> Path:
     policy: dict[str, Any] = {
-        "model": {"path": str(model), "dtype": "float32"},
+        "model": {"path": str(checkpoint), "dtype": "float32"},
         "cache": {"runtime_dir": str(run)},
         "engines": {"command": ECHO, "standby": 1, "stop_grace_s": 1.0},
         "router": {"listen": f"127.0.0.1:{free_port()}"},
