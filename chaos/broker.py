@@ -58,15 +58,20 @@ class OwnBroker:
 
     async def start(self, timeout: float = 10.0) -> None:
         self.proc = await asyncio.create_subprocess_exec(
-            mosquitto_binary(), "-c", str(self.conf),
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            mosquitto_binary(),
+            "-c",
+            str(self.conf),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
         )
         try:
             await asyncio.wait_for(self._listening(self.proc), timeout)
         except TimeoutError as exc:
             await self.stop()
-            raise ChaosError(f"mosquitto did not listen on 127.0.0.1:{self.port} in {timeout}s") from exc
+            raise ChaosError(
+                f"mosquitto did not listen on 127.0.0.1:{self.port} in {timeout}s"
+            ) from exc
         self._drain = asyncio.create_task(_drain(self.proc))
         log.info("broker_started", port=self.port, pid=self.proc.pid)
 

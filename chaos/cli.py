@@ -31,25 +31,40 @@ exit status: 0 every check passed; 1 a check failed or the run stopped early;
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="chaos", description="Inject faults into a supervised engine pool under load and "
-        "measure recovery.", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="chaos",
+        description="Inject faults into a supervised engine pool under load and measure recovery.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    run_p = sub.add_parser("run", help="run a scenario and write its report", epilog=EPILOG,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    run_p = sub.add_parser(
+        "run",
+        help="run a scenario and write its report",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     run_p.add_argument("scenario", type=Path, help="scenario YAML (see chaos/scenarios/)")
-    run_p.add_argument("--policy", type=Path, help="policy YAML for every stage, instead of "
-                       "the scenario's own")
+    run_p.add_argument(
+        "--policy", type=Path, help="policy YAML for every stage, instead of the scenario's own"
+    )
     run_p.add_argument("--trials", type=int, help="trials per fault, instead of the scenario's")
     run_p.add_argument("--seed", type=int, help="seed for the fault order and the load")
-    run_p.add_argument("--out", type=Path, default=Path("chaos-out"),
-                       help="report dir (default: ./chaos-out)")
-    run_p.add_argument("--attach", action="store_true",
-                       help="drive a supervisor that already runs --policy instead of starting one")
+    run_p.add_argument(
+        "--out", type=Path, default=Path("chaos-out"), help="report dir (default: ./chaos-out)"
+    )
+    run_p.add_argument(
+        "--attach",
+        action="store_true",
+        help="drive a supervisor that already runs --policy instead of starting one",
+    )
     run_p.add_argument("--no-progress", action="store_true", help="no progress bar")
     run_p.add_argument("-v", "--verbose", action="store_true", help="log every fault and event")
-    val_p = sub.add_parser("validate", help="check a scenario and its policies, start nothing",
-                           epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    val_p = sub.add_parser(
+        "validate",
+        help="check a scenario and its policies, start nothing",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     val_p.add_argument("scenario", type=Path)
     val_p.add_argument("--policy", type=Path)
     sub.add_parser("kinds", help="list fault kinds, metrics and statistics")
@@ -62,15 +77,19 @@ def main(argv: list[str] | None = None) -> int:
         return _kinds()
     _logging(getattr(args, "verbose", False))
     try:
-        plan = load_scenario(args.scenario, trials=getattr(args, "trials", None),
-                             seed=getattr(args, "seed", None))
+        plan = load_scenario(
+            args.scenario, trials=getattr(args, "trials", None), seed=getattr(args, "seed", None)
+        )
         if args.command == "validate":
             preflight(plan, RunOptions(out=Path("."), command="", policy=args.policy))
             print(f"{args.scenario}: ok, {plan.total_faults} faults, {len(plan.checks)} checks")
             return 0
         opts = RunOptions(
-            out=args.out, command=shlex.join(["chaos", *(argv if argv is not None else sys.argv[1:])]),
-            policy=args.policy, attach=args.attach, progress=not args.no_progress,
+            out=args.out,
+            command=shlex.join(["chaos", *(argv if argv is not None else sys.argv[1:])]),
+            policy=args.policy,
+            attach=args.attach,
+            progress=not args.no_progress,
         )
         preflight(plan, opts)
     except ChaosError as exc:
@@ -108,6 +127,8 @@ def _kinds() -> int:
 
 def _logging(verbose: bool) -> None:
     structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO if verbose else logging.WARNING),
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.INFO if verbose else logging.WARNING
+        ),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
     )

@@ -7,6 +7,7 @@ The suite runs the scenario's policy with its own runtime dir, free router/API p
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import signal
 import sys
 import time
@@ -24,6 +25,11 @@ from supervisor.errors import PolicyError
 from supervisor.policy import MqttSpec, Policy, load_policy, split_listen
 
 log = structlog.get_logger("chaos.cluster")
+
+# `python -m supervisor` where the package has a __main__, else its cli module directly.
+_SUPERVISOR_MODULE = (
+    "supervisor" if importlib.util.find_spec("supervisor.__main__") else "supervisor.cli"
+)
 
 
 class EngineView(msgspec.Struct, frozen=True):
@@ -94,6 +100,8 @@ def ready(view: ClusterView, policy: Policy) -> bool:
         and len(view.in_state("primary")) == 1
         and len(view.in_state("standby")) >= engines.standby
         and len(view.in_state("batch")) >= sum(b.count for b in engines.batch)
+        and len(view.daemons) == policy.model.tp_size
+        and all(d.state == "serving" and d.pid for d in view.daemons)
     )
 
 
@@ -128,8 +136,14 @@ class Supervisor:
     async def start(self) -> None:
         with self.log_file.open("ab") as out:
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "supervisor", "run", str(self.policy_file),
-                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
+                sys.executable,
+                "-m",
+                _SUPERVISOR_MODULE,
+                "run",
+                str(self.policy_file),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
                 start_new_session=True,
             )
         self.ref = ProcRef.of(self.proc.pid)

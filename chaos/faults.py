@@ -11,6 +11,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 
+import aiohttp
 import msgspec
 import structlog
 
@@ -146,7 +147,8 @@ async def _stop_broker(ctx: FaultContext) -> Injection:
     primary = _engine(ctx, "primary")
     injection = _signal([primary], signal.SIGKILL)
     return msgspec.structs.replace(
-        injection, victims=[Victim("broker", "mqtt", None), primary],
+        injection,
+        victims=[Victim("broker", "mqtt", None), primary],
         note="broker stopped, primary killed during the outage",
     )
 
@@ -162,8 +164,35 @@ async def _kill_supervisor(ctx: FaultContext) -> Injection:
     await wait_gone(left, LINGER_GRACE_S)
     await ctx.sup.start()
     note = f"{len(left)} of {len(children)} children outlived the supervisor" if left else ""
-    return Injection([Victim("supervisor", "supervisor", ref)], injected, len(left), note)
+    return Injection([Victim("supervisor", "main", ref)], injected, len(left), note)
 
 
 async def _memory_pressure(ctx: FaultContext) -> Injection:
-    raise FaultError("memory-pressure is not wired to the supervisor's admission yet")
+    """KV-cache pressure on the primary: a burst of long requests above
+    `engines.load.evict_above`, held for `hold_s`. Admission must evict a batch engine to make
+    room, then bring it back once the load stays below `respawn_below`."""
+    batch = _engine(ctx, "batch")
+    size = ctx.spec.burst or ctx.sup.policy.engines.load.evict_above + 2
+    injected = time.time()
+    timeout = aiohttp.ClientTimeout(total=ctx.spec.hold_s)
+    body = {"prompt_token_ids": list(range(1, 9)), "max_tokens": ctx.spec.burst_tokens}
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        results = await asyncio.gather(
+            *(_hold(session, ctx.sup.router + "/v1/completions", body) for _ in range(size))
+        )
+    note = f"burst of {size} x {ctx.spec.burst_tokens}-token requests for {ctx.spec.hold_s}s"
+    if not any(results):
+        note += " (no burst request reached the router)"
+    return Injection([batch], injected, note=note)
+
+
+async def _hold(session: aiohttp.ClientSession, url: str, body: object) -> bool:
+    """One burst request; True when the router took it (answered, or still busy at hold_s)."""
+    try:
+        async with session.post(url, json=body) as resp:
+            await resp.read()
+            return resp.status < 500
+    except TimeoutError:
+        return True
+    except aiohttp.ClientError:
+        return False

@@ -19,6 +19,7 @@ import structlog
 
 from chaos.errors import ChaosError
 from chaos.scenario import LoadSpec
+from chaos.waiters import Rows
 
 log = structlog.get_logger("chaos.load")
 
@@ -53,21 +54,17 @@ class LoadGenerator:
             raise ChaosError(f"load target {url} is not loopback; point router.listen at 127.0.0.1")
         self.url = url.rstrip("/") + "/v1/completions"
         self.spec = spec
-        self.rows: list[RequestRow] = []
         self.fallback: tuple[str, int | None] = ("", None)
         self._rng = random.Random(seed)
-        self._changed = asyncio.Condition()
+        self._rows: Rows[RequestRow] = Rows()
+
+    @property
+    def rows(self) -> list[RequestRow]:
+        return self._rows.items
 
     async def first_ok_after(self, ts: float, timeout: float) -> RequestRow | None:
         """The first successful request started at or after `ts`, waiting up to `timeout`."""
-
-        def first() -> RequestRow | None:
-            return next((r for r in self.rows if r.ok and r.start >= ts), None)
-
-        async with self._changed:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait_for(lambda: first() is not None), timeout)
-            return first()
+        return await self._rows.first(lambda r: r.ok and r.start >= ts, timeout)
 
     async def run(self, stop: asyncio.Event, *, duration_s: float | None = None) -> None:
         """Send until `stop` is set, `duration_s` passes or `max_requests` were sent."""
@@ -101,9 +98,7 @@ class LoadGenerator:
             row = await self._attempts(session, body, start)
         finally:
             slots.release()
-        async with self._changed:
-            self.rows.append(row)
-            self._changed.notify_all()
+        self._rows.append(row)
 
     async def _attempts(
         self, session: aiohttp.ClientSession, body: object, start: float

@@ -12,7 +12,7 @@ from chaos.checks import Check
 from chaos.load import RequestRow
 
 PRIMARY_FAULTS = frozenset(
-    {"kill-primary", "stop-primary", "kill-tp-rank", "kill-daemon-and-primary"}
+    {"kill-primary", "stop-primary", "kill-tp-rank", "kill-daemon-and-primary", "restart-broker"}
 )
 MS_METRICS = ("detection_ms", "promotion_ms", "recovery_ms", "added_latency_ms")
 COUNTS = ("failed_requests", "retried_requests")

@@ -79,7 +79,9 @@ def recovery(path: Path, trials: Sequence[TrialRow]) -> None:
             data = [getattr(t, metric) for t in trials if t.fault == fault]
             points = [max(v, 0.01) for v in data if v is not None]
             if points:
-                axis.boxplot(points, positions=[y], orientation="horizontal", widths=0.5, showfliers=False)
+                axis.boxplot(
+                    points, positions=[y], orientation="horizontal", widths=0.5, showfliers=False
+                )
                 axis.scatter(
                     points,
                     [y + rng.uniform(-0.15, 0.15) for _ in points],

@@ -7,7 +7,6 @@ the MQTT subscriber reconnects with a short backoff when the broker goes away.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +17,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from chaos.waiters import Rows
 from supervisor.protocol import decode_event
 
 log = structlog.get_logger("chaos.recorder")
@@ -47,9 +47,8 @@ class EventRecorder:
     def __init__(self, run_dir: Path, mqtt: MqttTarget | None) -> None:
         self.endpoint = f"ipc://{run_dir}/events"
         self.mqtt = mqtt
-        self.rows: list[EventRow] = []
         self.garbage = 0
-        self._changed = asyncio.Condition()
+        self._rows: Rows[EventRow] = Rows()
 
     async def run(self, stop: asyncio.Event) -> None:
         async with asyncio.TaskGroup() as group:
@@ -60,33 +59,27 @@ class EventRecorder:
             if mqtt_task is not None:
                 mqtt_task.cancel()
 
+    @property
+    def rows(self) -> list[EventRow]:
+        return self._rows.items
+
     async def wait_for(self, match: Callable[[EventRow], bool], timeout: float) -> EventRow | None:
         """The first recorded event that matches, waiting up to `timeout` seconds for it."""
-
-        def first() -> EventRow | None:
-            return next((row for row in self.rows if match(row)), None)
-
-        async with self._changed:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait_for(lambda: first() is not None), timeout)
-            return first()
+        return await self._rows.first(match, timeout)
 
     async def changed(self, timeout: float) -> None:
         """Return at the next recorded event, or after `timeout` seconds."""
-        async with self._changed:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), timeout)
+        await self._rows.changed(timeout)
 
-    async def _add(self, data: bytes, source: str) -> None:
+    def _add(self, data: bytes, source: str) -> None:
         try:
             ev = decode_event(data)
         except msgspec.DecodeError:
             self.garbage += 1
             return
-        row = EventRow(ev.ts, time.time(), source, ev.kind, ev.name, ev.event, ev.epoch)
-        async with self._changed:
-            self.rows.append(row)
-            self._changed.notify_all()
+        self._rows.append(
+            EventRow(ev.ts, time.time(), source, ev.kind, ev.name, ev.event, ev.epoch)
+        )
 
     async def _zmq(self) -> None:
         ctx = zmq.asyncio.Context.instance()
@@ -98,7 +91,7 @@ class EventRecorder:
             while True:
                 frames = await sock.recv_multipart()
                 if len(frames) == 2:
-                    await self._add(frames[1], "zmq")
+                    self._add(frames[1], "zmq")
                 else:
                     self.garbage += 1
         finally:
@@ -112,7 +105,7 @@ class EventRecorder:
                     async for message in client.messages:
                         payload = message.payload
                         if isinstance(payload, bytes | bytearray):
-                            await self._add(bytes(payload), "mqtt")
+                            self._add(bytes(payload), "mqtt")
             except aiomqtt.MqttError as exc:
                 log.debug("mqtt_reconnect", error=str(exc))
                 await asyncio.sleep(0.2)

@@ -15,17 +15,17 @@ import msgspec
 import structlog
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from chaos import plots, report
+from chaos import report
 from chaos.broker import OwnBroker
 from chaos.cluster import Supervisor, derive_policy, write_policy
-from chaos.errors import ChaosError, ScenarioError
+from chaos.errors import ChaosError, FaultError, ScenarioError
 from chaos.faults import requirement
 from chaos.load import LoadGenerator, RequestRow
 from chaos.metrics import TrialRow, baseline_ms, evaluate, run_figures, with_requests
 from chaos.procs import wait_gone
 from chaos.recorder import EventRecorder, EventRow, MqttTarget
 from chaos.scenario import FaultSpec, Plan, Stage
-from chaos.trial import Harness, run_trial, wait_ready
+from chaos.trial import Harness, not_injected, run_trial, wait_ready
 from supervisor.errors import PolicyError
 from supervisor.policy import MqttSpec, Policy, load_policy
 
@@ -75,20 +75,34 @@ async def run(plan: Plan, opts: RunOptions) -> tuple[report.Results, bool]:
     with _progress(opts) as progress:
         try:
             for stage, faults in zip(plan.scenario.stages, plan.order, strict=True):
-                await _stage(plan, stage, faults, opts, got, progress)
+                await _guarded_stage(plan, stage, faults, opts, got, progress)
         except asyncio.CancelledError:
             interrupted = True
             got.notes.append("interrupted (Ctrl-C); partial results")
-        except ChaosError as exc:
-            got.notes.append(str(exc))
-            log.error("stage_failed", error=str(exc))
     results = _results(plan, opts, got, started, complete=not got.notes)
     _write(opts.out, results)
     return results, interrupted
 
 
-async def _stage(
+async def _guarded_stage(
     plan: Plan, stage: Stage, faults: list[FaultSpec], opts: RunOptions, got: Collected,
+    progress: Progress,
+) -> None:
+    """A stage that cannot go on becomes a note in the report; the next stage still runs."""
+    try:
+        await _stage(plan, stage, faults, opts, got, progress)
+    except* ChaosError as group:
+        for exc in _leaves(group):
+            got.notes.append(f"stage {stage.name}: {exc}")
+            log.error("stage_failed", stage=stage.name, error=str(exc))
+
+
+async def _stage(
+    plan: Plan,
+    stage: Stage,
+    faults: list[FaultSpec],
+    opts: RunOptions,
+    got: Collected,
     progress: Progress,
 ) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="hf-chaos-"))  # short: unix socket paths
@@ -125,8 +139,13 @@ def _supervisor(
 
 
 async def _drive(
-    plan: Plan, stage: Stage, faults: list[FaultSpec], sup: Supervisor,
-    broker: OwnBroker | None, got: Collected, progress: Progress,
+    plan: Plan,
+    stage: Stage,
+    faults: list[FaultSpec],
+    sup: Supervisor,
+    broker: OwnBroker | None,
+    got: Collected,
+    progress: Progress,
 ) -> None:
     sc = plan.scenario
     mqtt = sup.policy.events.mqtt
@@ -153,7 +172,9 @@ async def _drive(
     finally:
         base = baseline_ms(load.rows, got.baseline_before or time.time())
         mine = [t for t in got.trials if t.stage == stage.name]
-        got.trials[len(got.trials) - len(mine):] = [with_requests(t, load.rows, base) for t in mine]
+        got.trials[len(got.trials) - len(mine) :] = [
+            with_requests(t, load.rows, base) for t in mine
+        ]
         got.requests += load.rows
         got.events += recorder.rows
 
@@ -162,7 +183,10 @@ async def _trials(h: Harness, faults: list[FaultSpec], got: Collected, progress:
     task = progress.add_task(h.stage, total=len(faults))
     for fault in faults:
         progress.update(task, description=f"{h.stage}: {fault.kind}")
-        got.trials.append(await run_trial(h, len(got.trials), fault))
+        try:
+            got.trials.append(await run_trial(h, len(got.trials), fault))
+        except FaultError as exc:  # counted as a trial with nothing measured: checks see it
+            got.trials.append(not_injected(h, len(got.trials), fault, str(exc)))
         progress.advance(task)
 
 
@@ -176,17 +200,30 @@ def _results(
     )
     checks = [evaluate(check, got.trials, figures) for check in plan.checks]
     meta = report.RunMeta(
-        scenario=plan.scenario.name, command=opts.command, started=_iso(started),
-        finished=_iso(datetime.now(UTC)), machine=report.machine(), complete=complete,
+        scenario=plan.scenario.name,
+        command=opts.command,
+        started=_iso(started),
+        finished=_iso(datetime.now(UTC)),
+        machine=report.machine(),
+        complete=complete,
         note="; ".join(got.notes),
     )
     return report.Results(meta, figures, checks, got.trials, got.requests, got.events)
 
 
 def _write(out: Path, results: report.Results) -> None:
+    from chaos import plots  # matplotlib costs a second: only once there is something to plot
+
     report.write(out, results)
     plots.timeline(out / "timeline.png", results.requests, results.trials)
     plots.recovery(out / "recovery.png", results.trials)
+
+
+def _leaves(group: BaseExceptionGroup[ChaosError]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out += _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
+    return out
 
 
 def _iso(when: datetime) -> str:
@@ -195,6 +232,10 @@ def _iso(when: datetime) -> str:
 
 def _progress(opts: RunOptions) -> Progress:
     return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        disable=not opts.progress, transient=False,
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        disable=not opts.progress,
+        transient=False,
     )

@@ -29,7 +29,7 @@ FAULT_KINDS: dict[str, str] = {
     "kill-daemon-and-primary": "SIGKILL the rank-0 daemon and the primary together",
     "restart-broker": "stop the suite's own MQTT broker, then start it again",
     "kill-supervisor": "SIGKILL the supervisor, then start it again with the same policy",
-    "memory-pressure": "hold a memory balloon that makes admission evict batch engines",
+    "memory-pressure": "a burst of long requests (KV-cache pressure) that evicts batch engines",
 }
 
 
@@ -51,8 +51,9 @@ class LoadSpec(_Spec):
 class FaultSpec(_Spec):
     kind: str
     trials: int | None = None  # default: the scenario's `trials`
-    hold_s: float = 1.0  # SIGSTOP length, broker outage, balloon lifetime
-    balloon_mb: int = 0  # memory-pressure: size of the balloon (0: what admission needs)
+    hold_s: float = 1.0  # SIGSTOP length, broker outage, memory-pressure burst length
+    burst: int = 0  # memory-pressure: requests in the burst (0: engines.load.evict_above + 2)
+    burst_tokens: int = 256  # memory-pressure: max_tokens of each burst request
 
 
 class Stage(_Spec):
@@ -72,6 +73,7 @@ class Scenario(_Spec):
     warmup_s: float = 1.0
     settle_s: float = 0.3
     trial_timeout_s: float = 20.0
+    detect_timeout_s: float = 5.0  # how long a trial waits for the supervisor to notice
     ready_timeout_s: float = 90.0
 
 

@@ -72,19 +72,32 @@ async def run_trial(h: Harness, index: int, fault: FaultSpec) -> TrialRow:
         )
         await heal(fault.kind, ctx, injection)
         if expected("detection_ms", fault.kind):
-            await asyncio.wait([detected], timeout=max(deadline - time.monotonic(), 0.0))
+            limit = min(sc.detect_timeout_s, deadline - time.monotonic())
+            await asyncio.wait([detected], timeout=max(limit, 0.0))
         note = await _recovered(h, injection, deadline)
         for task in (detected, promoted):
             if not task.done():
                 task.cancel()
     return TrialRow(
-        index=index, stage=h.stage, fault=fault.kind,
+        index=index,
+        stage=h.stage,
+        fault=fault.kind,
         victim="+".join(f"{v.kind}:{v.name}" for v in injection.victims),
         pid=injection.victims[0].ref.pid if injection.victims[0].ref else None,
-        injected=injection.injected, ended=time.time(),
+        injected=injection.injected,
+        ended=time.time(),
         detection_ms=_ms(detected, injection),
         promotion_ms=_ms(promoted, injection) if fault.kind in PRIMARY_FAULTS else None,
-        lingering=injection.lingering, note="; ".join(n for n in (injection.note, note) if n),
+        lingering=injection.lingering,
+        note="; ".join(n for n in (injection.note, note) if n),
+    )
+
+
+def not_injected(h: Harness, index: int, fault: FaultSpec, why: str) -> TrialRow:
+    now = time.time()
+    return TrialRow(
+        index=index, stage=h.stage, fault=fault.kind, victim="", pid=None, injected=now,
+        ended=now, detection_ms=None, promotion_ms=None, note=f"not injected: {why}",
     )
 
 
@@ -95,8 +108,8 @@ async def _recovered(h: Harness, injection: Injection, deadline: float) -> str:
         return "no successful request before the trial timeout"
     try:
         await wait_ready(h, max(deadline - time.monotonic(), 0.0), injection.injected)
-    except ClusterError:
-        return "pool not whole again before the trial timeout"
+    except ClusterError as exc:
+        return f"pool not whole again before the trial timeout: {exc}"[:600]
     return ""
 
 

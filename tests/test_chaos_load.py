@@ -68,7 +68,9 @@ def test_gives_up_after_retries_and_records_the_failure() -> None:
         gen.fallback = ("e9", 7)
         await gen.run(asyncio.Event(), duration_s=5.0)
         await runner.cleanup()
-        assert [(r.ok, r.status, r.attempts, r.engine) for r in gen.rows] == [(False, 503, 2, "e9")] * 3
+        assert [(r.ok, r.status, r.attempts, r.engine) for r in gen.rows] == [
+            (False, 503, 2, "e9")
+        ] * 3
 
     asyncio.run(main())
 

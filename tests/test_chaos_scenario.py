@@ -88,7 +88,10 @@ def test_bad_check_in_scenario_fails_at_load(tmp_path: Path) -> None:
 def test_check_parts_and_defaults() -> None:
     check = parse_check("kill-primary.promotion_ms.p99 < 100", fault_kinds=FAULT_KINDS)
     assert (check.scope, check.metric, check.stat, check.op) == (
-        "kill-primary", "promotion_ms", "p99", "<"
+        "kill-primary",
+        "promotion_ms",
+        "p99",
+        "<",
     )
     assert check.holds(99.0) and not check.holds(100.0) and not check.holds(None)
     run_level = parse_check("failed_requests == 0", fault_kinds=FAULT_KINDS)

@@ -1,0 +1,95 @@
+"""The chaos CLI: bad input is refused before anything starts; Ctrl-C leaves nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from chaos.procs import descendants, wait_gone
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIOS = ROOT / "chaos" / "scenarios"
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _chaos(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "chaos", *args], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=60)
+
+
+def _scenario(tmp_path: Path, kind: str = "kill-primary", check: str = "failed_requests == 0",
+              policy: str = str(SCENARIOS / "policy-cpu.yaml")) -> Path:
+    path = tmp_path / "s.yaml"
+    path.write_text(f"name: t\nstages:\n  - name: main\n    policy: {policy}\n    faults:\n"
+                    f"      - kind: {kind}\nchecks:\n  - \"{check}\"\n")
+    return path
+
+
+def test_help_has_an_example() -> None:
+    done = _chaos("run", "--help")
+    assert done.returncode == 0 and "chaos run chaos/scenarios/smoke.yaml" in done.stdout
+
+
+def test_unknown_fault_kind_exits_2_naming_the_valid_ones(tmp_path: Path) -> None:
+    done = _chaos("run", str(_scenario(tmp_path, kind="kill-everything")), "--out",
+                  str(tmp_path / "out"))
+    assert done.returncode == 2
+    assert "unknown fault kind 'kill-everything'" in done.stderr and "stop-primary" in done.stderr
+    assert not (tmp_path / "out").exists()  # nothing started, nothing written
+
+
+def test_bad_check_exits_2(tmp_path: Path) -> None:
+    done = _chaos("run", str(_scenario(tmp_path, check="import os; 1 < 2")))
+    assert done.returncode == 2 and "does not read as" in done.stderr
+
+
+def test_policy_that_cannot_start_exits_2_with_its_path(tmp_path: Path) -> None:
+    bad = tmp_path / "p.yaml"
+    bad.write_text("model:\n  preset: tiny\nengines:\n  standby: many\n")
+    done = _chaos("run", str(_scenario(tmp_path, policy=str(bad))))
+    assert done.returncode == 2 and "$.engines.standby" in done.stderr
+
+
+def test_fault_the_policy_cannot_host_exits_2(tmp_path: Path) -> None:
+    done = _chaos("validate", str(_scenario(tmp_path, kind="kill-tp-rank")))
+    assert done.returncode == 2 and "model.tp_size >= 2" in done.stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_writes_a_partial_report_and_leaves_no_process(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    scenario = SCENARIOS / "primary.yaml"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "chaos", "run", str(scenario), "--policy",
+         str(SCENARIOS / "policy-broken.yaml"), "--trials", "5", "--out", str(out), "-v",
+         "--no-progress"], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    try:
+        deadline = time.monotonic() + 180
+        for line in proc.stderr:  # the first fault is logged once the pool is whole
+            if "fault" in line and "kill-primary" in line or time.monotonic() > deadline:
+                break
+        children = descendants(proc.pid)
+        assert children, "the suite should be running a broker and a supervisor by now"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert asyncio.run(wait_gone(children, 10.0)) == []
+    results = json.loads((out / "results.json").read_text())
+    assert not results["meta"]["complete"] and "interrupted" in results["meta"]["note"]
+    assert "partial" in (out / "report.md").read_text()
