@@ -10,6 +10,7 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import msgspec
@@ -141,6 +142,24 @@ def start_agent(cfg: EngineConfig, load: Load) -> Agent:
     return agent
 
 
+def wire_agent(agent: Agent, server: EngineServer, loop: asyncio.AbstractEventLoop,
+               request_stop: Callable[[float], None], grace_s: float) -> None:
+    """Agent commands arrive on the agent's thread; each hops onto the event loop."""
+
+    def promote(epoch: int) -> None:
+        loop.call_soon_threadsafe(server.promote, epoch)
+
+    def drain(grace: float) -> None:
+        loop.call_soon_threadsafe(request_stop, grace)
+
+    def stop() -> None:
+        loop.call_soon_threadsafe(request_stop, grace_s)
+
+    agent.on_promote(promote)
+    agent.on_drain(drain)
+    agent.on_stop(stop)
+
+
 async def serve(cfg: EngineConfig, server: EngineServer, agent: Agent | None,
                 clock: Clock) -> int:
     loop = asyncio.get_running_loop()
@@ -154,9 +173,7 @@ async def serve(cfg: EngineConfig, server: EngineServer, agent: Agent | None,
         loop.add_signal_handler(sig, request_stop, cfg.grace_s)
     if agent is not None:
         server.on_state = agent.set_state
-        agent.on_promote(lambda epoch: loop.call_soon_threadsafe(server.promote, epoch))
-        agent.on_drain(lambda g: loop.call_soon_threadsafe(request_stop, g))
-        agent.on_stop(lambda: loop.call_soon_threadsafe(request_stop, cfg.grace_s))
+        wire_agent(agent, server, loop, request_stop, cfg.grace_s)
     runner = web.AppRunner(server.app(), handle_signals=False, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, cfg.host, cfg.port).start()

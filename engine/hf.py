@@ -30,7 +30,7 @@ def params_on_meta() -> Iterator[None]:
             param = nn.Parameter(param.to("meta"), requires_grad=False)
         original(module, name, param)
 
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
@@ -76,8 +76,9 @@ class HFModel:
 
     def tie(self) -> None:
         """Share the weights the config ties (input embeddings and LM head)."""
-        if hasattr(self.module, "tie_weights"):
-            self.module.tie_weights()
+        tie_weights = getattr(self.module, "tie_weights", None)
+        if callable(tie_weights):
+            tie_weights()
 
     def finish(self) -> None:
         """After weights are in: tie again, in case attach replaced one side of a tie."""
@@ -85,16 +86,17 @@ class HFModel:
 
     def warmup(self) -> None:
         if self.kind == "generate":
-            self.run(Job((0,) * 8, 2, 0, True))
+            self.run(Job((0,), 1, 0, True))
         else:
-            self.embed([[0] * 8])
+            self.embed([[0]])
 
     @torch.inference_mode()
     def run(self, job: Job, on_step: OnStep | None = None) -> Generation:
         if self.kind != "generate":
             raise BadRequest("this model serves /v1/embeddings only")
         ids = torch.tensor([job.prompt], dtype=torch.int64, device=self.device)
-        past, steps, reason = None, [], "length"
+        past, reason = None, "length"
+        steps: list[Step] = []
         while len(steps) < job.max_tokens:
             out = self.module(input_ids=ids, past_key_values=past, use_cache=True)
             past = out.past_key_values

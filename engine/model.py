@@ -64,7 +64,7 @@ class Linear(nn.Module):
             if fp8 else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
+        w: torch.Tensor = self.weight
         if self.weight_scale_inv is not None:
             w = dequantize(w, self.weight_scale_inv, self.dtype)
         return F.linear(x, w, self.bias)
@@ -157,7 +157,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache, layer: int) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
 
 
 class Embedding(nn.Module):
@@ -194,10 +195,11 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(a, tp, dtype, fp8)
         self.lm_head = (None if a.tie_word_embeddings
                         else Linear(a.vocab_size // tp.size, a.hidden_size, dtype))
+        self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq(a).to(device), persistent=False)
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        freqs = positions.float()[:, None] * self.inv_freq.view(1, -1)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 

@@ -56,8 +56,8 @@ class Runner:
         self.eos = frozenset(model.args.eos_token_ids)
 
     def warmup(self) -> Generation:
-        """One short generation on every rank together (no broadcast: all ranks call it)."""
-        return self._generate(Job((0,) * 8, 2, 0, True), None)
+        """One forward pass on every rank together (no broadcast: all ranks call it)."""
+        return self._generate(Job((0,), 1, 0, True), None)
 
     def embed(self, batch: list[list[int]]) -> list[list[float]]:
         raise BadRequest("this model serves /v1/completions only")
