@@ -212,7 +212,7 @@ def proposed_reclaim(keeper: Path, fingerprint: str) -> dict[str, Any]:
     }
 
 
-def proposed_cold_load(model: Path, nbytes: int) -> dict[str, Any]:
+def proposed_cold_load(model: Path, nbytes: int, worker_counts: list[int]) -> dict[str, Any]:
     """The pool built in this process with the parallel GPU fill, page cache dropped."""
     from cachedaemon import cuda_load, pool
     from cachedaemon.backends.cuda_vmm import CudaVmmBackend
@@ -220,7 +220,7 @@ def proposed_cold_load(model: Path, nbytes: int) -> dict[str, Any]:
 
     backend = CudaVmmBackend("cuda:0")
     out: dict[str, Any] = {}
-    for workers in (8, 16):
+    for workers in worker_counts:
         drop_caches(files_of(model))
         serial_fill = pool._fill
         pool._fill = lambda *a, w=workers: cuda_load.fill_parallel(*a, workers=w)  # type: ignore[assignment]
@@ -238,7 +238,9 @@ def proposed_cold_load(model: Path, nbytes: int) -> dict[str, Any]:
     return out
 
 
-def bench_model(name: str, model: Path, run: Path) -> dict[str, Any]:
+def bench_model(
+    name: str, model: Path, run: Path, baselines: bool, workers: list[int]
+) -> dict[str, Any]:
     files = files_of(model)
     nbytes = sum(f.stat().st_size for f in files)
     r: dict[str, Any] = {
@@ -247,13 +249,14 @@ def bench_model(name: str, model: Path, run: Path) -> dict[str, Any]:
         "files": len(files),
         "cache_drop": drop_caches(files),
     }
-    r["raw_read_sequential"] = raw_read(files, 1)
-    drop_caches(files)
-    r["raw_read_parallel"] = raw_read(files, 8)
-    drop_caches(files)
-    r["safetensors_cold_s"] = safetensors_load(files)
-    r["safetensors_warm_s"] = safetensors_load(files)
-    print(json.dumps(r), flush=True)
+    if baselines:
+        r["raw_read_sequential"] = raw_read(files, 1)
+        drop_caches(files)
+        r["raw_read_parallel"] = raw_read(files, 8)
+        drop_caches(files)
+        r["safetensors_cold_s"] = safetensors_load(files)
+        r["safetensors_warm_s"] = safetensors_load(files)
+        print(json.dumps(r), flush=True)
     ksock = run / "keeper.sock"
     keeper = Proc("keeper", "--socket", str(ksock))
     keeper.wait_for("keeper serving", 60)
@@ -271,7 +274,7 @@ def bench_model(name: str, model: Path, run: Path) -> dict[str, Any]:
         d.stop()
     finally:
         keeper.stop()
-    r["proposed_cold_load"] = proposed_cold_load(model, nbytes)
+    r["proposed_cold_load"] = proposed_cold_load(model, nbytes, workers)
     print(json.dumps(r), flush=True)
     return r
 
@@ -294,7 +297,9 @@ def main() -> None:
     print(json.dumps(result), flush=True)
     for name in presets:
         run = Path(f"/tmp/holdfast-run-{name}")
-        result[name] = bench_model(name, args.models / name, run)
+        result[name] = bench_model(
+            name, args.models / name, run, not args.no_baselines, args.workers or [8]
+        )
         args.out.write_text(json.dumps(result, indent=2))
     result["bars"] = bars(result)
     args.out.write_text(json.dumps(result, indent=2))
@@ -305,7 +310,7 @@ def bars(res: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, limit in (("llama-8b", 10.0), ("moe", 25.0)):
         r = res.get(name)
-        if not r or "median_ms" not in r.get("attach", {}):
+        if not r or "median_ms" not in r.get("attach", {}) or "safetensors_cold_s" not in r:
             continue
         attach = r["attach"]["median_ms"]
         cold = r["safetensors_cold_s"] * 1e3

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU machine, in one call. Writes logs and JSON under $OUT.
 #   bench/gpu_run.sh [env] [tests] [probe] [moe] [lifetime] [llama]   (default: all)
+# also: checksum-tests, llama-daemon
 # Wheels for packages the GPU image lacks travel in .whl/ (carry it).
 set -uo pipefail
 OUT=${OUT:-/tmp/holdfast-out}; mkdir -p "$OUT"
@@ -19,14 +20,21 @@ for stage in $stages; do
         python3 -m pip list 2>/dev/null | grep -iE "^(torch|safetensors|numpy|cuda|msgspec|pyzmq|structlog|tenacity|aiomqtt|paho|rich|pytest|aiohttp|pyyaml) "
         sync; echo 3 > /proc/sys/vm/drop_caches && echo "drop_caches: ok"
       } 2>&1 | tee "$OUT/env.txt" ;;
+    checksum-tests)
+      timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_backend.py -k checksum 2>&1 | tee "$OUT/tests_checksum.txt" ;;
     tests)
       timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_cuda*.py 2>&1 | tee "$OUT/tests.txt" ;;
     probe)
       timeout 300 python3 bench/cuda_vmm_probe.py --out "$OUT/h200_checksum_fp8_probe.json" 2>&1 | tail -20 ;;
-    moe|llama)
-      preset=$stage; [ "$stage" = llama ] && preset=llama-8b
-      timeout 420 python3 bench/cuda_load_bench.py --only $preset --out "$OUT/h200_load_$preset.json" \
-        2>&1 | grep -v '"event": "loading' | tee "$OUT/bench_$preset.txt" ;;
+    moe)
+      timeout 420 python3 bench/cuda_load_bench.py --only moe --out "$OUT/h200_load_moe.json" \
+        2>&1 | tee "$OUT/bench_moe.txt" ;;
+    llama)
+      timeout 420 python3 bench/cuda_load_bench.py --only llama-8b --out "$OUT/h200_load_llama-8b.json" \
+        2>&1 | tee "$OUT/bench_llama-8b.txt" ;;
+    llama-daemon)  # the daemon figures alone (no raw or safetensors reads)
+      timeout 150 python3 bench/cuda_load_bench.py --only llama-8b --no-baselines \
+        --out "$OUT/h200_load_llama-8b_daemon.json" 2>&1 | tee "$OUT/bench_llama-8b_daemon.txt" ;;
     lifetime)
       timeout 120 python3 bench/cuda_lifetime.py --model /tmp/models/moe --out "$OUT/h200_lifetime.json" \
         2>&1 | tee "$OUT/lifetime.txt" ;;

@@ -1,16 +1,17 @@
 """Checksums of tensors' bytes computed where the bytes live: a few kernels per pool chunk,
 however many tensors it holds, and one device-to-host copy for all of them.
 
-Algorithm `int8mm-v2`, for one tensor of n bytes:
+Algorithm `int8mm-v3`, for one tensor of n bytes:
 - its full 256-byte rows, read as int8, are multiplied by a fixed 256x8 int8 matrix: an
-  exact int8 GEMM with int32 accumulation (|value| <= 256*128*128 < 2**31), giving P[j];
-- S1 = sum_j P[j] and S2 = sum_j (j + 1) * P[j], per column, in int64 (exact modulo
-  2**64, so the reduction order does not matter);
+  exact int8 GEMM with int32 accumulation (|value| <= 256*128*128 < 2**31); each row's 8
+  values are mixed into one int64 v[j] with fixed odd multipliers;
+- S1 = sum_j v[j] and S2 = sum_j (j + 1) * v[j], in int64 (exact modulo 2**64, so the
+  reduction order does not matter);
 - the n % 256 trailing bytes b[k] give T1 = sum (k + 1) * b[k], T2 = sum (k + 1)**2 * b[k];
 - the host folds n, S1, S2, T1, T2 with BLAKE2b.
 Tensors of one pool chunk start at 256-byte aligned offsets, so the chunk is projected in
-one GEMM and every tensor's S1/S2 come from prefix sums at its first and last row:
-S2 = (A[e] - A[s]) - s * (B[e] - B[s]) with A, B the prefix sums of (i + 1) * P[i] and P[i].
+one GEMM and every tensor's S1/S2 come from 1-D prefix sums at its first and last row:
+S2 = (A[e] - A[s]) - s * (B[e] - B[s]) with A, B the prefix sums of (i + 1) * v[i] and v[i].
 
 Changing anything here changes every checksum: bump the version in ALGO.
 """
@@ -24,11 +25,21 @@ from collections.abc import Sequence
 
 import torch
 
-ALGO = "int8mm-v2"
+ALGO = "int8mm-v3"
 ROW = 256  # bytes per GEMM row; pool tensors start at multiples of it
 COLS = 8
 SLICE_ROWS = 1 << 22  # rows projected per GEMM: 1 GiB of input, bounded scratch
 _MIN_GEMM_ROWS = 17  # torch._int_mm needs more than 16 rows
+_MIX = (
+    0x9E3779B1,
+    0x85EBCA77,
+    0xC2B2AE3D,
+    0x27D4EB2F,
+    0x165667B1,
+    0xD3A2646D,
+    0xFD7046C5,
+    0xB55A4F09,
+)
 _projections: dict[torch.device, torch.Tensor] = {}
 
 
@@ -44,37 +55,40 @@ def _projection(device: torch.device) -> torch.Tensor:
     return proj
 
 
-def _project(rows: torch.Tensor) -> torch.Tensor:
-    """(r, ROW) int8 -> (r, COLS) int64, exactly."""
+def _row_values(rows: torch.Tensor) -> torch.Tensor:
+    """(r, ROW) int8 -> (r,) int64: the exact projection, columns mixed into one value."""
     proj = _projection(rows.device)
     if rows.shape[0] >= _MIN_GEMM_ROWS:
         if rows.data_ptr() % 16:
             rows = rows.clone()  # the int8 GEMM wants 16-byte aligned rows
-        return torch._int_mm(rows, proj).to(torch.int64)
-    return (rows.to(torch.int64).unsqueeze(2) * proj.to(torch.int64).unsqueeze(0)).sum(1)
+        p = torch._int_mm(rows, proj).to(torch.int64)
+    else:
+        p = (rows.to(torch.int64).unsqueeze(2) * proj.to(torch.int64).unsqueeze(0)).sum(1)
+    mix = torch.tensor(_MIX, dtype=torch.int64, device=rows.device)
+    return (p * mix).sum(1)
 
 
 def _prefix_at(span: torch.Tensor, points: list[int]) -> torch.Tensor:
-    """B[k] and A[k] (prefix sums over rows < k) at each sorted row index k: (len, 2*COLS)."""
+    """B[k] and A[k] (prefix sums over rows < k) at each sorted row index k: (len, 2)."""
     dev = span.device
-    out = torch.zeros(len(points), 2 * COLS, dtype=torch.int64, device=dev)
-    carry = torch.zeros(2 * COLS, dtype=torch.int64, device=dev)
+    out = torch.zeros(len(points), 2, dtype=torch.int64, device=dev)
+    carry = torch.zeros(2, 1, dtype=torch.int64, device=dev)
     total = points[-1] if points else 0
     for lo in range(0, total, SLICE_ROWS):
         hi = min(lo + SLICE_ROWS, total)
-        p = _project(span[lo * ROW : hi * ROW].view(torch.int8).view(hi - lo, ROW))
+        v = _row_values(span[lo * ROW : hi * ROW].view(torch.int8).view(hi - lo, ROW))
         idx = torch.arange(lo + 1, hi + 1, dtype=torch.int64, device=dev)
-        acc = torch.cat([p, p * idx[:, None]], dim=1).cumsum(0) + carry
+        acc = torch.stack([v, v * idx]).cumsum(1) + carry  # scans along the inner dim
         first, last = bisect.bisect_right(points, lo), bisect.bisect_right(points, hi)
         if last > first:
             at = torch.tensor(points[first:last], dtype=torch.int64) - lo - 1
-            out[first:last] = acc[at.to(dev)]
-        carry = acc[-1]
+            out[first:last] = acc[:, at.to(dev)].t()
+        carry = acc[:, -1:]
     return out
 
 
 def _span_terms(span: torch.Tensor, starts: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
-    """(len(starts), 2*COLS + 2) int64 terms of the byte ranges [start, start+size) of span;
+    """(len(starts), 4) int64 terms of the byte ranges [start, start+size) of span;
     every start is a multiple of ROW."""
     dev = span.device
     first = [s // ROW for s in starts]
@@ -85,7 +99,7 @@ def _span_terms(span: torch.Tensor, starts: Sequence[int], sizes: Sequence[int])
     s_idx = torch.tensor([where[k] for k in first], device=dev)
     e_idx = torch.tensor([where[k] for k in last], device=dev)
     diff = pref[e_idx] - pref[s_idx]
-    b, a = diff[:, :COLS], diff[:, COLS:]
+    b, a = diff[:, :1], diff[:, 1:]
     s_rows = torch.tensor(first, dtype=torch.int64, device=dev)[:, None]
     return torch.cat([b, a - s_rows * b, _tail_terms(span, starts, sizes)], dim=1)
 
