@@ -44,8 +44,8 @@ class Cluster:
         self.launcher: EngineLauncher | None = None
         self.daemons: DaemonPool | None = None
         self.wake = asyncio.Event()
-        self._low_since: float | None = None
-        self._last_evict = 0.0
+        self.low_since: float | None = None
+        self.last_evict = 0.0
         self._build()
 
     def _build(self) -> None:

@@ -77,10 +77,10 @@ async def _batch(c: Cluster, now: float) -> float | None:
     load = p.in_flight + p.queued if p is not None else 0
     interval = c.policy.heartbeat.interval_ms / 1000.0
     if load > spec.evict_above:
-        c._low_since = None
+        c.low_since = None
         victims = c.running_batch()
-        if victims and now - c._last_evict >= interval:
-            c._last_evict = now
+        if victims and now - c.last_evict >= interval:
+            c.last_evict = now
             await c.evict(victims[0], reason=f"load {load} > {spec.evict_above}", held=False)
         return None
     due: float | None = None
@@ -92,14 +92,14 @@ async def _batch(c: Cluster, now: float) -> float | None:
         elif e.state == "dead" and c.fits(e.memory_mb):
             await c.spawn(e)
     if load >= spec.respawn_below:
-        c._low_since = None
+        c.low_since = None
         return due
-    c._low_since = c._low_since or now
+    c.low_since = c.low_since or now
     for e in waiting:  # evicted ones once the load stayed low for respawn_hold_s
         if e.state != "evicted":
             continue
-        if now - c._low_since < spec.respawn_hold_s:
-            due = _earliest(due, c._low_since + spec.respawn_hold_s)
+        if now - c.low_since < spec.respawn_hold_s:
+            due = _earliest(due, c.low_since + spec.respawn_hold_s)
         elif c.fits(e.memory_mb):
             await c.spawn(e)
     return due

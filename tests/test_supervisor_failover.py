@@ -36,7 +36,7 @@ from tests.engines.harness import (
     write_policy,
 )
 
-HANG_S = 0.05 * 4
+HANG_S = 0.1 * 5
 PREFIX = f"hf-test/{uuid.uuid4().hex[:8]}"
 
 
@@ -53,7 +53,7 @@ def sup(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[
              "command": ["/nonexistent/engine-binary"]}],
             "load": {"evict_above": 3, "respawn_below": 1, "respawn_hold_s": 0.5}},
         restart={"initial_s": 0.05, "max_s": 0.2, "max_restarts": 3, "window_s": 60},
-        heartbeat={"interval_ms": 50, "miss_limit": 4},
+        heartbeat={"interval_ms": 100, "miss_limit": 5},
         events={"mqtt": {"host": host, "port": port, "prefix": PREFIX}})
     s = Supervisor(policy)
     try:

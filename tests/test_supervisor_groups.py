@@ -56,7 +56,9 @@ def test_tp2_group_dies_together_and_http_health_finds_hangs(tmp_path: Path,
         assert hung.data["cause"] == "hang"
         sup.wait(lambda e: e.event == "promoted", timeout=10, after=mark)
         assert complete(sup.router)[0] == 200
-        assert sup.stop(signal.SIGTERM) == 0, sup.output()
+        assert sup.cli("stop").stdout.strip() == "stopping"
+        assert sup.proc.wait(30) == 0, sup.output()
+        sup.tap.close()
     finally:
         if sup.proc.poll() is None:
             sup.stop(signal.SIGKILL)
