@@ -52,6 +52,7 @@ class EngineServer:
         self._idle = asyncio.Event()
         self._idle.set()
         self.on_state: Callable[[str], None] = lambda state: None
+        self._streams: set[asyncio.Future[Any]] = set()
 
     # ---- lifecycle ----
     def app(self) -> web.Application:
@@ -185,6 +186,8 @@ class EngineServer:
 
         task = asyncio.ensure_future(self.call_model(self.model.run, job, on_step))
         task.add_done_callback(lambda _: steps.put_nowait(None))
+        self._streams.add(task)  # owned here until done, even if the client leaves
+        task.add_done_callback(self._streams.discard)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
@@ -195,13 +198,13 @@ class EngineServer:
                 piece, text = self._delta(done, text)
                 await _sse(resp, _chunk(rid, self.name, piece, [step.token], None))
             gen: Generation = await task
-        finally:
-            if not task.done():
-                task.cancel()
-        self.metrics.add_tokens(len(gen.steps))
-        await _sse(resp, _chunk(rid, self.name, "", [], gen.finish_reason))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+            self.metrics.add_tokens(len(gen.steps))
+            await _sse(resp, _chunk(rid, self.name, "", [], gen.finish_reason))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:
+            # The client left; the generation finishes on the model thread regardless.
+            log.info("stream client went away", tokens=len(done))
         return resp
 
     async def embeddings(self, request: web.Request) -> web.Response:
