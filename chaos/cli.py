@@ -20,7 +20,7 @@ from chaos.scenario import FAULT_KINDS, load_scenario
 EPILOG = """\
 examples:
   chaos run chaos/scenarios/smoke.yaml --out /tmp/chaos-smoke
-  chaos run chaos/scenarios/soak.yaml --trials 20 --seed 7 --out bench/results/soak
+  chaos run chaos/scenarios/soak.yaml --max-faults 300 --out bench/results/soak
   chaos run my.yaml --policy policies/demo.yaml --attach     # a supervisor already running it
   chaos validate chaos/scenarios/gpu.yaml
 
@@ -49,6 +49,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     run_p.add_argument("--trials", type=int, help="trials per fault, instead of the scenario's")
     run_p.add_argument("--seed", type=int, help="seed for the fault order and the load")
+    run_p.add_argument(
+        "--max-faults",
+        type=int,
+        help="stop after the first N faults of the drawn order (a shorter soak)",
+    )
     run_p.add_argument(
         "--out", type=Path, default=Path("chaos-out"), help="report dir (default: ./chaos-out)"
     )

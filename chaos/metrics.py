@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
@@ -121,7 +121,12 @@ def stat(data: Sequence[float], name: str) -> float | None:
     if name.startswith("p"):
         rank = math.ceil(int(name[1:]) / 100.0 * len(ordered))
         return ordered[max(rank, 1) - 1]
-    reducers = {"max": max, "min": min, "sum": math.fsum, "mean": statistics.fmean}
+    reducers: dict[str, Callable[[list[float]], float]] = {
+        "max": max,
+        "min": min,
+        "sum": math.fsum,
+        "mean": statistics.fmean,
+    }
     return float(reducers[name](ordered))
 
 

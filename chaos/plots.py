@@ -12,6 +12,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.axes import Axes  # noqa: E402
 
 from chaos.load import RequestRow  # noqa: E402
 from chaos.metrics import TrialRow  # noqa: E402
@@ -51,7 +52,7 @@ def timeline(path: Path, rows: Sequence[RequestRow], trials: Sequence[TrialRow])
     plt.close(fig)
 
 
-def _mark_faults(top: plt.Axes, bottom: plt.Axes, trials: Sequence[TrialRow], t0: float) -> None:
+def _mark_faults(top: Axes, bottom: Axes, trials: Sequence[TrialRow], t0: float) -> None:
     colors = _colors(trials)
     seen: set[str] = set()
     for trial in trials:
@@ -112,8 +113,6 @@ def recovery(path: Path, trials: Sequence[TrialRow]) -> None:
 
 
 def _colors(trials: Sequence[TrialRow]) -> dict[str, str]:
-    palette = plt.get_cmap("tab20").colors
+    palette = plt.get_cmap("tab20")
     faults = sorted({t.fault for t in trials})
-    return {
-        fault: matplotlib.colors.to_hex(palette[i % len(palette)]) for i, fault in enumerate(faults)
-    }
+    return {fault: matplotlib.colors.to_hex(palette(i % 20)) for i, fault in enumerate(faults)}

@@ -85,7 +85,11 @@ async def run(plan: Plan, opts: RunOptions) -> tuple[report.Results, bool]:
 
 
 async def _guarded_stage(
-    plan: Plan, stage: Stage, faults: list[FaultSpec], opts: RunOptions, got: Collected,
+    plan: Plan,
+    stage: Stage,
+    faults: list[FaultSpec],
+    opts: RunOptions,
+    got: Collected,
     progress: Progress,
 ) -> None:
     """A stage that cannot go on becomes a note in the report; the next stage still runs."""

@@ -37,7 +37,7 @@ class _Spec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pass
 
 
-class LoadSpec(_Spec):
+class LoadSpec(_Spec, frozen=True):
     concurrency: int = 4
     rate: float = 40.0  # requests per second, all workers together
     max_tokens: int = 2
@@ -48,7 +48,7 @@ class LoadSpec(_Spec):
     max_requests: int = 1_000_000
 
 
-class FaultSpec(_Spec):
+class FaultSpec(_Spec, frozen=True):
     kind: str
     trials: int | None = None  # default: the scenario's `trials`
     hold_s: float = 1.0  # SIGSTOP length, broker outage, memory-pressure burst length
@@ -56,13 +56,13 @@ class FaultSpec(_Spec):
     burst_tokens: int = 256  # memory-pressure: max_tokens of each burst request
 
 
-class Stage(_Spec):
+class Stage(_Spec, frozen=True):
     name: str
     policy: str  # relative to the scenario file
     faults: list[FaultSpec]
 
 
-class Scenario(_Spec):
+class Scenario(_Spec, frozen=True):
     name: str
     stages: list[Stage]
     checks: list[str] = []
@@ -94,7 +94,13 @@ class Plan(msgspec.Struct, frozen=True):
         return sum(len(faults) for faults in self.order)
 
 
-def load_scenario(path: Path, *, trials: int | None = None, seed: int | None = None) -> Plan:
+def load_scenario(
+    path: Path,
+    *,
+    trials: int | None = None,
+    seed: int | None = None,
+    max_faults: int | None = None,
+) -> Plan:
     """Read, validate and plan a scenario; raises ScenarioError naming what to change."""
     try:
         raw = yaml.safe_load(path.read_text())
@@ -110,7 +116,10 @@ def load_scenario(path: Path, *, trials: int | None = None, seed: int | None = N
         scenario = msgspec.structs.replace(scenario, seed=seed)
     _validate(scenario, path)
     checks = [parse_check(text, fault_kinds=FAULT_KINDS) for text in scenario.checks]
-    return Plan(scenario, path, checks, _order(scenario, trials))
+    order = _order(scenario, trials)
+    if max_faults is not None:
+        order = _truncate(order, max_faults)
+    return Plan(scenario, path, checks, order)
 
 
 def _validate(scenario: Scenario, path: Path) -> None:
@@ -139,6 +148,15 @@ def _order(scenario: Scenario, trials: int | None) -> list[list[FaultSpec]]:
             rng.shuffle(faults)
         order.append(faults)
     return order
+
+
+def _truncate(order: list[list[FaultSpec]], limit: int) -> list[list[FaultSpec]]:
+    """The first `limit` faults of the drawn order (a shorter run of the same sequence)."""
+    out = []
+    for faults in order:
+        out.append(faults[: max(limit, 0)])
+        limit -= len(out[-1])
+    return out
 
 
 def _trials(scenario: Scenario, fault: FaultSpec, override: int | None) -> int:

@@ -96,8 +96,16 @@ async def run_trial(h: Harness, index: int, fault: FaultSpec) -> TrialRow:
 def not_injected(h: Harness, index: int, fault: FaultSpec, why: str) -> TrialRow:
     now = time.time()
     return TrialRow(
-        index=index, stage=h.stage, fault=fault.kind, victim="", pid=None, injected=now,
-        ended=now, detection_ms=None, promotion_ms=None, note=f"not injected: {why}",
+        index=index,
+        stage=h.stage,
+        fault=fault.kind,
+        victim="",
+        pid=None,
+        injected=now,
+        ended=now,
+        detection_ms=None,
+        promotion_ms=None,
+        note=f"not injected: {why}",
     )
 
 

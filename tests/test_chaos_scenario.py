@@ -106,3 +106,10 @@ def test_shipped_scenarios_validate(name: str) -> None:
     assert plan.total_faults > 0 and plan.checks
     for stage in plan.scenario.stages:
         assert plan.policy_path(stage).is_file(), stage.policy
+
+
+def test_max_faults_runs_a_prefix_of_the_same_order(tmp_path: Path) -> None:
+    path = _write(tmp_path, GOOD)
+    full = [f.kind for f in load_scenario(path, trials=10).order[0]]
+    short = [f.kind for f in load_scenario(path, trials=10, max_faults=7).order[0]]
+    assert short == full[:7]
