@@ -15,9 +15,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 
 from chaos.load import RequestRow  # noqa: E402
-from chaos.metrics import TrialRow  # noqa: E402
+from chaos.metrics import TrialRow, expected  # noqa: E402
 
-BIN_S = 0.5
+BIN_S = 1.0
 
 
 def timeline(path: Path, rows: Sequence[RequestRow], trials: Sequence[TrialRow]) -> None:
@@ -29,7 +29,7 @@ def timeline(path: Path, rows: Sequence[RequestRow], trials: Sequence[TrialRow])
         slot = min(bins - 1, int((row.end - t0) / BIN_S))
         (ok if row.ok else failed)[slot] += 1 / BIN_S
     xs = [i * BIN_S for i in range(bins)]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 6), sharex=True, height_ratios=[2, 1])
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(14, 6), sharex=True, height_ratios=[2, 1])
     top.plot(xs, ok, color="tab:blue", lw=1, label="ok requests/s")
     top.plot(xs, failed, color="tab:red", lw=1.2, label="failed requests/s")
     bottom.scatter(
@@ -46,7 +46,7 @@ def timeline(path: Path, rows: Sequence[RequestRow], trials: Sequence[TrialRow])
     _mark_faults(top, bottom, trials, t0)
     top.set_ylabel("requests/s")
     top.set_title("load and errors; faults marked")
-    top.legend(loc="upper left", fontsize=7, ncol=4)
+    top.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -91,7 +91,7 @@ def recovery(path: Path, trials: Sequence[TrialRow]) -> None:
                     color="tab:orange",
                     zorder=3,
                 )
-            missing = len(data) - len(points)
+            missing = sum(1 for v in data if v is None) if expected(metric, fault) else 0
             if missing:
                 axis.annotate(
                     f"{missing} timeout",

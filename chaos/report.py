@@ -48,7 +48,7 @@ def machine() -> str:
 
 def write(out: Path, results: Results) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_bytes(msgspec.json.format(msgspec.json.encode(results), indent=1))
+    (out / "results.json").write_bytes(msgspec.json.encode(results))
     (out / "report.md").write_text(markdown(results))
 
 

@@ -53,7 +53,7 @@ class FaultSpec(_Spec, frozen=True):
     trials: int | None = None  # default: the scenario's `trials`
     hold_s: float = 1.0  # SIGSTOP length, broker outage, memory-pressure burst length
     burst: int = 0  # memory-pressure: requests in the burst (0: engines.load.evict_above + 2)
-    burst_tokens: int = 256  # memory-pressure: max_tokens of each burst request
+    burst_tokens: int = 16  # memory-pressure: max_tokens of each burst request
 
 
 class Stage(_Spec, frozen=True):
