@@ -52,8 +52,10 @@ def tokens(text_or_ids: str | list[int], tok: Tokenizer | None, field: str) -> l
     if isinstance(text_or_ids, list):
         return text_or_ids
     if tok is None:
-        raise BadRequest(f"`{field}` is text but this checkpoint has no tokenizer.json; "
-                         "send token ids in `prompt_token_ids` instead")
+        raise BadRequest(
+            f"`{field}` is text but this checkpoint has no tokenizer.json; "
+            "send token ids in `prompt_token_ids` instead"
+        )
     return tok.encode(text_or_ids)
 
 
@@ -62,33 +64,42 @@ def check_ids(ids: list[int], limits: Limits, field: str) -> None:
         raise BadRequest(f"`{field}` is empty; send at least one token")
     bad = [t for t in ids if not 0 <= t < limits.vocab_size]
     if bad:
-        raise BadRequest(f"`{field}` has token ids outside the vocabulary [0, "
-                         f"{limits.vocab_size}): {bad[:5]}")
+        raise BadRequest(
+            f"`{field}` has token ids outside the vocabulary [0, {limits.vocab_size}): {bad[:5]}"
+        )
 
 
 def completion_prompt(req: CompletionRequest, tok: Tokenizer | None, limits: Limits) -> list[int]:
     """The prompt's token ids, after every check a request can fail."""
-    given = [(f, v) for f, v in (("prompt", req.prompt),
-                                  ("prompt_token_ids", req.prompt_token_ids)) if v is not None]
+    given = [
+        (f, v)
+        for f, v in (("prompt", req.prompt), ("prompt_token_ids", req.prompt_token_ids))
+        if v is not None
+    ]
     if len(given) != 1:
         raise BadRequest("send exactly one of `prompt` (text or token ids) or `prompt_token_ids`")
     field, raw = given[0]
     ids = tokens(raw, tok, field)
     check_ids(ids, limits, field)
     if not 1 <= req.max_tokens <= limits.max_tokens_cap:
-        raise BadRequest(f"`max_tokens` {req.max_tokens} must be in 1..{limits.max_tokens_cap} "
-                         "(the engine's --max-tokens-cap)")
+        raise BadRequest(
+            f"`max_tokens` {req.max_tokens} must be in 1..{limits.max_tokens_cap} "
+            "(the engine's --max-tokens-cap)"
+        )
     if len(ids) + req.max_tokens > limits.max_model_len:
-        raise BadRequest(f"prompt ({len(ids)} tokens) + `max_tokens` ({req.max_tokens}) exceeds "
-                         f"the context length {limits.max_model_len}; shorten the prompt or "
-                         "lower max_tokens")
+        raise BadRequest(
+            f"prompt ({len(ids)} tokens) + `max_tokens` ({req.max_tokens}) exceeds "
+            f"the context length {limits.max_model_len}; shorten the prompt or "
+            "lower max_tokens"
+        )
     if req.logprobs is not None and not 0 <= req.logprobs <= TOP_LOGPROBS_MAX:
         raise BadRequest(f"`logprobs` must be in 0..{TOP_LOGPROBS_MAX}")
     return ids
 
 
-def embedding_inputs(req: EmbeddingRequest, tok: Tokenizer | None,
-                     limits: Limits) -> list[list[int]]:
+def embedding_inputs(
+    req: EmbeddingRequest, tok: Tokenizer | None, limits: Limits
+) -> list[list[int]]:
     raw = req.input
     items: list[str | list[int]]
     if isinstance(raw, str):
@@ -105,6 +116,7 @@ def embedding_inputs(req: EmbeddingRequest, tok: Tokenizer | None,
     for ids in out:
         check_ids(ids, limits, "input")
         if len(ids) > limits.max_model_len:
-            raise BadRequest(f"an `input` of {len(ids)} tokens exceeds the context length "
-                             f"{limits.max_model_len}")
+            raise BadRequest(
+                f"an `input` of {len(ids)} tokens exceeds the context length {limits.max_model_len}"
+            )
     return out

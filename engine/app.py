@@ -49,14 +49,19 @@ def context_init(cfg: EngineConfig) -> torch.device:
         torch.cuda.set_device(device)
         torch.zeros(1, device=device)  # create the CUDA context now, inside this phase
     if cfg.world_size > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                init_method=dist_init_method(cfg), rank=cfg.rank,
-                                world_size=cfg.world_size, timeout=FOLLOW_TIMEOUT)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            init_method=dist_init_method(cfg),
+            rank=cfg.rank,
+            world_size=cfg.world_size,
+            timeout=FOLLOW_TIMEOUT,
+        )
     return device
 
 
-def build_llama(cfg: EngineConfig, device: torch.device,
-                clock: Clock, phases: Phases) -> tuple[Model, api.Limits, str]:
+def build_llama(
+    cfg: EngineConfig, device: torch.device, clock: Clock, phases: Phases
+) -> tuple[Model, api.Limits, str]:
     from engine.model import LlamaForCausalLM, TPGroup
     from engine.modelargs import check_tp, read_model_args
     from engine.runner import Runner
@@ -65,13 +70,20 @@ def build_llama(cfg: EngineConfig, device: torch.device,
     args = read_model_args(cfg.model)
     check_tp(args, cfg.world_size)
     tp = TPGroup(cfg.rank, cfg.world_size)
-    module = LlamaForCausalLM(args, tp, getattr(torch, cfg.dtype),
-                              fp8=cfg.quantization == "fp8-block", device=str(device))
+    module = LlamaForCausalLM(
+        args, tp, getattr(torch, cfg.dtype), fp8=cfg.quantization == "fp8-block", device=str(device)
+    )
     phases.build = clock.lap()
     report = load_weights(module, cfg)
     phases.attach = clock.lap()
-    log.info("weights", source=report.source, ms=round(report.ms, 1), tensors=report.tensors,
-             bytes=report.bytes, socket=report.socket)
+    log.info(
+        "weights",
+        source=report.source,
+        ms=round(report.ms, 1),
+        tensors=report.tensors,
+        bytes=report.bytes,
+        socket=report.socket,
+    )
     runner = Runner(module, device)
     runner.warmup()
     phases.warmup = clock.lap()
@@ -79,8 +91,9 @@ def build_llama(cfg: EngineConfig, device: torch.device,
     return runner, api.Limits(args.vocab_size, max_len, cfg.max_tokens_cap), report.source
 
 
-def build_hf(cfg: EngineConfig, device: torch.device,
-             clock: Clock, phases: Phases) -> tuple[Model, api.Limits, str]:
+def build_hf(
+    cfg: EngineConfig, device: torch.device, clock: Clock, phases: Phases
+) -> tuple[Model, api.Limits, str]:
     import transformers  # noqa: F401  (timed as an import, not as building the model)
 
     from engine.hf import HFModel
@@ -125,8 +138,9 @@ def run(cfg: EngineConfig, t0: float) -> int:
             return 0
         metrics = Metrics()
         metrics.phases, metrics.weights_source = phases, source
-        server = EngineServer(cfg.name, cfg.role, cfg.epoch, model, load_tokenizer(cfg.model),
-                              limits, metrics)
+        server = EngineServer(
+            cfg.name, cfg.role, cfg.epoch, model, load_tokenizer(cfg.model), limits, metrics
+        )
         load.server = server
         return asyncio.run(serve(cfg, server, agent, clock))
     finally:
@@ -136,14 +150,26 @@ def run(cfg: EngineConfig, t0: float) -> int:
 
 def start_agent(cfg: EngineConfig, load: Load) -> Agent:
     interval_ms = int(os.environ.get("HOLDFAST_HEARTBEAT_MS", "50"))
-    agent = Agent(cfg.agent, name=cfg.name, role=cfg.role, port=cfg.port, epoch=cfg.epoch,
-                  interval_s=interval_ms / 1000.0, load=load)
+    agent = Agent(
+        cfg.agent,
+        name=cfg.name,
+        role=cfg.role,
+        port=cfg.port,
+        epoch=cfg.epoch,
+        interval_s=interval_ms / 1000.0,
+        load=load,
+    )
     agent.start()
     return agent
 
 
-def wire_agent(agent: Agent, server: EngineServer, loop: asyncio.AbstractEventLoop,
-               request_stop: Callable[[float], None], grace_s: float) -> None:
+def wire_agent(
+    agent: Agent,
+    server: EngineServer,
+    loop: asyncio.AbstractEventLoop,
+    request_stop: Callable[[float], None],
+    grace_s: float,
+) -> None:
     """Agent commands arrive on the agent's thread; each hops onto the event loop."""
 
     def promote(epoch: int) -> None:
@@ -160,8 +186,7 @@ def wire_agent(agent: Agent, server: EngineServer, loop: asyncio.AbstractEventLo
     agent.on_stop(stop)
 
 
-async def serve(cfg: EngineConfig, server: EngineServer, agent: Agent | None,
-                clock: Clock) -> int:
+async def serve(cfg: EngineConfig, server: EngineServer, agent: Agent | None, clock: Clock) -> int:
     loop = asyncio.get_running_loop()
     stop: asyncio.Future[float] = loop.create_future()
 
@@ -179,9 +204,14 @@ async def serve(cfg: EngineConfig, server: EngineServer, agent: Agent | None,
     await web.TCPSite(runner, cfg.host, cfg.port).start()
     server.metrics.phases.total = clock.total()
     server.ready()
-    log.info("ready", engine=cfg.name, role=cfg.role, port=cfg.port,
-             weights=server.metrics.weights_source,
-             phases=msgspec.structs.asdict(server.metrics.phases))
+    log.info(
+        "ready",
+        engine=cfg.name,
+        role=cfg.role,
+        port=cfg.port,
+        weights=server.metrics.weights_source,
+        phases=msgspec.structs.asdict(server.metrics.phases),
+    )
     grace = await stop
     finished = await server.drain(grace)
     await runner.cleanup()

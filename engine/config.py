@@ -92,25 +92,50 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + field.replace("_", "-")
         default = getattr(_DEFAULTS, field)
         shown = ",".join(default) if isinstance(default, tuple) else default
-        p.add_argument(flag, dest=field, type=kind, default=None,
-                       help=f"env {env}; default {shown!r}")
-    p.add_argument("--allow-disk-fallback", action="store_true",
-                   help="load from the checkpoint dir when no daemon answers or it mismatches")
-    p.add_argument("--max-tokens-cap", type=int, default=_DEFAULTS.max_tokens_cap,
-                   help="largest max_tokens a request may ask for")
-    p.add_argument("--max-model-len", type=int, default=_DEFAULTS.max_model_len,
-                   help="context length (prompt + generated); 0 = the checkpoint's")
-    p.add_argument("--grace-s", type=float, default=_DEFAULTS.grace_s,
-                   help="on SIGTERM, seconds to let in-flight requests finish")
-    p.add_argument("--attach-timeout-s", type=float, default=_DEFAULTS.attach_timeout_s,
-                   help="seconds to wait for each daemon socket")
-    p.add_argument("--log-format", choices=["auto", "console", "json"],
-                   default=_DEFAULTS.log_format, help="stderr log lines (auto: console on a tty)")
+        p.add_argument(
+            flag, dest=field, type=kind, default=None, help=f"env {env}; default {shown!r}"
+        )
+    p.add_argument(
+        "--allow-disk-fallback",
+        action="store_true",
+        help="load from the checkpoint dir when no daemon answers or it mismatches",
+    )
+    p.add_argument(
+        "--max-tokens-cap",
+        type=int,
+        default=_DEFAULTS.max_tokens_cap,
+        help="largest max_tokens a request may ask for",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=_DEFAULTS.max_model_len,
+        help="context length (prompt + generated); 0 = the checkpoint's",
+    )
+    p.add_argument(
+        "--grace-s",
+        type=float,
+        default=_DEFAULTS.grace_s,
+        help="on SIGTERM, seconds to let in-flight requests finish",
+    )
+    p.add_argument(
+        "--attach-timeout-s",
+        type=float,
+        default=_DEFAULTS.attach_timeout_s,
+        help="seconds to wait for each daemon socket",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=["auto", "console", "json"],
+        default=_DEFAULTS.log_format,
+        help="stderr log lines (auto: console on a tty)",
+    )
     return p
 
 
-def from_args(argv: Sequence[str] | None = None,
-              env: Mapping[str, str] | None = None) -> EngineConfig:
+def from_args(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> EngineConfig:
     """Flags first, then HOLDFAST_* env, then the defaults above; validated."""
     env = os.environ if env is None else env
     ns = build_parser().parse_args(argv)
@@ -126,8 +151,14 @@ def from_args(argv: Sequence[str] | None = None,
             values[field] = raw
     if isinstance(values.get("daemons"), str):
         values["daemons"] = tuple(s for s in str(values["daemons"]).split(",") if s)
-    for field in ("allow_disk_fallback", "max_tokens_cap", "max_model_len", "grace_s",
-                  "attach_timeout_s", "log_format"):
+    for field in (
+        "allow_disk_fallback",
+        "max_tokens_cap",
+        "max_model_len",
+        "grace_s",
+        "attach_timeout_s",
+        "log_format",
+    ):
         values[field] = getattr(ns, field)
     if not values.get("model"):
         raise EngineError("no checkpoint dir: pass --model DIR or set HOLDFAST_MODEL")
@@ -151,13 +182,17 @@ def validate(cfg: EngineConfig) -> None:
     if cfg.world_size < 1 or not 0 <= cfg.rank < cfg.world_size:
         raise EngineError(f"--rank {cfg.rank} must be in [0, --world-size {cfg.world_size})")
     if cfg.daemons and len(cfg.daemons) != cfg.world_size:
-        raise EngineError(f"--daemons/HOLDFAST_DAEMONS names {len(cfg.daemons)} sockets; "
-                          f"give one per rank ({cfg.world_size}), comma-separated")
+        raise EngineError(
+            f"--daemons/HOLDFAST_DAEMONS names {len(cfg.daemons)} sockets; "
+            f"give one per rank ({cfg.world_size}), comma-separated"
+        )
     if cfg.model_impl == "hf" and cfg.world_size != 1:
         raise EngineError("--model-impl hf serves at --world-size 1 only")
     if not cfg.daemons and not cfg.allow_disk_fallback:
-        raise EngineError("no daemon socket: pass --daemons SOCK[,SOCK...] (HOLDFAST_DAEMONS) "
-                          "or --allow-disk-fallback to load from the checkpoint dir")
+        raise EngineError(
+            "no daemon socket: pass --daemons SOCK[,SOCK...] (HOLDFAST_DAEMONS) "
+            "or --allow-disk-fallback to load from the checkpoint dir"
+        )
     if cfg.max_tokens_cap < 1:
         raise EngineError("--max-tokens-cap must be at least 1")
 

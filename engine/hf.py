@@ -46,8 +46,10 @@ def _model_class(config: Any) -> tuple[Any, str]:
         if cls is not None:
             return cls, "generate" if arch.endswith("ForCausalLM") else "embed"
     if archs:
-        raise ModelConfigError(f"config.json architectures={archs} are not in transformers "
-                               f"{transformers.__version__}; upgrade transformers")
+        raise ModelConfigError(
+            f"config.json architectures={archs} are not in transformers "
+            f"{transformers.__version__}; upgrade transformers"
+        )
     return transformers.AutoModel, "embed"
 
 
@@ -62,8 +64,9 @@ class HFModel:
         torch.set_default_dtype(dtype)
         try:
             with params_on_meta(), torch.device(device):
-                self.module: nn.Module = (cls.from_config(config) if hasattr(cls, "from_config")
-                                          else cls(config))
+                self.module: nn.Module = (
+                    cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
+                )
         finally:
             torch.set_default_dtype(previous)
         self.module.eval()

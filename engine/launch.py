@@ -31,16 +31,31 @@ def free_port() -> int:
 class EngineProcess:
     """One engine child; `ready` is its parsed "ready" log line once it serves."""
 
-    def __init__(self, args: Sequence[str], env: Mapping[str, str] | None = None,
-                 port: int | None = None) -> None:
+    def __init__(
+        self, args: Sequence[str], env: Mapping[str, str] | None = None, port: int | None = None
+    ) -> None:
         self.port = port if port is not None else free_port()
         child_env = dict(os.environ if env is None else env)
         child_env["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [str(REPO), child_env.get("PYTHONPATH")]))
+            filter(None, [str(REPO), child_env.get("PYTHONPATH")])
+        )
         self.started_at = time.perf_counter()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine", "--log-format", "json", "--port", str(self.port),
-             *args], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=child_env)
+            [
+                sys.executable,
+                "-m",
+                "engine",
+                "--log-format",
+                "json",
+                "--port",
+                str(self.port),
+                *args,
+            ],
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            env=child_env,
+        )
         self.lines: list[str] = []
         self.ready: dict[str, Any] | None = None
         self.ready_at = 0.0
@@ -75,8 +90,10 @@ class EngineProcess:
         """The "ready" event; raises with the child's last log lines if it never came."""
         self._changed.wait(timeout)
         if self.ready is None:
-            raise EngineError(f"engine on port {self.port} not ready after {timeout} s "
-                              f"(exit code {self.proc.poll()}):\n" + "".join(self.lines[-20:]))
+            raise EngineError(
+                f"engine on port {self.port} not ready after {timeout} s "
+                f"(exit code {self.proc.poll()}):\n" + "".join(self.lines[-20:])
+            )
         return self.ready
 
     def wait_exit(self, timeout: float = 30.0) -> int:

@@ -54,17 +54,33 @@ class Metrics:
         info = f'{{name="{name}",role="{role}",weights="{self.weights_source}"}}'
         metric("info", "gauge", "engine identity", [(info, 1)])
         metric("epoch", "gauge", "epoch this engine serves under", [("", epoch)])
-        metric("requests_total", "counter", "HTTP requests answered, by status code",
-               [(f'{{code="{c}"}}', n) for c, n in sorted(self.requests.items())] or [("", 0)])
+        metric(
+            "requests_total",
+            "counter",
+            "HTTP requests answered, by status code",
+            [(f'{{code="{c}"}}', n) for c, n in sorted(self.requests.items())] or [("", 0)],
+        )
         metric("in_flight", "gauge", "requests accepted and not finished", [("", in_flight)])
         metric("queued", "gauge", "requests waiting for the model", [("", queued)])
         metric("generated_tokens_total", "counter", "tokens generated", [("", self.tokens_total)])
-        metric("tokens_per_second", "gauge", f"tokens generated over the last {WINDOW_S:g} s",
-               [("", self.tokens_per_s())])
-        metric("attach_ms", "gauge", "time to attach (or load) the weights",
-               [("", self.phases.attach)])
+        metric(
+            "tokens_per_second",
+            "gauge",
+            f"tokens generated over the last {WINDOW_S:g} s",
+            [("", self.tokens_per_s())],
+        )
+        metric(
+            "attach_ms", "gauge", "time to attach (or load) the weights", [("", self.phases.attach)]
+        )
         metric("startup_ms", "gauge", "engine start to ready", [("", self.phases.total)])
-        metric("startup_phase_ms", "gauge", "startup time by phase",
-               [(f'{{phase="{k}"}}', v) for k, v in msgspec.structs.asdict(self.phases).items()
-                if k != "total"])
+        metric(
+            "startup_phase_ms",
+            "gauge",
+            "startup time by phase",
+            [
+                (f'{{phase="{k}"}}', v)
+                for k, v in msgspec.structs.asdict(self.phases).items()
+                if k != "total"
+            ],
+        )
         return "\n".join(lines) + "\n"

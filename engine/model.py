@@ -53,15 +53,18 @@ def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> 
 
 
 class Linear(nn.Module):
-    def __init__(self, rows: int, cols: int, dtype: torch.dtype, *, bias: bool = False,
-                 fp8: bool = False) -> None:
+    def __init__(
+        self, rows: int, cols: int, dtype: torch.dtype, *, bias: bool = False, fp8: bool = False
+    ) -> None:
         super().__init__()
         self.dtype = dtype
         self.weight = _meta(rows, cols, dtype=torch.float8_e4m3fn if fp8 else dtype)
         self.bias = _meta(rows, dtype=dtype) if bias else None
         self.weight_scale_inv = (
             _meta(math.ceil(rows / BLOCK), math.ceil(cols / BLOCK), dtype=torch.float32)
-            if fp8 else None)
+            if fp8
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w: torch.Tensor = self.weight
@@ -94,7 +97,8 @@ def inv_freq(args: ModelArgs) -> torch.Tensor:
     wavelen = 2 * math.pi / freq
     scaled = torch.where(wavelen > low_wl, freq / s.factor, freq)
     smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor)
+        s.high_freq_factor - s.low_freq_factor
+    )
     mid = (1 - smooth) * scaled / s.factor + smooth * scaled
     is_mid = (wavelen >= high_wl) & (wavelen <= low_wl)
     return torch.where(is_mid, mid, scaled)
@@ -110,7 +114,10 @@ class Attention(nn.Module):
     def __init__(self, a: ModelArgs, tp: TPGroup, dtype: torch.dtype, fp8: bool) -> None:
         super().__init__()
         self.tp, self.head_dim = tp, a.head_dim
-        self.heads, self.kv_heads = a.num_attention_heads // tp.size, a.num_key_value_heads // tp.size
+        self.heads, self.kv_heads = (
+            a.num_attention_heads // tp.size,
+            a.num_key_value_heads // tp.size,
+        )
         q, kv = self.heads * a.head_dim, self.kv_heads * a.head_dim
         bias = a.attention_bias
         self.q_proj = Linear(q, a.hidden_size, dtype, bias=bias, fp8=fp8)
@@ -118,8 +125,9 @@ class Attention(nn.Module):
         self.v_proj = Linear(kv, a.hidden_size, dtype, bias=bias, fp8=fp8)
         self.o_proj = Linear(a.hidden_size, q, dtype, fp8=fp8)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache, layer: int) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int
+    ) -> torch.Tensor:
         n = x.shape[0]
         q = rotate(self.q_proj(x).view(n, self.heads, self.head_dim).transpose(0, 1), cos, sin)
         k = rotate(self.k_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1), cos, sin)
@@ -154,8 +162,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.mlp = MLP(a, tp, dtype, fp8)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache, layer: int) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer)
         out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return out
@@ -180,21 +189,30 @@ class LlamaModel(nn.Module):
     def __init__(self, a: ModelArgs, tp: TPGroup, dtype: torch.dtype, fp8: bool) -> None:
         super().__init__()
         self.embed_tokens = Embedding(a.vocab_size, a.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(a, tp, dtype, fp8)
-                                    for _ in range(a.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(a, tp, dtype, fp8) for _ in range(a.num_hidden_layers)
+        )
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
 
 
 class LlamaForCausalLM(nn.Module):
     """HF-named decoder; `forward` returns full-vocab logits of the last position."""
 
-    def __init__(self, a: ModelArgs, tp: TPGroup, dtype: torch.dtype, *,
-                 fp8: bool = False, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        a: ModelArgs,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        *,
+        fp8: bool = False,
+        device: str = "cpu",
+    ) -> None:
         super().__init__()
         self.args, self.tp, self.dtype = a, tp, dtype
         self.model = LlamaModel(a, tp, dtype, fp8)
-        self.lm_head = (None if a.tie_word_embeddings
-                        else Linear(a.vocab_size // tp.size, a.hidden_size, dtype))
+        self.lm_head = (
+            None if a.tie_word_embeddings else Linear(a.vocab_size // tp.size, a.hidden_size, dtype)
+        )
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq(a).to(device), persistent=False)
 

@@ -51,8 +51,10 @@ def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling]:
     theta = float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
     kind = str(scaling.get("rope_type") or scaling.get("type") or "default")
     if kind not in ROPE_TYPES:
-        raise ModelConfigError(f"config.json rope_scaling type {kind!r} is not supported; "
-                               f"supported: {', '.join(ROPE_TYPES)}")
+        raise ModelConfigError(
+            f"config.json rope_scaling type {kind!r} is not supported; "
+            f"supported: {', '.join(ROPE_TYPES)}"
+        )
     keep = {k: v for k, v in scaling.items() if k in RopeScaling.__struct_fields__}
     keep["rope_type"] = kind
     return theta, msgspec.convert(keep, RopeScaling)
@@ -74,7 +76,8 @@ def parse(hf: dict[str, Any], model_dir: Path) -> ModelArgs:
     if arch not in ARCHITECTURES:
         raise ModelConfigError(
             f"{model_dir}/config.json architectures={archs!r}: the llama engine serves "
-            f"{', '.join(ARCHITECTURES)}; use --model-impl hf for other models")
+            f"{', '.join(ARCHITECTURES)}; use --model-impl hf for other models"
+        )
     try:
         heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
@@ -111,10 +114,15 @@ def read_model_args(model_dir: str | Path) -> ModelArgs:
 
 def check_tp(args: ModelArgs, tp: int) -> None:
     """Raise unless every sharded dimension divides evenly by the tensor-parallel size."""
-    dims = {"num_attention_heads": args.num_attention_heads,
-            "num_key_value_heads": args.num_key_value_heads,
-            "intermediate_size": args.intermediate_size, "vocab_size": args.vocab_size}
+    dims = {
+        "num_attention_heads": args.num_attention_heads,
+        "num_key_value_heads": args.num_key_value_heads,
+        "intermediate_size": args.intermediate_size,
+        "vocab_size": args.vocab_size,
+    }
     for name, value in dims.items():
         if value % tp:
-            raise ModelConfigError(f"config.json {name}={value} does not split over "
-                                   f"--world-size {tp}; pick a size that divides it")
+            raise ModelConfigError(
+                f"config.json {name}={value} does not split over "
+                f"--world-size {tp}; pick a size that divides it"
+            )

@@ -88,8 +88,14 @@ class Runner:
     @torch.inference_mode()
     def _generate(self, job: Job, on_step: OnStep | None) -> Generation:
         a = self.model.args
-        cache = KVCache(a.num_hidden_layers, a.num_key_value_heads // self.tp.size, a.head_dim,
-                        len(job.prompt) + job.max_tokens, self.model.dtype, self.device)
+        cache = KVCache(
+            a.num_hidden_layers,
+            a.num_key_value_heads // self.tp.size,
+            a.head_dim,
+            len(job.prompt) + job.max_tokens,
+            self.model.dtype,
+            self.device,
+        )
         ids = torch.tensor(job.prompt, dtype=torch.int64, device=self.device)
         steps: list[Step] = []
         reason = "length"

@@ -41,8 +41,16 @@ class Model(Protocol):
 
 
 class EngineServer:
-    def __init__(self, name: str, role: str, epoch: int, model: Model,
-                 tokenizer: Tokenizer | None, limits: api.Limits, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        name: str,
+        role: str,
+        epoch: int,
+        model: Model,
+        tokenizer: Tokenizer | None,
+        limits: api.Limits,
+        metrics: Metrics,
+    ) -> None:
         self.name, self.role, self.epoch = name, role, epoch
         self.model, self.tokenizer, self.limits, self.metrics = model, tokenizer, limits, metrics
         self.state = "starting"
@@ -145,8 +153,10 @@ class EngineServer:
         if self.state == "starting":
             raise Unavailable(f"engine {self.name} is still starting")
         if self.role == "standby":
-            raise Unavailable(f"engine {self.name} is a standby: it serves once promoted "
-                              f"(`supervisor promote {self.name}`)")
+            raise Unavailable(
+                f"engine {self.name} is a standby: it serves once promoted "
+                f"(`supervisor promote {self.name}`)"
+            )
         if self.model.kind != kind:
             what = "/v1/embeddings" if self.model.kind == "embed" else "/v1/completions"
             raise BadRequest(f"this model serves {what} only")
@@ -154,13 +164,24 @@ class EngineServer:
     # ---- handlers ----
     async def health(self, request: web.Request) -> web.Response:
         ok = self.state in ("ready", "serving")
-        body = {"name": self.name, "role": self.role, "epoch": self.epoch, "state": self.state,
-                "in_flight": self.in_flight, "weights": self.metrics.weights_source}
+        body = {
+            "name": self.name,
+            "role": self.role,
+            "epoch": self.epoch,
+            "state": self.state,
+            "in_flight": self.in_flight,
+            "weights": self.metrics.weights_source,
+        }
         return web.json_response(body, status=200 if ok else 503)
 
     async def metrics_text(self, request: web.Request) -> web.Response:
-        text = self.metrics.render(name=self.name, role=self.role, epoch=self.epoch,
-                                   in_flight=self.in_flight, queued=self.queued)
+        text = self.metrics.render(
+            name=self.name,
+            role=self.role,
+            epoch=self.epoch,
+            in_flight=self.in_flight,
+            queued=self.queued,
+        )
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -173,8 +194,12 @@ class EngineServer:
         t0 = time.perf_counter()
         gen: Generation = await self.call_model(self.model.run, job)
         self.metrics.add_tokens(len(gen.steps))
-        log.info("completion", prompt=len(prompt), tokens=len(gen.steps),
-                 ms=round((time.perf_counter() - t0) * 1e3, 1))
+        log.info(
+            "completion",
+            prompt=len(prompt),
+            tokens=len(gen.steps),
+            ms=round((time.perf_counter() - t0) * 1e3, 1),
+        )
         return web.json_response(self._completion(gen, req.logprobs is not None))
 
     async def _stream(self, request: web.Request, job: Job) -> web.StreamResponse:
@@ -188,8 +213,9 @@ class EngineServer:
         task.add_done_callback(lambda _: steps.put_nowait(None))
         self._streams.add(task)  # owned here until done, even if the client leaves
         task.add_done_callback(self._streams.discard)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         await resp.prepare(request)
         rid, done, text = _rid(), [], ""
         try:
@@ -212,28 +238,45 @@ class EngineServer:
         req = api.decode_body(await request.read(), api.EmbeddingRequest)
         batch = api.embedding_inputs(req, self.tokenizer, self.limits)
         vectors: list[list[float]] = await self.call_model(self.model.embed, batch)
-        data = [{"object": "embedding", "index": i, "embedding": v}
-                for i, v in enumerate(vectors)]
-        return web.json_response({"object": "list", "data": data, "model": self.name,
-                                  "usage": {"prompt_tokens": sum(map(len, batch))}})
+        data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
+        return web.json_response(
+            {
+                "object": "list",
+                "data": data,
+                "model": self.name,
+                "usage": {"prompt_tokens": sum(map(len, batch))},
+            }
+        )
 
     # ---- bodies ----
     def _delta(self, ids: list[int], before: str) -> tuple[str, str]:
         if self.tokenizer is None:
             return "", ""
         text = self.tokenizer.decode(ids)
-        return text[len(before):], text
+        return text[len(before) :], text
 
     def _completion(self, gen: Generation, with_logprobs: bool) -> dict[str, Any]:
         text = self.tokenizer.decode(gen.tokens) if self.tokenizer else ""
-        choice = {"index": 0, "text": text, "token_ids": gen.tokens,
-                  "logprobs": _logprobs(gen) if with_logprobs else None,
-                  "finish_reason": gen.finish_reason}
+        choice = {
+            "index": 0,
+            "text": text,
+            "token_ids": gen.tokens,
+            "logprobs": _logprobs(gen) if with_logprobs else None,
+            "finish_reason": gen.finish_reason,
+        }
         n = len(gen.steps)
-        return {"id": _rid(), "object": "text_completion", "created": int(time.time()),
-                "model": self.name, "choices": [choice],
-                "usage": {"prompt_tokens": gen.prompt_tokens, "completion_tokens": n,
-                          "total_tokens": gen.prompt_tokens + n}}
+        return {
+            "id": _rid(),
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.name,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": gen.prompt_tokens,
+                "completion_tokens": n,
+                "total_tokens": gen.prompt_tokens + n,
+            },
+        }
 
 
 def _rid() -> str:
@@ -245,14 +288,21 @@ def _error(status: int, message: str, kind: str) -> web.Response:
 
 
 def _logprobs(gen: Generation) -> dict[str, Any]:
-    return {"tokens": [str(s.token) for s in gen.steps],
-            "token_logprobs": [s.logprob for s in gen.steps],
-            "top_logprobs": [{str(t): lp for t, lp in s.top} for s in gen.steps]}
+    return {
+        "tokens": [str(s.token) for s in gen.steps],
+        "token_logprobs": [s.logprob for s in gen.steps],
+        "top_logprobs": [{str(t): lp for t, lp in s.top} for s in gen.steps],
+    }
 
 
 def _chunk(rid: str, model: str, text: str, ids: list[int], finish: str | None) -> dict[str, Any]:
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "token_ids": ids, "finish_reason": finish}]}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "token_ids": ids, "finish_reason": finish}],
+    }
 
 
 async def _sse(resp: web.StreamResponse, body: dict[str, Any]) -> None:

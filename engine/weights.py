@@ -30,11 +30,23 @@ def load_weights(module: torch.nn.Module, cfg: EngineConfig) -> AttachReport:
 
 
 def _attach(module: torch.nn.Module, cfg: EngineConfig) -> AttachReport:
-    config = make_config(cfg.model, dtype=cfg.dtype, tp_size=cfg.world_size, tp_rank=cfg.rank,
-                         quantization=cfg.quantization, device=cfg.device)
+    config = make_config(
+        cfg.model,
+        dtype=cfg.dtype,
+        tp_size=cfg.world_size,
+        tp_rank=cfg.rank,
+        quantization=cfg.quantization,
+        device=cfg.device,
+    )
     try:
-        report = attach_model(module, cfg.socket, config, model_dir=cfg.model,
-                              fallback=cfg.allow_disk_fallback, timeout=cfg.attach_timeout_s)
+        report = attach_model(
+            module,
+            cfg.socket,
+            config,
+            model_dir=cfg.model,
+            fallback=cfg.allow_disk_fallback,
+            timeout=cfg.attach_timeout_s,
+        )
     except DaemonUnavailable as e:
         raise WeightsError(
             f"no daemon answers on {cfg.socket} ({e}); start `cachedaemon serve` for rank "
@@ -44,7 +56,8 @@ def _attach(module: torch.nn.Module, cfg: EngineConfig) -> AttachReport:
         raise WeightsError(
             f"the daemon on {cfg.socket} serves a pool built for another config (fields: "
             f"{', '.join(e.fields)}); match --dtype/--quantization/--world-size to the "
-            "daemon's, or pass --allow-disk-fallback") from e
+            "daemon's, or pass --allow-disk-fallback"
+        ) from e
     if report.source == "disk":
         log.warning("attach fell back to disk", socket=cfg.socket, reason=report.fallback_reason)
     return report
@@ -53,7 +66,13 @@ def _attach(module: torch.nn.Module, cfg: EngineConfig) -> AttachReport:
 def load_from_disk(module: torch.nn.Module, cfg: EngineConfig) -> AttachReport:
     """The daemon's transforms (dtype, TP shard, quantization), into this process's memory."""
     t0 = time.perf_counter()
-    state = load_state_dict(cfg.model, dtype=cfg.dtype, tp_size=cfg.world_size,
-                            tp_rank=cfg.rank, quantization=cfg.quantization, device=cfg.device)
+    state = load_state_dict(
+        cfg.model,
+        dtype=cfg.dtype,
+        tp_size=cfg.world_size,
+        tp_rank=cfg.rank,
+        quantization=cfg.quantization,
+        device=cfg.device,
+    )
     nbytes = assign(module, state)
     return AttachReport("disk", (time.perf_counter() - t0) * 1e3, len(state), nbytes)

@@ -85,9 +85,16 @@ class Router:
 @pytest.fixture
 def supervised(tiny_model: Path, tmp_path: Path) -> Iterator[tuple[EngineProcess, Router]]:
     router = Router(f"ipc://{tmp_path}/agents")
-    env = dict(os.environ, HOLDFAST_AGENT=router.endpoint, HOLDFAST_NAME="sb",
-               HOLDFAST_ROLE="standby", HOLDFAST_EPOCH="3", HOLDFAST_MODEL=str(tiny_model),
-               HOLDFAST_HEARTBEAT_MS=str(BEAT_MS), HOLDFAST_DTYPE="float32")
+    env = dict(
+        os.environ,
+        HOLDFAST_AGENT=router.endpoint,
+        HOLDFAST_NAME="sb",
+        HOLDFAST_ROLE="standby",
+        HOLDFAST_EPOCH="3",
+        HOLDFAST_MODEL=str(tiny_model),
+        HOLDFAST_HEARTBEAT_MS=str(BEAT_MS),
+        HOLDFAST_DTYPE="float32",
+    )
     engine = EngineProcess(["--allow-disk-fallback"], env=env)
     try:
         engine.wait_ready()
@@ -97,8 +104,7 @@ def supervised(tiny_model: Path, tmp_path: Path) -> Iterator[tuple[EngineProcess
         router.close()
 
 
-def test_standby_promote_heartbeats_and_sigterm(
-        supervised: tuple[EngineProcess, Router]) -> None:
+def test_standby_promote_heartbeats_and_sigterm(supervised: tuple[EngineProcess, Router]) -> None:
     engine, router = supervised
     hello = router.wait_for(lambda m: isinstance(m, Hello))
     assert (hello.name, hello.role, hello.epoch, hello.port) == ("sb", "standby", 3, engine.port)
@@ -121,8 +127,9 @@ def test_standby_promote_heartbeats_and_sigterm(
     assert status == 200 and len(body["choices"][0]["token_ids"]) == 500
     assert t1 - t0 > 0.3, "the long request was too short to say anything about heartbeats"
     beats = [t for t, m in router.got if isinstance(m, Heartbeat) and t0 <= t <= t1]
-    busy = [m for t, m in router.got if isinstance(m, Heartbeat) and t0 <= t <= t1
-            and m.in_flight == 1]
+    busy = [
+        m for t, m in router.got if isinstance(m, Heartbeat) and t0 <= t <= t1 and m.in_flight == 1
+    ]
     print(f"long request {t1 - t0:.2f} s, {len(beats)} heartbeats")
     assert busy, "no heartbeat reported the request in flight"
     gaps = [b - a for a, b in zip([t0, *beats], [*beats, t1], strict=True)]

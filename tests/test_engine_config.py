@@ -11,18 +11,34 @@ from engine.config import EngineConfig, from_args
 from engine.errors import EngineError
 from engine.launch import REPO
 
-ENV = {"HOLDFAST_MODEL": "/models/m", "HOLDFAST_NAME": "e1", "HOLDFAST_ROLE": "standby",
-       "HOLDFAST_PORT": "9001", "HOLDFAST_EPOCH": "7", "HOLDFAST_AGENT": "ipc:///run/agents",
-       "HOLDFAST_DAEMONS": "/run/daemon-0.sock,/run/daemon-1.sock", "HOLDFAST_RANK": "1",
-       "HOLDFAST_WORLD_SIZE": "2", "HOLDFAST_DTYPE": "float16"}
+ENV = {
+    "HOLDFAST_MODEL": "/models/m",
+    "HOLDFAST_NAME": "e1",
+    "HOLDFAST_ROLE": "standby",
+    "HOLDFAST_PORT": "9001",
+    "HOLDFAST_EPOCH": "7",
+    "HOLDFAST_AGENT": "ipc:///run/agents",
+    "HOLDFAST_DAEMONS": "/run/daemon-0.sock,/run/daemon-1.sock",
+    "HOLDFAST_RANK": "1",
+    "HOLDFAST_WORLD_SIZE": "2",
+    "HOLDFAST_DTYPE": "float16",
+}
 
 
 def test_the_supervisor_environment_is_read_whole() -> None:
     cfg = from_args([], ENV)
-    assert cfg == EngineConfig(model="/models/m", name="e1", role="standby", port=9001, epoch=7,
-                               agent="ipc:///run/agents", rank=1, world_size=2,
-                               daemons=("/run/daemon-0.sock", "/run/daemon-1.sock"),
-                               dtype="float16")
+    assert cfg == EngineConfig(
+        model="/models/m",
+        name="e1",
+        role="standby",
+        port=9001,
+        epoch=7,
+        agent="ipc:///run/agents",
+        rank=1,
+        world_size=2,
+        daemons=("/run/daemon-0.sock", "/run/daemon-1.sock"),
+        dtype="float16",
+    )
     assert cfg.socket == "/run/daemon-1.sock"
 
 
@@ -31,25 +47,39 @@ def test_flags_win_over_the_environment() -> None:
     assert (cfg.port, cfg.role, cfg.epoch, cfg.name) == (9100, "batch", 9, "e1")
 
 
-@pytest.mark.parametrize(("argv", "env", "message"), [
-    ([], {}, "pass --model DIR or set HOLDFAST_MODEL"),
-    (["--model", "m"], {}, "pass --daemons SOCK"),
-    ([], {**ENV, "HOLDFAST_ROLE": "leader"}, "--role/HOLDFAST_ROLE 'leader' is not one of"),
-    ([], {**ENV, "HOLDFAST_PORT": "http"}, "HOLDFAST_PORT='http' is not a valid int"),
-    ([], {**ENV, "HOLDFAST_WORLD_SIZE": "4"}, "names 2 sockets; give one per rank (4)"),
-    (["--quantization", "int4"], ENV, "--quantization/HOLDFAST_QUANTIZATION 'int4'"),
-    (["--model-impl", "hf"], ENV, "--model-impl hf serves at --world-size 1 only"),
-])
-def test_bad_settings_name_what_to_change(argv: list[str], env: dict[str, str],
-                                          message: str) -> None:
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        ([], {}, "pass --model DIR or set HOLDFAST_MODEL"),
+        (["--model", "m"], {}, "pass --daemons SOCK"),
+        ([], {**ENV, "HOLDFAST_ROLE": "leader"}, "--role/HOLDFAST_ROLE 'leader' is not one of"),
+        ([], {**ENV, "HOLDFAST_PORT": "http"}, "HOLDFAST_PORT='http' is not a valid int"),
+        ([], {**ENV, "HOLDFAST_WORLD_SIZE": "4"}, "names 2 sockets; give one per rank (4)"),
+        (["--quantization", "int4"], ENV, "--quantization/HOLDFAST_QUANTIZATION 'int4'"),
+        (["--model-impl", "hf"], ENV, "--model-impl hf serves at --world-size 1 only"),
+    ],
+)
+def test_bad_settings_name_what_to_change(
+    argv: list[str], env: dict[str, str], message: str
+) -> None:
     with pytest.raises(EngineError, match=message.replace("(", r"\(").replace(")", r"\)")):
         from_args(argv, env)
 
 
 def test_help_has_an_example_and_bad_settings_exit_2() -> None:
-    out = subprocess.run([sys.executable, "-m", "engine", "--help"], cwd=REPO,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "engine", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0 and "example:" in out.stdout and "python -m engine" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "engine", "--model", "/nowhere"], cwd=REPO,
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "engine", "--model", "/nowhere"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "--allow-disk-fallback" in bad.stderr

@@ -25,8 +25,9 @@ def build(model_dir: Path, *, quantization: str = "none") -> LlamaForCausalLM:
 
 def cache_for(model: LlamaForCausalLM, capacity: int = 64) -> KVCache:
     a = model.args
-    return KVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, capacity,
-                   torch.float32, "cpu")
+    return KVCache(
+        a.num_hidden_layers, a.num_key_value_heads, a.head_dim, capacity, torch.float32, "cpu"
+    )
 
 
 @torch.inference_mode()
@@ -74,13 +75,27 @@ def test_tp_size_that_does_not_divide_heads_is_refused(tiny_model: Path) -> None
 @torch.inference_mode()
 def test_logits_equal_transformers(arch: str, tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                  max_position_embeddings=128)
+    common = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=128,
+    )
     if arch == "llama":  # untied head, Llama 3 rope scaling
-        config = transformers.LlamaConfig(**common, tie_word_embeddings=False, rope_scaling={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+        config = transformers.LlamaConfig(
+            **common,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        )
         cls = transformers.LlamaForCausalLM
     else:  # q/k/v biases, tied head
         config = transformers.Qwen2Config(**common, tie_word_embeddings=True)

@@ -17,8 +17,11 @@ from engine.launch import EngineProcess, free_port
 PROMPTS = [[1, 2, 3], [200, 17, 5, 9, 77, 3, 12], [42]]
 
 
-def post(url: str, body: bytes | dict[str, Any], path: str = "/v1/completions",
-         ) -> tuple[int, dict[str, str], Any]:
+def post(
+    url: str,
+    body: bytes | dict[str, Any],
+    path: str = "/v1/completions",
+) -> tuple[int, dict[str, str], Any]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(url + path, data=data, method="POST")
     try:
@@ -37,24 +40,50 @@ def complete(url: str, prompt: list[int], **extra: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
-            ) -> Iterator[dict[str, EngineProcess]]:
+def engines(
+    tiny_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, EngineProcess]]:
     run = tmp_path_factory.mktemp("run")
-    daemon = DaemonProc(["serve", "--model", str(tiny_model), "--runtime-dir", str(run),
-                         "--dtype", "float32"])
+    daemon = DaemonProc(
+        ["serve", "--model", str(tiny_model), "--runtime-dir", str(run), "--dtype", "float32"]
+    )
     common = ["--model", str(tiny_model), "--dtype", "float32"]
     dist = f"tcp://127.0.0.1:{free_port()}"
     procs = {
         "disk": EngineProcess([*common, "--allow-disk-fallback", "--name", "disk"]),
-        "tp0": EngineProcess([*common, "--allow-disk-fallback", "--world-size", "2",
-                              "--rank", "0", "--dist-init", dist, "--name", "tp"]),
-        "tp1": EngineProcess([*common, "--allow-disk-fallback", "--world-size", "2",
-                              "--rank", "1", "--dist-init", dist]),
+        "tp0": EngineProcess(
+            [
+                *common,
+                "--allow-disk-fallback",
+                "--world-size",
+                "2",
+                "--rank",
+                "0",
+                "--dist-init",
+                dist,
+                "--name",
+                "tp",
+            ]
+        ),
+        "tp1": EngineProcess(
+            [
+                *common,
+                "--allow-disk-fallback",
+                "--world-size",
+                "2",
+                "--rank",
+                "1",
+                "--dist-init",
+                dist,
+            ]
+        ),
     }
     try:
         daemon.wait_serving()
-        procs["attached"] = EngineProcess([*common, "--daemons", str(run / "daemon-0.sock"),
-                                           "--name", "attached"])
+        procs["attached"] = EngineProcess(
+            [*common, "--daemons", str(run / "daemon-0.sock"), "--name", "attached"]
+        )
         for p in procs.values():
             p.wait_ready()
         yield procs
@@ -65,7 +94,8 @@ def engines(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
 
 
 def test_attached_engine_generates_the_same_tokens_as_disk(
-        engines: dict[str, EngineProcess]) -> None:
+    engines: dict[str, EngineProcess],
+) -> None:
     assert engines["attached"].ready is not None
     assert engines["attached"].ready["weights"] == "daemon"
     assert engines["disk"].ready is not None and engines["disk"].ready["weights"] == "disk"
@@ -78,14 +108,16 @@ def test_attached_engine_generates_the_same_tokens_as_disk(
 
 def test_streamed_tokens_equal_the_whole_completion(engines: dict[str, EngineProcess]) -> None:
     url = engines["attached"].url
-    status, headers, text = post(url, {"prompt_token_ids": PROMPTS[1], "max_tokens": 12,
-                                       "stream": True, "ignore_eos": True})
+    status, headers, text = post(
+        url, {"prompt_token_ids": PROMPTS[1], "max_tokens": 12, "stream": True, "ignore_eos": True}
+    )
     assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
-    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
     assert [t for c in chunks for t in c["token_ids"]] == complete(
-        url, PROMPTS[1], ignore_eos=True)["token_ids"]
+        url, PROMPTS[1], ignore_eos=True
+    )["token_ids"]
     assert chunks[-1]["finish_reason"] == "length"
 
 
@@ -95,9 +127,11 @@ def test_tp2_gives_the_same_tokens_and_close_logprobs(engines: dict[str, EngineP
         want = complete(engines["disk"].url, prompt, logprobs=5, ignore_eos=True)
         assert got["token_ids"] == want["token_ids"]
         assert got["logprobs"]["token_logprobs"] == pytest.approx(
-            want["logprobs"]["token_logprobs"], abs=1e-4)
-        for g, w in zip(got["logprobs"]["top_logprobs"], want["logprobs"]["top_logprobs"],
-                        strict=True):
+            want["logprobs"]["token_logprobs"], abs=1e-4
+        )
+        for g, w in zip(
+            got["logprobs"]["top_logprobs"], want["logprobs"]["top_logprobs"], strict=True
+        ):
             assert g.keys() == w.keys()
             assert list(g.values()) == pytest.approx(list(w.values()), abs=1e-4)
 
@@ -124,7 +158,8 @@ BAD = [
 
 @pytest.mark.parametrize(("body", "message"), BAD)
 def test_bad_requests_get_400_and_the_engine_keeps_serving(
-        engines: dict[str, EngineProcess], body: bytes | dict[str, Any], message: str) -> None:
+    engines: dict[str, EngineProcess], body: bytes | dict[str, Any], message: str
+) -> None:
     url = engines["disk"].url
     status, _, reply = post(url, body)
     assert status == 400
