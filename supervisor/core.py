@@ -112,6 +112,8 @@ class Cluster:
                           detail=msg.detail)
 
     def on_ack(self, msg: Ack) -> None:
+        if msg.command == "promote":
+            self.view.ack(msg.name)
         if not msg.ok:
             self.bus.emit("engine", msg.name, "command-failed", self.epoch,
                           command=msg.command, detail=msg.detail)
@@ -190,8 +192,8 @@ class Cluster:
         self.epoch += 1
         s.role = s.state = "primary"
         self.primary = s
-        self.view.set(Target(s.name, s.port, self.epoch))
         told = self.hub.send(s.name, Promote(epoch=self.epoch)) if self.hub else False
+        self.view.set(Target(s.name, s.port, self.epoch), await_ack=told)
         self.publish(s, "promoted", previous=old, cause=cause, told=told, silent_ms=silent_ms,
                      promote_ms=round((time.monotonic() - t_detect) * 1000, 3))
 

@@ -8,6 +8,7 @@ request that arrives while no primary serves waits for one within the same deadl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -33,16 +34,36 @@ class Target:
 
 
 class PrimaryView:
-    """The current primary, and a way to wait for the next one."""
+    """The current primary, whether it acknowledged its promotion, and the next one."""
+
+    ACK_WAIT_S = 1.0  # forward anyway if an engine does not acknowledge by then
 
     def __init__(self) -> None:
         self.target: Target | None = None
         self._changed = asyncio.Event()
+        self._acked = asyncio.Event()
 
-    def set(self, target: Target | None) -> None:
+    def set(self, target: Target | None, *, await_ack: bool = False) -> None:
+        """Route to `target`; with `await_ack`, hold requests until `ack(name)` (bounded)."""
         self.target = target
+        self._acked = asyncio.Event()
+        if not await_ack:
+            self._acked.set()
         self._changed.set()
         self._changed = asyncio.Event()
+
+    def ack(self, name: str) -> None:
+        if self.target is not None and self.target.name == name:
+            self._acked.set()
+
+    async def acked(self, deadline: float) -> None:
+        """Wait until the current primary took its promotion, at most ACK_WAIT_S."""
+        left = min(deadline - time.monotonic(), self.ACK_WAIT_S)
+        if self._acked.is_set() or left <= 0:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(left):
+                await self._acked.wait()
 
     async def next_after(self, epoch: int, deadline: float) -> Target | None:
         """A primary of an epoch later than `epoch`, or None at the deadline."""
@@ -95,6 +116,8 @@ class Router:
         for attempt in range(attempts):
             if target is None:
                 break
+            await self.view.acked(deadline)
+            target = self.view.target or target
             try:
                 return await self._forward(request, body, target)
             except UPSTREAM_ERRORS as e:
