@@ -93,17 +93,33 @@ class DaemonProc:
         self.exited.wait(5)
 
 
-@pytest.fixture
-def start_daemon() -> Iterator[object]:
-    procs: list[DaemonProc] = []
+class Daemons:
+    """Starts daemons; stops every one it started."""
 
-    def start(model: Path, run_dir: Path, *extra: str, wait: bool = True) -> DaemonProc:
+    def __init__(self) -> None:
+        self.procs: list[DaemonProc] = []
+
+    def __call__(self, model: Path, run_dir: Path, *extra: str, wait: bool = True) -> DaemonProc:
         d = DaemonProc(["serve", "--model", str(model), "--runtime-dir", str(run_dir), *extra])
-        procs.append(d)
+        self.procs.append(d)
         if wait:
             d.wait_serving()
         return d
 
-    yield start
-    for d in procs:
-        d.stop()
+    def stop_all(self) -> None:
+        for d in self.procs:
+            d.stop()
+
+
+@pytest.fixture
+def start_daemon() -> Iterator[Daemons]:
+    daemons = Daemons()
+    yield daemons
+    daemons.stop_all()
+
+
+@pytest.fixture(scope="module")
+def module_daemons() -> Iterator[Daemons]:
+    daemons = Daemons()
+    yield daemons
+    daemons.stop_all()

@@ -32,10 +32,11 @@ def meta_module(
     return root
 
 
-@pytest.fixture
-def served(tiny_model: Path, tmp_path: Path, start_daemon: Any) -> Path:
-    start_daemon(tiny_model, tmp_path / "run")
-    return tmp_path / "run" / "daemon-0.sock"
+@pytest.fixture(scope="module")
+def served(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, module_daemons: Any) -> Path:
+    run = tmp_path_factory.mktemp("attach") / "run"
+    module_daemons(tiny_model, run)
+    return run / "daemon-0.sock"
 
 
 def test_attach_model_replaces_every_parameter_with_pool_views(
