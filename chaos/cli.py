@@ -43,6 +43,20 @@ def _parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _run_arguments(run_p)
+    val_p = sub.add_parser(
+        "validate",
+        help="check a scenario and its policies, start nothing",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    val_p.add_argument("scenario", type=Path)
+    val_p.add_argument("--policy", type=Path)
+    sub.add_parser("kinds", help="list fault kinds, metrics and statistics")
+    return parser
+
+
+def _run_arguments(run_p: argparse.ArgumentParser) -> None:
     run_p.add_argument("scenario", type=Path, help="scenario YAML (see chaos/scenarios/)")
     run_p.add_argument(
         "--policy", type=Path, help="policy YAML for every stage, instead of the scenario's own"
@@ -64,16 +78,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     run_p.add_argument("--no-progress", action="store_true", help="no progress bar")
     run_p.add_argument("-v", "--verbose", action="store_true", help="log every fault and event")
-    val_p = sub.add_parser(
-        "validate",
-        help="check a scenario and its policies, start nothing",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    val_p.add_argument("scenario", type=Path)
-    val_p.add_argument("--policy", type=Path)
-    sub.add_parser("kinds", help="list fault kinds, metrics and statistics")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,30 +77,12 @@ def recovery(path: Path, trials: Sequence[TrialRow]) -> None:
     rng = random.Random(0)
     for axis, metric in zip(axes, metrics, strict=True):
         for y, fault in enumerate(faults):
-            data = [getattr(t, metric) for t in trials if t.fault == fault]
-            points = [max(v, 0.01) for v in data if v is not None]
-            if points:
-                axis.boxplot(
-                    points, positions=[y], orientation="horizontal", widths=0.5, showfliers=False
-                )
-                axis.scatter(
-                    points,
-                    [y + rng.uniform(-0.15, 0.15) for _ in points],
-                    s=10,
-                    alpha=0.7,
-                    color="tab:orange",
-                    zorder=3,
-                )
-            missing = sum(1 for v in data if v is None) if expected(metric, fault) else 0
-            if missing:
+            _distribution(axis, y, [getattr(t, metric) for t in trials if t.fault == fault], rng)
+            missing = sum(1 for t in trials if t.fault == fault and getattr(t, metric) is None)
+            if missing and expected(metric, fault):
                 axis.annotate(
-                    f"{missing} timeout",
-                    (1.0, y),
-                    xycoords=("axes fraction", "data"),
-                    ha="right",
-                    va="center",
-                    color="tab:red",
-                    fontsize=7,
+                    f"{missing} timeout", (1.0, y), xycoords=("axes fraction", "data"),
+                    ha="right", va="center", color="tab:red", fontsize=7,
                 )
         axis.set_xscale("log")
         axis.set_xlabel(f"{metric} (log scale)")
@@ -110,6 +92,16 @@ def recovery(path: Path, trials: Sequence[TrialRow]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _distribution(axis: Axes, y: int, data: list[float | None], rng: random.Random) -> None:
+    """A box and the jittered points of one fault's measurements, on row `y`."""
+    points = [max(v, 0.01) for v in data if v is not None]
+    if not points:
+        return
+    axis.boxplot(points, positions=[y], orientation="horizontal", widths=0.5, showfliers=False)
+    jitter = [y + rng.uniform(-0.15, 0.15) for _ in points]
+    axis.scatter(points, jitter, s=10, alpha=0.7, color="tab:orange", zorder=3)
 
 
 def _colors(trials: Sequence[TrialRow]) -> dict[str, str]:

@@ -117,16 +117,22 @@ async def _stage(
             broker = None if opts.attach else await stack.enter_async_context(OwnBroker(workdir))
             sup = await stack.enter_async_context(_supervisor(plan, stage, opts, workdir, broker))
             await _drive(plan, stage, faults, sup, broker, got, progress)
-            children = sup.children()
-            await sup.stop()
-            left = await wait_gone(children, 10.0)
-            got.lingering_after_stop += len(left)
-            if left:
-                got.notes.append(f"{len(left)} processes outlived a clean supervisor stop")
+            if not sup.attached:  # an attached supervisor is left running, as found
+                await _stop_and_count(sup, got)
     finally:
         if (workdir / "supervisor.log").exists():
             shutil.copy2(workdir / "supervisor.log", stage_out)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+async def _stop_and_count(sup: Supervisor, got: Collected) -> None:
+    """Stop the supervisor cleanly; every child it had must be gone soon after."""
+    children = sup.children()
+    await sup.stop()
+    left = await wait_gone(children, 10.0)
+    got.lingering_after_stop += len(left)
+    if left:
+        got.notes.append(f"{len(left)} processes outlived a clean supervisor stop")
 
 
 def _supervisor(
