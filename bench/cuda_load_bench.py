@@ -288,6 +288,10 @@ def main() -> None:
     parser.add_argument(
         "--only", choices=["llama-8b", "moe"], action="append", help="presets to run"
     )
+    parser.add_argument(
+        "--no-baselines", action="store_true", help="skip raw and safetensors reads"
+    )
+    parser.add_argument("--workers", type=int, action="append", help="parallel fill threads (8)")
     args = parser.parse_args()
     presets = args.only or ["moe", "llama-8b"]
     result: dict[str, Any] = {
