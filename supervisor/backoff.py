@@ -11,9 +11,14 @@ import collections
 import time
 from typing import Any
 
-from tenacity import RetryCallState, Retrying, wait_exponential_jitter
+from tenacity import RetryCallState, Retrying, wait_exponential, wait_random
 
 from supervisor.policy import RestartSpec
+
+
+def backoff_wait(initial: float, cap: float, base: float, jitter: float) -> Any:
+    """initial * base**(n-1), capped at `cap`, plus up to `jitter` seconds at random."""
+    return wait_exponential(multiplier=initial, max=cap, exp_base=base) + wait_random(0, jitter)
 
 
 def delay_for(wait: Any, attempt: int) -> float:
@@ -28,8 +33,7 @@ class RestartBook:
         self.spec = spec
         self.times: collections.deque[float] = collections.deque()
         self.total = 0
-        self._wait = wait_exponential_jitter(initial=spec.initial_s, max=spec.max_s,
-                                             exp_base=spec.multiplier, jitter=spec.jitter_s)
+        self._wait = backoff_wait(spec.initial_s, spec.max_s, spec.multiplier, spec.jitter_s)
 
     def recent(self, now: float | None = None) -> int:
         now = time.monotonic() if now is None else now
@@ -44,8 +48,8 @@ class RestartBook:
         self.total += 1
         return self.recent(now) > self.spec.max_restarts
 
-    def delay(self) -> float:
-        return delay_for(self._wait, self.recent())
+    def delay(self, now: float | None = None) -> float:
+        return delay_for(self._wait, self.recent(now))
 
     def reset(self) -> None:
         self.times.clear()

@@ -14,9 +14,8 @@ from typing import NamedTuple
 
 import aiomqtt
 import structlog
-from tenacity import wait_exponential_jitter
 
-from supervisor.backoff import delay_for
+from supervisor.backoff import backoff_wait, delay_for
 from supervisor.policy import MqttSpec
 
 log = structlog.get_logger("supervisor.mqtt")
@@ -42,7 +41,7 @@ class MqttPublisher:
         self.dropped = 0
         self.published = 0
         self.connected = False
-        self._wait = wait_exponential_jitter(initial=0.1, max=2.0, exp_base=2, jitter=0.1)
+        self._wait = backoff_wait(0.1, 2.0, 2.0, 0.1)
 
     def offer(self, topic: str, payload: bytes, *, qos: int = 0, retain: bool = False) -> None:
         msg = Outgoing(topic, payload, qos, retain)
