@@ -20,7 +20,7 @@ import yaml
 
 from chaos.broker import free_port
 from chaos.errors import ClusterError
-from chaos.procs import ProcRef, descendants
+from chaos.procs import ProcRef, descendants, wait_gone
 from supervisor.errors import PolicyError
 from supervisor.policy import MqttSpec, Policy, load_policy, split_listen
 
@@ -181,11 +181,14 @@ class Supervisor:
         self.proc = None
         return ref
 
-    async def stop(self, grace: float = 10.0) -> int | None:
-        """SIGTERM, wait `grace`, then SIGKILL the whole session; returns the exit code."""
+    async def stop(self, grace: float = 10.0) -> list[ProcRef]:
+        """SIGTERM, wait `grace`, then SIGKILL; then SIGKILL every child that outlived it.
+
+        Returns the children that had to be killed (a clean stop leaves none)."""
         proc, self.proc = self.proc, None
         if proc is None:
-            return None
+            return []
+        children = descendants(proc.pid)
         if proc.returncode is None:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -194,7 +197,12 @@ class Supervisor:
                 log.warning("supervisor_stop_timeout", pid=proc.pid, grace_s=grace)
                 proc.kill()
                 await proc.wait()
-        return proc.returncode
+        left = await wait_gone(children, grace)
+        for ref in left:
+            log.error("lingering_child", pid=ref.pid, name=ref.env("HOLDFAST_NAME"))
+            ref.signal(signal.SIGKILL)
+        await wait_gone(left, grace)
+        return left
 
 
 def describe_exit(sup: Supervisor, started: float) -> str:
