@@ -21,6 +21,7 @@ from chaos.scenario import FaultSpec, Scenario
 log = structlog.get_logger("chaos.trial")
 
 WAKE_S = 0.25  # re-read /cluster at least this often while waiting for the pool
+EVENT_GRACE_S = 1.0  # after recovery, how long events already emitted may take to arrive
 
 
 class Harness(msgspec.Struct):
@@ -75,6 +76,12 @@ async def run_trial(h: Harness, index: int, fault: FaultSpec) -> TrialRow:
             limit = min(sc.detect_timeout_s, deadline - time.monotonic())
             await asyncio.wait([detected], timeout=max(limit, 0.0))
         note = await _recovered(h, injection, deadline)
+        # /cluster may show the new pool a moment before its events arrive over zmq.
+        due = [detected] if expected("detection_ms", fault.kind) else []
+        due += [promoted] if fault.kind in PRIMARY_FAULTS else []
+        if due:
+            grace = min(EVENT_GRACE_S, deadline - time.monotonic())
+            await asyncio.wait(due, timeout=max(grace, 0.0))
         for task in (detected, promoted):
             if not task.done():
                 task.cancel()
