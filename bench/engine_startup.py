@@ -219,6 +219,13 @@ def main() -> int:
         f"{m}_over_attach": round(summary[m]["ready_s_median"] / attach, 2)
         for m in ("disk_warm", "disk_cold")
     }
+    weights_s = summary["attach"]["phases_s_median"]["attach"]
+    ratios |= {
+        f"weights_phase_{m}_over_attach": round(
+            summary[m]["phases_s_median"]["attach"] / weights_s, 1
+        )
+        for m in ("disk_warm", "disk_cold")
+    }
     bars = {
         "attach_ready_under_3s": attach < BAR_READY_S,
         "cold_disk_at_least_4x_slower": ratios["disk_cold_over_attach"] >= BAR_RATIO,
