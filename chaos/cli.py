@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from chaos.checks import RUN_METRICS, STATS, TRIAL_METRICS
 from chaos.errors import ChaosError
 from chaos.report import Results
 from chaos.runner import RunOptions, preflight, run
-from chaos.scenario import FAULT_KINDS, load_scenario
+from chaos.scenario import FAULT_KINDS, Plan, load_scenario
 
 EPILOG = """\
 examples:
@@ -104,12 +105,27 @@ def main(argv: list[str] | None = None) -> int:
     except ChaosError as exc:
         print(f"chaos: {exc}", file=sys.stderr)
         return 2
-    results, interrupted = asyncio.run(run(plan, opts))
+    results, interrupted = asyncio.run(_until_signalled(plan, opts))
     _summary(results, args.out)
     if interrupted:
         return 130
     passed = results.meta.complete and all(c.passed for c in results.checks)
     return 0 if passed else 1
+
+
+async def _until_signalled(plan: Plan, opts: RunOptions) -> tuple[Results, bool]:
+    """SIGINT (Ctrl-C, even where a shell started us with it ignored) and SIGTERM stop the
+    faults and the load; the run still stops every process and writes its partial report."""
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        return await run(plan, opts)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
 
 
 def _summary(results: Results, out: Path) -> None:
