@@ -81,8 +81,13 @@ def recovery(path: Path, trials: Sequence[TrialRow]) -> None:
             missing = sum(1 for t in trials if t.fault == fault and getattr(t, metric) is None)
             if missing and expected(metric, fault):
                 axis.annotate(
-                    f"{missing} timeout", (1.0, y), xycoords=("axes fraction", "data"),
-                    ha="right", va="center", color="tab:red", fontsize=7,
+                    f"{missing} timeout",
+                    (1.0, y),
+                    xycoords=("axes fraction", "data"),
+                    ha="right",
+                    va="center",
+                    color="tab:red",
+                    fontsize=7,
                 )
         axis.set_xscale("log")
         axis.set_xlabel(f"{metric} (log scale)")

@@ -21,15 +21,27 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
 def _chaos(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "chaos", *args], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "chaos", *args],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
-def _scenario(tmp_path: Path, kind: str = "kill-primary", check: str = "failed_requests == 0",
-              policy: str = str(SCENARIOS / "policy-cpu.yaml")) -> Path:
+def _scenario(
+    tmp_path: Path,
+    kind: str = "kill-primary",
+    check: str = "failed_requests == 0",
+    policy: str = str(SCENARIOS / "policy-cpu.yaml"),
+) -> Path:
     path = tmp_path / "s.yaml"
-    path.write_text(f"name: t\nstages:\n  - name: main\n    policy: {policy}\n    faults:\n"
-                    f"      - kind: {kind}\nchecks:\n  - \"{check}\"\n")
+    path.write_text(
+        f"name: t\nstages:\n  - name: main\n    policy: {policy}\n    faults:\n"
+        f'      - kind: {kind}\nchecks:\n  - "{check}"\n'
+    )
     return path
 
 
@@ -39,8 +51,9 @@ def test_help_has_an_example() -> None:
 
 
 def test_unknown_fault_kind_exits_2_naming_the_valid_ones(tmp_path: Path) -> None:
-    done = _chaos("run", str(_scenario(tmp_path, kind="kill-everything")), "--out",
-                  str(tmp_path / "out"))
+    done = _chaos(
+        "run", str(_scenario(tmp_path, kind="kill-everything")), "--out", str(tmp_path / "out")
+    )
     assert done.returncode == 2
     assert "unknown fault kind 'kill-everything'" in done.stderr and "stop-primary" in done.stderr
     assert not (tmp_path / "out").exists()  # nothing started, nothing written
@@ -68,10 +81,27 @@ def test_ctrl_c_writes_a_partial_report_and_leaves_no_process(tmp_path: Path) ->
     out = tmp_path / "out"
     scenario = SCENARIOS / "primary.yaml"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "chaos", "run", str(scenario), "--policy",
-         str(SCENARIOS / "policy-broken.yaml"), "--trials", "5", "--out", str(out), "-v",
-         "--no-progress"], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "chaos",
+            "run",
+            str(scenario),
+            "--policy",
+            str(SCENARIOS / "policy-broken.yaml"),
+            "--trials",
+            "5",
+            "--out",
+            str(out),
+            "-v",
+            "--no-progress",
+        ],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stderr is not None
     try:
         deadline = time.monotonic() + 180

@@ -17,7 +17,9 @@ from chaos.scenario import FAULT_KINDS
 
 
 def _rows() -> list[RequestRow]:
-    rows = [RequestRow(100.0 + i * 0.05, 100.0 + i * 0.05 + 0.01, 200, 1, "e1", 1) for i in range(40)]
+    rows = [
+        RequestRow(100.0 + i * 0.05, 100.0 + i * 0.05 + 0.01, 200, 1, "e1", 1) for i in range(40)
+    ]
     rows.append(RequestRow(102.05, 102.30, 0, 3, "", None, "ClientOSError"))  # failed
     rows.append(RequestRow(102.06, 102.20, 200, 2, "e2", 2))  # retried, first ok
     rows += [RequestRow(102.3 + i * 0.05, 102.31 + i * 0.05, 200, 1, "e2", 2) for i in range(20)]
@@ -49,7 +51,9 @@ def test_missing_promotion_counts_as_timeout_and_fails_the_check() -> None:
     assert not result.passed and result.value is not None and math.isinf(result.value)
     p50 = parse_check("kill-primary.promotion_ms.p50 < 100", fault_kinds=FAULT_KINDS)
     assert evaluate(p50, trials, run).passed
-    assert not evaluate(parse_check("failed_requests == 0", fault_kinds=FAULT_KINDS), trials, run).passed
+    assert not evaluate(
+        parse_check("failed_requests == 0", fault_kinds=FAULT_KINDS), trials, run
+    ).passed
     assert run.availability == pytest.approx(61 / 62)
 
 
@@ -64,7 +68,9 @@ def test_report_files(tmp_path: Path) -> None:
     trials = _trials(rows)
     run = run_figures(rows, trials, baseline_ms(rows, 102.0))
     checks = [evaluate(parse_check("failed_requests == 0", fault_kinds=FAULT_KINDS), trials, run)]
-    meta = RunMeta("synthetic", "chaos run x.yaml", "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", "m", True)
+    meta = RunMeta(
+        "synthetic", "chaos run x.yaml", "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", "m", True
+    )
     results = Results(meta, run, checks, trials, rows, [])
     write(tmp_path, results)
     timeline(tmp_path / "timeline.png", rows, trials)

@@ -19,16 +19,21 @@ SCENARIOS = ROOT / "chaos" / "scenarios"
 def _chaos(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
-        [sys.executable, "-m", "chaos", *args], cwd=ROOT, env=env, capture_output=True,
-        text=True, timeout=timeout,
+        [sys.executable, "-m", "chaos", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
 @pytest.mark.slow
 def test_smoke_scenario_passes_and_reports_every_fault_kind(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    done = _chaos("run", str(SCENARIOS / "smoke.yaml"), "--out", str(out), "--no-progress",
-                  timeout=600)
+    done = _chaos(
+        "run", str(SCENARIOS / "smoke.yaml"), "--out", str(out), "--no-progress", timeout=600
+    )
     report = (out / "report.md").read_text()
     assert done.returncode == 0, done.stdout + done.stderr[-3000:] + report
     for kind in FAULT_KINDS:
@@ -48,9 +53,18 @@ def test_smoke_scenario_passes_and_reports_every_fault_kind(tmp_path: Path) -> N
 @pytest.mark.slow
 def test_no_standby_fails_the_primary_checks_with_exit_1(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    done = _chaos("run", str(SCENARIOS / "primary.yaml"), "--policy",
-                  str(SCENARIOS / "policy-broken.yaml"), "--trials", "1", "--out", str(out),
-                  "--no-progress", timeout=300)
+    done = _chaos(
+        "run",
+        str(SCENARIOS / "primary.yaml"),
+        "--policy",
+        str(SCENARIOS / "policy-broken.yaml"),
+        "--trials",
+        "1",
+        "--out",
+        str(out),
+        "--no-progress",
+        timeout=300,
+    )
     assert done.returncode == 1, done.stdout + done.stderr[-3000:]
     assert "FAIL  kill-primary.promotion_ms.p99 < 100" in done.stdout
     results = json.loads((out / "results.json").read_text())
