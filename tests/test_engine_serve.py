@@ -40,57 +40,36 @@ def complete(url: str, prompt: list[int], **extra: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def engines(
-    tiny_model: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[dict[str, EngineProcess]]:
+def daemon_sock(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A float32 `cachedaemon serve` of the tiny checkpoint, for the whole module."""
     run = tmp_path_factory.mktemp("run")
-    daemon = DaemonProc(
-        ["serve", "--model", str(tiny_model), "--runtime-dir", str(run), "--dtype", "float32"]
-    )
-    common = ["--model", str(tiny_model), "--dtype", "float32"]
-    dist = f"tcp://127.0.0.1:{free_port()}"
-    procs = {
-        "disk": EngineProcess([*common, "--allow-disk-fallback", "--name", "disk"]),
-        "tp0": EngineProcess(
-            [
-                *common,
-                "--allow-disk-fallback",
-                "--world-size",
-                "2",
-                "--rank",
-                "0",
-                "--dist-init",
-                dist,
-                "--name",
-                "tp",
-            ]
-        ),
-        "tp1": EngineProcess(
-            [
-                *common,
-                "--allow-disk-fallback",
-                "--world-size",
-                "2",
-                "--rank",
-                "1",
-                "--dist-init",
-                dist,
-            ]
-        ),
-    }
+    args = ["serve", "--model", str(tiny_model), "--runtime-dir", str(run), "--dtype", "float32"]
+    daemon = DaemonProc(args)
     try:
         daemon.wait_serving()
-        procs["attached"] = EngineProcess(
-            [*common, "--daemons", str(run / "daemon-0.sock"), "--name", "attached"]
-        )
+        yield run / "daemon-0.sock"
+    finally:
+        daemon.stop()
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model: Path, daemon_sock: Path) -> Iterator[dict[str, EngineProcess]]:
+    common = ["--model", str(tiny_model), "--dtype", "float32"]
+    disk = [*common, "--allow-disk-fallback"]
+    tp = [*disk, "--world-size", "2", "--dist-init", f"tcp://127.0.0.1:{free_port()}"]
+    procs = {
+        "disk": EngineProcess([*disk, "--name", "disk"]),
+        "tp0": EngineProcess([*tp, "--rank", "0", "--name", "tp"]),
+        "tp1": EngineProcess([*tp, "--rank", "1"]),
+        "attached": EngineProcess([*common, "--daemons", str(daemon_sock), "--name", "attached"]),
+    }
+    try:
         for p in procs.values():
             p.wait_ready()
         yield procs
     finally:
         for p in procs.values():
             p.stop()
-        daemon.stop()
 
 
 def test_attached_engine_generates_the_same_tokens_as_disk(
@@ -184,4 +163,13 @@ def test_no_daemon_exits_nonzero_naming_the_socket(tiny_model: Path, tmp_path: P
     proc = EngineProcess(["--model", str(tiny_model), "--daemons", str(sock)])
     assert proc.wait_exit(60) != 0
     assert f"no daemon answers on {sock}" in proc.log
+    assert "--allow-disk-fallback" in proc.log
+
+
+def test_a_daemon_of_another_dtype_is_a_mismatch_naming_the_field(
+    tiny_model: Path, daemon_sock: Path
+) -> None:
+    proc = EngineProcess(["--model", str(tiny_model), "--daemons", str(daemon_sock)])
+    assert proc.wait_exit(60) == 2
+    assert "another config (fields: dtype)" in proc.log
     assert "--allow-disk-fallback" in proc.log
