@@ -51,24 +51,27 @@ def _parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    val_p.add_argument("scenario", type=Path)
-    val_p.add_argument("--policy", type=Path)
+    _plan_arguments(val_p)
     sub.add_parser("kinds", help="list fault kinds, metrics and statistics")
     return parser
 
 
-def _run_arguments(run_p: argparse.ArgumentParser) -> None:
-    run_p.add_argument("scenario", type=Path, help="scenario YAML (see chaos/scenarios/)")
-    run_p.add_argument(
+def _plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("scenario", type=Path, help="scenario YAML (see chaos/scenarios/)")
+    parser.add_argument(
         "--policy", type=Path, help="policy YAML for every stage, instead of the scenario's own"
     )
-    run_p.add_argument("--trials", type=int, help="trials per fault, instead of the scenario's")
-    run_p.add_argument("--seed", type=int, help="seed for the fault order and the load")
-    run_p.add_argument(
+    parser.add_argument("--trials", type=int, help="trials per fault, instead of the scenario's")
+    parser.add_argument("--seed", type=int, help="seed for the fault order and the load")
+    parser.add_argument(
         "--max-faults",
         type=int,
         help="stop after the first N faults of the drawn order (a shorter soak)",
     )
+
+
+def _run_arguments(run_p: argparse.ArgumentParser) -> None:
+    _plan_arguments(run_p)
     run_p.add_argument(
         "--out", type=Path, default=Path("chaos-out"), help="report dir (default: ./chaos-out)"
     )
@@ -85,10 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "kinds":
         return _kinds()
-    _logging(getattr(args, "verbose", False))
     try:
         plan = load_scenario(
-            args.scenario, trials=getattr(args, "trials", None), seed=getattr(args, "seed", None)
+            args.scenario, trials=args.trials, seed=args.seed, max_faults=args.max_faults
         )
         if args.command == "validate":
             preflight(plan, RunOptions(out=Path("."), command="", policy=args.policy))
@@ -105,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     except ChaosError as exc:
         print(f"chaos: {exc}", file=sys.stderr)
         return 2
+    _logging(args.verbose)
     results, interrupted = asyncio.run(_until_signalled(plan, opts))
     _summary(results, args.out)
     if interrupted:

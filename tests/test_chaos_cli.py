@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from chaos.cli import main
 from chaos.procs import descendants, wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,30 +51,35 @@ def test_help_has_an_example() -> None:
     assert done.returncode == 0 and "chaos run chaos/scenarios/smoke.yaml" in done.stdout
 
 
-def test_unknown_fault_kind_exits_2_naming_the_valid_ones(tmp_path: Path) -> None:
-    done = _chaos(
-        "run", str(_scenario(tmp_path, kind="kill-everything")), "--out", str(tmp_path / "out")
-    )
-    assert done.returncode == 2
-    assert "unknown fault kind 'kill-everything'" in done.stderr and "stop-primary" in done.stderr
-    assert not (tmp_path / "out").exists()  # nothing started, nothing written
+def test_unknown_fault_kind_exits_2_naming_the_valid_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    assert main(["run", str(_scenario(tmp_path, kind="kill-everything")), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown fault kind 'kill-everything'" in err and "stop-primary" in err
+    assert not out.exists()  # nothing started, nothing written
 
 
-def test_bad_check_exits_2(tmp_path: Path) -> None:
-    done = _chaos("run", str(_scenario(tmp_path, check="import os; 1 < 2")))
-    assert done.returncode == 2 and "does not read as" in done.stderr
+def test_bad_check_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", str(_scenario(tmp_path, check="import os; 1 < 2"))]) == 2
+    assert "does not read as" in capsys.readouterr().err
 
 
-def test_policy_that_cannot_start_exits_2_with_its_path(tmp_path: Path) -> None:
+def test_policy_that_cannot_start_exits_2_with_its_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = tmp_path / "p.yaml"
     bad.write_text("model:\n  preset: tiny\nengines:\n  standby: many\n")
-    done = _chaos("run", str(_scenario(tmp_path, policy=str(bad))))
-    assert done.returncode == 2 and "$.engines.standby" in done.stderr
+    assert main(["run", str(_scenario(tmp_path, policy=str(bad)))]) == 2
+    assert "$.engines.standby" in capsys.readouterr().err
 
 
-def test_fault_the_policy_cannot_host_exits_2(tmp_path: Path) -> None:
-    done = _chaos("validate", str(_scenario(tmp_path, kind="kill-tp-rank")))
-    assert done.returncode == 2 and "model.tp_size >= 2" in done.stderr
+def test_fault_the_policy_cannot_host_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["validate", str(_scenario(tmp_path, kind="kill-tp-rank"))]) == 2
+    assert "model.tp_size >= 2" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -123,3 +129,13 @@ def test_ctrl_c_writes_a_partial_report_and_leaves_no_process(tmp_path: Path) ->
     results = json.loads((out / "results.json").read_text())
     assert not results["meta"]["complete"] and "interrupted" in results["meta"]["note"]
     assert "partial" in (out / "report.md").read_text()
+
+
+def test_validate_plans_trials_and_max_faults(capsys: pytest.CaptureFixture[str]) -> None:
+    soak = str(SCENARIOS / "soak.yaml")
+    assert main(["validate", soak]) == 0
+    assert "1000 faults" in capsys.readouterr().out
+    assert main(["validate", soak, "--max-faults", "7"]) == 0
+    assert "ok, 7 faults" in capsys.readouterr().out
+    assert main(["validate", soak, "--trials", "2"]) == 0
+    assert "ok, 24 faults" in capsys.readouterr().out
