@@ -7,9 +7,11 @@ ranks run exactly the steps rank 0 runs. Ranks other than 0 sit in `follow()`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import msgspec
+import structlog
 import torch
 import torch.distributed as dist
 
@@ -17,6 +19,7 @@ from engine.errors import BadRequest
 from engine.kvcache import KVCache
 from engine.model import LlamaForCausalLM
 
+log = structlog.get_logger("engine.runner")
 OP_GENERATE, OP_STOP = 1, 2
 TOP_LOGPROBS_MAX = 5
 
@@ -65,10 +68,15 @@ class Runner:
     # ---- rank 0 ----
     def run(self, job: Job, on_step: OnStep | None = None) -> Generation:
         """Generate for one request (rank 0); the other ranks follow."""
-        if self.tp.size > 1:
+        if self.tp.size == 1:
+            return self._generate(job, on_step)
+        try:
             self._bcast([OP_GENERATE, len(job.prompt), job.max_tokens, int(job.ignore_eos)])
             self._bcast(list(job.prompt))
-        return self._generate(job, on_step)
+            return self._generate(job, on_step)
+        except RuntimeError as e:  # a rank is gone: this group can never compute again
+            log.critical("tensor-parallel group broken; exiting", error=str(e))
+            os._exit(3)
 
     def stop_followers(self) -> None:
         if self.tp.size > 1:
