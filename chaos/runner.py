@@ -169,7 +169,7 @@ async def _drive(
                 if not sup.attached:
                     await sup.start()
                 await wait_ready(h, sc.ready_timeout_s, began)
-                group.create_task(load.run(stop_load))
+                group.create_task(load.run(stop_load, duration_s=sc.load.max_duration_s))
                 await asyncio.sleep(sc.warmup_s)
                 got.baseline_before = got.baseline_before or time.time()
                 await _trials(h, faults, got, progress)

@@ -45,7 +45,8 @@ class LoadSpec(_Spec, frozen=True):
     timeout_s: float = 5.0  # one attempt
     retries: int = 2  # extra attempts after a failed one
     retry_backoff_ms: float = 20.0
-    max_requests: int = 1_000_000
+    max_requests: int = 1_000_000  # per stage
+    max_duration_s: float = 86_400.0  # per stage
 
 
 class FaultSpec(_Spec, frozen=True):
