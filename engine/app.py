@@ -134,8 +134,7 @@ def run(cfg: EngineConfig, t0: float) -> int:
         model, limits, source = build(cfg, device, clock, phases)
         if cfg.rank > 0:
             log.info("following rank 0", rank=cfg.rank, startup_ms=clock.total())
-            model.follow()
-            return 0
+            return model.follow()
         metrics = Metrics()
         metrics.phases, metrics.weights_source = phases, source
         server = EngineServer(

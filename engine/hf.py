@@ -129,7 +129,7 @@ class HFModel:
             out.append(hidden.float().mean(dim=0).tolist())
         return out
 
-    def follow(self) -> None:
+    def follow(self) -> int:
         raise ModelConfigError("--model-impl hf serves at --world-size 1 only")
 
     def stop_followers(self) -> None:

@@ -83,14 +83,18 @@ class Runner:
             self._bcast([OP_STOP, 0, 0, 0])
 
     # ---- ranks > 0 ----
-    def follow(self) -> None:
-        """Run rank 0's requests until it says stop."""
-        while True:
-            op, n, max_tokens, ignore_eos = self._bcast([0, 0, 0, 0])
-            if op == OP_STOP:
-                return
-            prompt = tuple(self._bcast([0] * n))
-            self._generate(Job(prompt, max_tokens, 0, bool(ignore_eos)), None)
+    def follow(self) -> int:
+        """Run rank 0's requests until it says stop (0) or is gone (3): the exit status."""
+        try:
+            while True:
+                op, n, max_tokens, ignore_eos = self._bcast([0, 0, 0, 0])
+                if op == OP_STOP:
+                    return 0
+                prompt = tuple(self._bcast([0] * n))
+                self._generate(Job(prompt, max_tokens, 0, bool(ignore_eos)), None)
+        except RuntimeError as e:
+            log.critical("rank 0 is gone; exiting", error=str(e))
+            return 3
 
     # ---- all ranks ----
     @torch.inference_mode()
