@@ -173,3 +173,27 @@ def test_a_daemon_of_another_dtype_is_a_mismatch_naming_the_field(
     assert proc.wait_exit(60) == 2
     assert "another config (fields: dtype)" in proc.log
     assert "--allow-disk-fallback" in proc.log
+
+
+def test_a_tp_group_stops_together(tiny_model: Path) -> None:
+    """SIGTERM on rank 0 stops its follower cleanly; a follower whose rank 0 died exits 3."""
+    common = ["--model", str(tiny_model), "--allow-disk-fallback", "--world-size", "2"]
+    pairs = []
+    for _ in range(2):
+        tp = [*common, "--dist-init", f"tcp://127.0.0.1:{free_port()}"]
+        lead = EngineProcess([*tp, "--rank", "0"])
+        pairs.append((lead, EngineProcess([*tp, "--rank", "1"], port=lead.port)))
+    try:
+        for lead, follower in pairs:
+            lead.wait_ready()
+            follower.wait_ready()
+        (term_lead, term_follower), (kill_lead, kill_follower) = pairs
+        term_lead.proc.terminate()
+        kill_lead.proc.kill()
+        assert (term_lead.wait_exit(30), term_follower.wait_exit(30)) == (0, 0)
+        assert kill_follower.wait_exit(30) == 3
+        assert "rank 0 is gone" in kill_follower.log
+    finally:
+        for pair in pairs:
+            for p in pair:
+                p.stop()
