@@ -90,7 +90,7 @@ def safetensors_load(files: list[Path]) -> float:
     return round(secs, 3)
 
 
-def serve(model: Path, run: Path, keeper: Path) -> Proc:
+def serve(model: Path, run: Path, keeper: Path, verify: str = "before") -> Proc:
     return Proc(
         "serve",
         "--model",
@@ -101,6 +101,8 @@ def serve(model: Path, run: Path, keeper: Path) -> Proc:
         str(run),
         "--keeper",
         str(keeper),
+        "--verify",
+        verify,
     )
 
 
@@ -118,68 +120,7 @@ def daemon_figures(d: Proc, nbytes: int) -> dict[str, Any]:
     }
 
 
-def proposed_reclaim(keeper: Path, fingerprint: str) -> dict[str, Any]:
-    """Reclaim from the keeper in this process and verify with one batched checksum."""
-    from cachedaemon import protocol
-    from cachedaemon.backends.cuda_vmm import CudaVmmBackend
-    from cachedaemon.pool import Pool
-
-    backend = CudaVmmBackend("cuda:0")
-    t0 = time.perf_counter()
-    reply, fds = protocol.call(str(keeper), protocol.Reclaim(fingerprint), max_fds=protocol.MAX_FDS)
-    assert isinstance(reply, protocol.Reclaimed), reply
-    m = reply.manifest
-    pool = Pool(m, [backend.open(fd, c.size) for fd, c in zip(fds, m.chunks, strict=True)], fds)
-    t_map = time.perf_counter()
-    regions = [pool.chunks[e.chunk].tensor[e.offset : e.offset + e.nbytes] for e in m.tensors]
-    bad = [
-        e.name
-        for e, s in zip(m.tensors, backend.checksums(regions), strict=True)
-        if s != e.checksum
-    ]
-    t_sum = time.perf_counter()
-    serial_bad = pool.bad_tensors(backend)  # the per-tensor path, for comparison
-    t_serial = time.perf_counter()
-    del regions
-    pool.close()
-    return {
-        "reclaim_map_ms": round((t_map - t0) * 1e3, 3),
-        "batched_verify_ms": round((t_sum - t_map) * 1e3, 3),
-        "reclaim_and_verify_ms": round((t_sum - t0) * 1e3, 3),
-        "per_tensor_verify_ms": round((t_serial - t_sum) * 1e3, 3),
-        "bad": len(bad) + len(serial_bad),
-    }
-
-
-def proposed_cold_load(model: Path, nbytes: int, worker_counts: list[int]) -> dict[str, Any]:
-    """The pool built in this process with the parallel GPU fill, page cache dropped."""
-    from cachedaemon import cuda_load, pool
-    from cachedaemon.backends.cuda_vmm import CudaVmmBackend
-    from cachedaemon.loader import LoadOptions
-
-    backend = CudaVmmBackend("cuda:0")
-    out: dict[str, Any] = {}
-    for workers in worker_counts:
-        drop_caches(files_of(model))
-        serial_fill = pool._fill
-        pool._fill = lambda *a, w=workers: cuda_load.fill_parallel(*a, workers=w)  # type: ignore[assignment]
-        try:
-            t0 = time.perf_counter()
-            built, _ = pool.build_pool(model, LoadOptions(device="cuda:0"), backend, "bench")
-            secs = time.perf_counter() - t0
-        finally:
-            pool._fill = serial_fill
-        built.close()
-        out[f"workers_{workers}"] = {
-            "seconds": round(secs, 3),
-            "gb_per_s": round(nbytes / secs / 1e9, 3),
-        }
-    return out
-
-
-def bench_model(
-    name: str, model: Path, run: Path, baselines: bool, workers: list[int]
-) -> dict[str, Any]:
+def bench_model(name: str, model: Path, run: Path, baselines: bool) -> dict[str, Any]:
     files = files_of(model)
     nbytes = sum(f.stat().st_size for f in files)
     r: dict[str, Any] = {
@@ -206,14 +147,20 @@ def bench_model(
         fingerprint = str(d.wait_for("serving")["fingerprint"])
         r["attach"] = attach_runs(run / "daemon-0.sock")
         d.kill()
-        d = serve(model, run, ksock)
+        # reclaim, serve at once, verify the checksums in the background
+        d = serve(model, run, ksock, "background")
         r["daemon_restart"] = daemon_figures(d, nbytes)
         r["attach_after_restart"] = attach_runs(run / "daemon-0.sock")
-        r["proposed_reclaim"] = proposed_reclaim(ksock, fingerprint)
+        verified = d.wait_for("reclaimed pool verified", 120)
+        r["daemon_restart"]["background_verify_ms"] = verified.get("ms")
+        d.kill()
+        # reclaim, verify every checksum, then serve
+        d = serve(model, run, ksock, "before")
+        r["daemon_restart_verify_before"] = daemon_figures(d, nbytes)
         d.stop()
+        r["fingerprint"] = fingerprint
     finally:
         keeper.stop()
-    r["proposed_cold_load"] = proposed_cold_load(model, nbytes, workers)
     print(json.dumps(r), flush=True)
     return r
 
@@ -230,7 +177,6 @@ def main() -> None:
     parser.add_argument(
         "--no-baselines", action="store_true", help="skip raw and safetensors reads"
     )
-    parser.add_argument("--workers", type=int, action="append", help="parallel fill threads (8)")
     args = parser.parse_args()
     presets = args.only or ["moe", "llama-8b"]
     result: dict[str, Any] = {
@@ -240,9 +186,7 @@ def main() -> None:
     print(json.dumps(result), flush=True)
     for name in presets:
         run = Path(f"/tmp/holdfast-run-{name}")
-        result[name] = bench_model(
-            name, args.models / name, run, not args.no_baselines, args.workers or [8]
-        )
+        result[name] = bench_model(name, args.models / name, run, not args.no_baselines)
         args.out.write_text(json.dumps(result, indent=2))
     result["bars"] = bars(result)
     args.out.write_text(json.dumps(result, indent=2))

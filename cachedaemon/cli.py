@@ -61,7 +61,14 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--quantization", default="none", help=f"one of {', '.join(QUANTIZATIONS)}")
     s.add_argument("--backend", default="auto", help=f"auto or one of {', '.join(BACKENDS)}")
     s.add_argument("--keeper", help="keeper socket: deposit the pool there, reclaim it at start")
-    s.add_argument("--no-verify", action="store_true", help="skip checksums of a reclaimed pool")
+    s.add_argument(
+        "--verify",
+        default="before",
+        choices=("before", "background", "off"),
+        help="checksums of a pool reclaimed from the keeper: before serving (default), "
+        "in the background while serving (exit 3 on a mismatch), or off",
+    )
+    s.add_argument("--no-verify", action="store_true", help="same as --verify off")
     s.add_argument(
         "--shard-rule",
         action="append",
@@ -133,11 +140,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model=args.model,
         runtime_dir=args.runtime_dir,
         keeper=args.keeper,
-        verify=not args.no_verify,
+        verify="off" if args.no_verify else args.verify,
         read_timeout=args.read_timeout,
     )
-    run(opts, config)
-    return 0
+    return run(opts, config)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -62,9 +62,13 @@ def layout(
 def views(manifest: Manifest, chunks: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
     """Tensors over the chunks' flat uint8 tensors, as the manifest places them. No copy."""
     out = {}
+    typed: dict[tuple[int, str], torch.Tensor] = {}  # one typed view per (chunk, dtype)
     for e in manifest.tensors:
-        flat = chunks[e.chunk][e.offset : e.offset + e.nbytes].view(dtype_of(e.dtype))
-        out[e.name] = flat.as_strided(e.shape, e.stride)
+        key = (e.chunk, e.dtype)
+        base = typed.get(key)
+        if base is None:
+            base = typed[key] = chunks[e.chunk].view(dtype_of(e.dtype))
+        out[e.name] = base.as_strided(e.shape, e.stride, e.offset // base.element_size())
     return out
 
 
@@ -95,14 +99,13 @@ class Pool:
 
 
 def _checksums(manifest: Manifest, chunks: Sequence[Mapping], backend: Backend) -> dict[str, bool]:
-    def check(e: TensorEntry) -> bool:
-        data = chunks[e.chunk].tensor[e.offset : e.offset + e.nbytes]
-        return backend.checksum(data) == e.checksum
-
-    with ThreadPoolExecutor(max_workers=4) as ex:
-        return dict(
-            zip((e.name for e in manifest.tensors), ex.map(check, manifest.tensors), strict=True)
-        )
+    regions = [chunks[e.chunk].tensor[e.offset : e.offset + e.nbytes] for e in manifest.tensors]
+    if backend.name == "memfd":  # crc32 releases the GIL: spread it over threads
+        with ThreadPoolExecutor(max_workers=4) as ex:
+            sums = list(ex.map(backend.checksum, regions))
+    else:
+        sums = backend.checksums(regions)
+    return {e.name: s == e.checksum for e, s in zip(manifest.tensors, sums, strict=True)}
 
 
 def build_pool(
@@ -123,7 +126,7 @@ def build_pool(
         chunks: list[OwnedChunk] = []
         try:
             chunks = [backend.create(u) for u in used]
-            entries = _fill(
+            entries = _filler(backend)(
                 reader, plans, opts, chunks, places, backend, progress.advance if progress else None
             )
         except BaseException:
@@ -148,6 +151,15 @@ def build_pool(
             seconds=round(time.perf_counter() - t0, 3),
         )
         return Pool(manifest, chunks, [c.fd for c in chunks]), reader.bytes_read
+
+
+def _filler(backend: Backend) -> Callable[..., list[TensorEntry]]:
+    """The GPU pool fills on parallel pinned readers; the CPU pool reads straight in."""
+    if backend.name == "cuda-vmm":
+        from cachedaemon.cuda_load import fill_parallel
+
+        return fill_parallel
+    return _fill
 
 
 def _fill(

@@ -40,7 +40,9 @@ def fp8_block_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     padded[:rows, :cols] = w
     blocks = padded.view(br, BLOCK, bc, BLOCK)
     amax = blocks.abs().amax(dim=(1, 3))
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # a tensor divisor: CUDA turns division by a Python scalar into a multiplication by
+    # its reciprocal, which differs from the CPU in the last bit
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
     q8 = q.view(br * BLOCK, bc * BLOCK)[:rows, :cols].to(torch.float8_e4m3fn)
     return q8.contiguous(), scale.contiguous()

@@ -27,8 +27,11 @@ class DaemonOptions(LoadOptions, frozen=True):
     model: str = ""
     runtime_dir: str = ""
     keeper: str | None = None
-    verify: bool = True
+    verify: str = "before"  # before | background | off: checksums of a reclaimed pool
     read_timeout: float = 5.0
+
+
+VERIFY_MODES = ("before", "background", "off")
 
 
 def reclaim(keeper: str, config: CacheConfig, backend: Backend, verify: bool) -> Pool | None:
@@ -85,12 +88,14 @@ class Daemon:
         self.attaches = 0
         self._server: FrameServer | None = None
         self._done = threading.Event()
+        self.exit_code = 0
 
     def load(self) -> None:
         claim(self.socket_path, self.ready_path, f"rank {self.opts.tp_rank} in {self.run_dir}")
         t0 = time.perf_counter()
         if self.opts.keeper:
-            self.pool = reclaim(self.opts.keeper, self.config, self.backend, self.opts.verify)
+            before = self.opts.verify == "before"
+            self.pool = reclaim(self.opts.keeper, self.config, self.backend, before)
             self.adopted = self.pool is not None
         if self.pool is None:
             with ByteProgress(f"loading {Path(self.opts.model).name}") as progress:
@@ -122,6 +127,30 @@ class Daemon:
             },
         )
         log.info("serving", socket=str(self.socket_path), fingerprint=self.fingerprint)
+        if self.adopted and self.opts.verify == "background":
+            threading.Thread(target=self._verify_in_background, daemon=True).start()
+
+    def _verify_in_background(self) -> None:
+        """Check a reclaimed pool while already serving it. On a mismatch: withdraw it
+        from the keeper and exit non-zero, so that the restart loads from disk."""
+        pool, keeper = self.pool, self.opts.keeper
+        if pool is None or keeper is None:
+            return
+        t0 = time.perf_counter()
+        bad = pool.bad_tensors(self.backend)
+        ms = round((time.perf_counter() - t0) * 1e3, 3)
+        if not bad:
+            log.info("reclaimed pool verified", ms=ms, tensors=len(pool.manifest.tensors))
+            return
+        log.error(
+            "reclaimed pool failed checksums while serving; withdrawing it and exiting "
+            "so that a restart reloads from disk",
+            tensors=bad[:5],
+            count=len(bad),
+        )
+        protocol.call(keeper, protocol.Withdraw(self.fingerprint))
+        self.exit_code = 3
+        self._done.set()
 
     def wait(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -173,7 +202,7 @@ class Daemon:
         )
 
 
-def run(opts: DaemonOptions, config: CacheConfig) -> None:
+def run(opts: DaemonOptions, config: CacheConfig) -> int:
     daemon = Daemon(opts, config)
     try:
         daemon.load()
@@ -181,3 +210,4 @@ def run(opts: DaemonOptions, config: CacheConfig) -> None:
         daemon.wait()
     finally:
         daemon.close()
+    return daemon.exit_code

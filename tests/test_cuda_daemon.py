@@ -176,8 +176,9 @@ def test_parallel_gpu_fill_builds_the_same_pool(
 
     backend = CudaVmmBackend("cuda:0")
     opts = LoadOptions(tp_size=2, tp_rank=1, quantization="fp8-block", device="cuda:0")
+    monkeypatch.setattr(pool, "_filler", lambda _backend: pool._fill)
     serial, _ = pool.build_pool(tiny_model, opts, backend, "fp")
-    monkeypatch.setattr(pool, "_fill", cuda_load.fill_parallel)
+    monkeypatch.setattr(pool, "_filler", lambda _backend: cuda_load.fill_parallel)
     parallel, read = pool.build_pool(tiny_model, opts, backend, "fp")
     assert read == sum(
         f.stat().st_size for f in tiny_model.glob("*.safetensors")

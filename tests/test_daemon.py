@@ -178,8 +178,9 @@ def _zero_tensor_data(path: Path) -> None:
     path.write_bytes(bytes(raw))
 
 
+@pytest.mark.parametrize("verify", ["before", "background"])
 def test_keeper_pool_with_bad_checksums_is_reloaded_from_disk(
-    tiny_model: Path, tmp_path: Path, start_daemon: Any
+    tiny_model: Path, tmp_path: Path, start_daemon: Any, verify: str
 ) -> None:
     import msgspec
 
@@ -203,8 +204,21 @@ def test_keeper_pool_with_bad_checksums_is_reloaded_from_disk(
         )
         protocol.call(str(keeper.socket_path), protocol.Deposit(bad), fds)
         protocol.close_fds(fds)
-        second = start_daemon(tiny_model, run, "--keeper", str(keeper.socket_path))
-        assert "keeper pool failed checksums; reloading from disk" in second.log
+        keeper_arg = ("--keeper", str(keeper.socket_path), "--verify", verify)
+        if verify == "background":
+            # serves at once, finds the mismatch, withdraws the pool and exits 3 ...
+            hasty = start_daemon(tiny_model, run, *keeper_arg)
+            assert '"adopted": true' in hasty.log
+            assert hasty.proc.wait(60) == 3
+            hasty.exited.wait(5)
+            assert "failed checksums while serving; withdrawing it" in hasty.log
+            assert keeper.pools() == []
+            # ... so that the next start loads from disk
+            second = start_daemon(tiny_model, run, *keeper_arg)
+            assert "checkpoint_bytes_read\": 0" not in second.log
+        else:
+            second = start_daemon(tiny_model, run, *keeper_arg)
+            assert "keeper pool failed checksums; reloading from disk" in second.log
         assert '"adopted": false' in second.log
         expected = digest(load_file(tiny_model / "model.safetensors"))
         assert digest(attach_state_dict(run / "daemon-0.sock")) == expected

@@ -52,4 +52,8 @@ class Backend(ABC):
     def checksum(self, data: torch.Tensor) -> str:
         """A checksum of a flat uint8 tensor's bytes, computed where the bytes live."""
 
+    def checksums(self, data: list[torch.Tensor]) -> list[str]:
+        """Checksums of many tensors; backends override this to batch the work."""
+        return [self.checksum(d) for d in data]
+
     checksum_algo: str = ""
