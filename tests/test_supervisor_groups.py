@@ -31,7 +31,8 @@ def test_tp2_group_dies_together_and_http_health_finds_hangs(tmp_path: Path,
     policy = write_policy(
         tmp_path / "policy.yaml", tiny_model, tmp_path / "run",
         model={"tp_size": 2}, devices={"ids": ["cpu", "cpu"]},
-        engines={"command": [*ECHO, "--no-agent"], "health": "http"})
+        engines={"command": [*ECHO, "--no-agent"], "health": "http"},
+        heartbeat={"interval_ms": 100, "miss_limit": 5})
     sup = Supervisor(policy)
     try:
         first = sup.wait(lambda e: e.event == "promoted", timeout=180)

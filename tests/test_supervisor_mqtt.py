@@ -18,7 +18,7 @@ import aiomqtt
 import msgspec
 import pytest
 
-from tests.engines.harness import Load, Supervisor, free_port, get, write_policy
+from tests.engines.harness import Load, Supervisor, free_port, get, topic, write_policy
 
 MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
 PREFIX = "hf-test/mqtt"
@@ -111,9 +111,15 @@ def broker() -> Iterator[Broker]:
 def test_mqtt_events_survive_a_broker_outage_and_last_will(
         broker: Broker, tmp_path: Path, tiny_model: Path) -> None:
     sub = Subscriber(broker.port)
+    # Memory for two serving engines only: the batch engine gets in while a serving slot
+    # is down, and admission evicts it again when the slot comes back.
     policy = write_policy(tmp_path / "policy.yaml", tiny_model, tmp_path / "run",
                           events={"mqtt": {"host": "127.0.0.1", "port": broker.port,
-                                           "prefix": PREFIX, "keepalive_s": 2}})
+                                           "prefix": PREFIX, "keepalive_s": 2}},
+                          devices={"memory_mb": 250},
+                          engines={"memory_mb": 100,
+                                   "batch": [{"name": "batch", "count": 1, "memory_mb": 100}]},
+                          heartbeat={"interval_ms": 100, "miss_limit": 5})
     sup = Supervisor(policy)
     try:
         sub.wait(f"{PREFIX}/status", b"online")
@@ -123,6 +129,7 @@ def test_mqtt_events_survive_a_broker_outage_and_last_will(
                                              b'"state":"primary"'))
         assert state["epoch"] == 1
         sup.wait(lambda e: e.event == "ready" and e.name != promoted.name, timeout=60)
+        assert not any(e.name == "batch-1" for e in sup.tap.events), "batch-1 cannot fit"
 
         broker.stop()  # mid-run outage: failover must not notice
         load = Load(sup.router, clients=2)
@@ -135,6 +142,9 @@ def test_mqtt_events_survive_a_broker_outage_and_last_will(
             assert second.ts - t_kill < 1.0
             assert second.data["promote_ms"] < 50
             load.wait_ok(10)
+            evicted = sup.wait(topic("engine.batch-1.evicted"), timeout=30, after=mark)
+            assert evicted.data["reason"] == "admission"
+            sup.wait(topic(f"engine.{promoted.name}.ready"), timeout=30, after=mark)
         finally:
             load.stop()
         assert load.failures == []
