@@ -85,8 +85,8 @@ class Service:
         bus.start()
         c = Cluster(self.policy, bus, self.view)
         try:
-            await self._start(c, rd)
-            await self._loop(c)
+            if await self._until_stopped(self._start(c, rd)):
+                await self._loop(c)
             return 0
         finally:
             bus.emit("supervisor", "main", "stopping", c.epoch)
@@ -94,6 +94,22 @@ class Service:
             bus.emit("supervisor", "main", "stopped", c.epoch)
             await bus.close()
             rd.release()
+
+    async def _until_stopped(self, coro: Coroutine[Any, Any, None]) -> bool:
+        """Run `coro` unless a stop comes first (then cancel it); True if it finished."""
+        work = asyncio.ensure_future(coro)
+        stop = asyncio.ensure_future(self.stop.wait())
+        try:
+            await asyncio.wait([work, stop], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+            return False
+        work.result()  # re-raise a startup error
+        return True
 
     async def _start(self, c: Cluster, rd: RuntimeDir) -> None:
         c.bus.emit("supervisor", "main", "starting", 0, pid=os.getpid(),

@@ -4,14 +4,16 @@ nothing already in the runtime dir is touched."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.engines.harness import env, write_policy
+from tests.engines.harness import Supervisor, env, get, pid_alive, write_policy
 
 
 def run(policy: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -59,3 +61,33 @@ def test_status_without_a_supervisor_says_so(tmp_path: Path) -> None:
                          str(tmp_path)], env=env(), capture_output=True, text=True, timeout=30)
     assert cp.returncode == 1
     assert f"no supervisor runs on {tmp_path}" in cp.stderr
+
+
+def test_sigterm_while_daemons_load_stops_at_once(tmp_path: Path, tiny_model: Path) -> None:
+    sup = Supervisor(write_policy(tmp_path / "p.yaml", tiny_model, tmp_path / "run"))
+    try:
+        daemon_pid = loading_daemon(sup)
+        t0 = time.monotonic()
+        code = sup.stop(signal.SIGTERM, timeout=20)
+    finally:
+        if sup.proc.poll() is None:
+            sup.stop(signal.SIGKILL)
+    assert code == 0, sup.output()
+    assert time.monotonic() - t0 < 10
+    assert not pid_alive(daemon_pid)
+    assert [p.name for p in (tmp_path / "run").iterdir() if p.is_socket()] == []
+
+
+def loading_daemon(sup: Supervisor, timeout: float = 60.0) -> int:
+    """The pid of the daemon while it still loads, read from the health API (which binds
+    before daemons start; events that early can beat the test's subscription)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            daemons = get(f"{sup.api}/cluster", timeout=1.0)[1]["daemons"]
+        except OSError:
+            daemons = []
+        if daemons and daemons[0]["state"] == "starting" and daemons[0]["pid"]:
+            return int(daemons[0]["pid"])
+        time.sleep(0.02)  # the API is up within a second; this only paces the retries
+    raise AssertionError(f"no loading daemon within {timeout}s:\n{sup.output()}")
