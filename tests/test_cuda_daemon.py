@@ -94,7 +94,8 @@ class KeeperProc:
         )
         self.ready = threading.Event()
         self.lines: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
+        self._pumper = threading.Thread(target=self._pump, daemon=True)
+        self._pumper.start()
 
     def _pump(self) -> None:
         assert self.proc.stderr is not None
@@ -102,10 +103,12 @@ class KeeperProc:
             self.lines.append(line)
             if "keeper serving" in line:
                 self.ready.set()
+        self.proc.stderr.close()
 
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(10)
+        self._pumper.join(10)
 
 
 @pytest.fixture
