@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from typing import Any
 
@@ -84,17 +85,27 @@ class Cluster:
         return e, e.inc
 
     def on_hello(self, msg: Hello) -> None:
-        found = self._engine_for(msg.name)
-        if found is not None:
-            found[1].hello = True
-            found[0].last_beat = time.monotonic()
-
-    def on_heartbeat(self, msg: Heartbeat) -> None:
+        """Accept a Hello only from a process of this incarnation's own process group, so
+        nothing a fenced predecessor sent can speak for its replacement."""
         found = self._engine_for(msg.name)
         if found is None:
             return
         e, inc = found
+        try:
+            ours = os.getpgid(msg.pid) in {p.pid for p in inc.procs}
+        except ProcessLookupError:
+            ours = False
+        if not ours:
+            self.bus.emit("engine", e.name, "stray-hello", self.epoch, pid=msg.pid)
+            return
         inc.hello = True
+        e.last_beat = time.monotonic()
+
+    def on_heartbeat(self, msg: Heartbeat) -> None:
+        found = self._engine_for(msg.name)
+        if found is None or not found[1].hello:
+            return
+        e, inc = found
         e.last_beat = time.monotonic()
         e.in_flight, e.queued = msg.in_flight, msg.queued
         if msg.state in READY_STATES:
@@ -102,7 +113,7 @@ class Cluster:
 
     def on_state(self, msg: StateChange) -> None:
         found = self._engine_for(msg.name)
-        if found is None:
+        if found is None or not found[1].hello:
             return
         found[0].last_beat = time.monotonic()
         if msg.state in READY_STATES:
