@@ -58,6 +58,9 @@ class DaemonPool:
         self._tasks: set[asyncio.Task[None]] = set()
         self._changed = asyncio.Event()
 
+    def all_serving(self) -> bool:
+        return all(d.state == "serving" for d in self.daemons)
+
     def sockets(self) -> list[str]:
         return [str(self.run / f"daemon-{d.rank}.sock") for d in self.daemons]
 

@@ -27,6 +27,8 @@ async def tick(c: Cluster) -> float | None:
         s = c.best_standby()
         if s is not None:
             c.promote(s, now, cause="no-primary", old=None)
+    if c.daemons is not None and not c.daemons.all_serving():
+        return due  # engines start once every daemon serves again (its event wakes us)
     for e in list(c.engines.values()):
         if e.state == "dead" and e.serving:
             due = _earliest(due, await _restart_serving(c, e, now))
