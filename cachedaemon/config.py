@@ -15,9 +15,22 @@ from typing import Any
 
 import msgspec
 
+from cachedaemon.sharding import Rule
+
 DTYPES = ("bfloat16", "float16", "float32")
 QUANTIZATIONS = ("none", "fp8-block")
 BACKENDS = ("memfd", "cuda-vmm")
+
+
+class LoadOptions(msgspec.Struct, frozen=True):
+    """How a rank's tensors are made from the checkpoint (see loader.py)."""
+
+    dtype: str = "bfloat16"
+    tp_size: int = 1
+    tp_rank: int = 0
+    quantization: str = "none"
+    device: str = "cpu"
+    shard_rules: tuple[Rule, ...] = ()
 
 
 class FileIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -15,20 +15,21 @@ import torch
 
 from cachedaemon import quant
 from cachedaemon.checkpoint import CheckpointReader, TensorInfo
-from cachedaemon.config import DTYPES
+from cachedaemon.config import DTYPES, LoadOptions
+
+__all__ = [
+    "LoadOptions",
+    "OutSpec",
+    "SourcePlan",
+    "load_state_dict",
+    "plan",
+    "produce",
+    "transform",
+]
 from cachedaemon.errors import CacheError
 from cachedaemon.sharding import Rule, shard_dim, shard_shape
 
 FLOAT_SOURCES = ("float64", "float32", "float16", "bfloat16")
-
-
-class LoadOptions(msgspec.Struct, frozen=True):
-    dtype: str = "bfloat16"
-    tp_size: int = 1
-    tp_rank: int = 0
-    quantization: str = "none"
-    device: str = "cpu"
-    shard_rules: tuple[Rule, ...] = ()
 
 
 class OutSpec(msgspec.Struct, frozen=True):

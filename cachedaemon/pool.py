@@ -13,23 +13,20 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
-import torch
 
 from cachedaemon.backends import Backend, Mapping, OwnedChunk
-from cachedaemon.checkpoint import CheckpointReader
-from cachedaemon.loader import (
-    LoadOptions,
-    OutSpec,
-    SourcePlan,
-    dtype_of,
-    plan,
-    read_source,
-    transform,
-)
+from cachedaemon.config import LoadOptions
 from cachedaemon.manifest import ChunkEntry, Manifest, TensorEntry
-from cachedaemon.progress import ByteProgress
+
+if TYPE_CHECKING:  # torch loads only to build a pool or views, never to serve a reclaimed one
+    import torch
+
+    from cachedaemon.checkpoint import CheckpointReader
+    from cachedaemon.loader import OutSpec, SourcePlan
+    from cachedaemon.progress import ByteProgress
 
 log = structlog.get_logger("cachedaemon.pool")
 
@@ -46,6 +43,8 @@ def layout(
     specs: Sequence[OutSpec], backend: Backend
 ) -> tuple[list[tuple[int, int, int]], list[int]]:
     """(chunk, offset, nbytes) per spec, and each chunk's used bytes. Greedy, in order."""
+    from cachedaemon.loader import dtype_of
+
     places: list[tuple[int, int, int]] = []
     used: list[int] = []
     for spec in specs:
@@ -61,6 +60,9 @@ def layout(
 
 def views(manifest: Manifest, chunks: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
     """Tensors over the chunks' flat uint8 tensors, as the manifest places them. No copy."""
+
+    from cachedaemon.loader import dtype_of
+
     out = {}
     typed: dict[tuple[int, str], torch.Tensor] = {}  # one typed view per (chunk, dtype)
     for e in manifest.tensors:
@@ -99,13 +101,19 @@ class Pool:
 
 
 def _checksums(manifest: Manifest, chunks: Sequence[Mapping], backend: Backend) -> dict[str, bool]:
-    regions = [chunks[e.chunk].tensor[e.offset : e.offset + e.nbytes] for e in manifest.tensors]
+    entries = manifest.tensors
     if backend.name == "memfd":  # crc32 releases the GIL: spread it over threads
         with ThreadPoolExecutor(max_workers=4) as ex:
-            sums = list(ex.map(backend.checksum, regions))
-    else:
-        sums = backend.checksums(regions)
-    return {e.name: s == e.checksum for e, s in zip(manifest.tensors, sums, strict=True)}
+            sums = list(
+                ex.map(
+                    lambda e: backend.checksum_region(chunks[e.chunk], e.offset, e.nbytes), entries
+                )
+            )
+    else:  # one batched pass on the device
+        sums = backend.checksums(
+            [chunks[e.chunk].tensor[e.offset : e.offset + e.nbytes] for e in entries]
+        )
+    return {e.name: s == e.checksum for e, s in zip(entries, sums, strict=True)}
 
 
 def build_pool(
@@ -116,6 +124,9 @@ def build_pool(
     progress: ByteProgress | None = None,
 ) -> tuple[Pool, int]:
     """Load the checkpoint into a new sealed pool. Returns the pool and bytes read from disk."""
+    from cachedaemon.checkpoint import CheckpointReader
+    from cachedaemon.loader import plan
+
     t0 = time.perf_counter()
     with CheckpointReader(model_dir) as reader:
         plans = plan(reader, opts)
@@ -171,6 +182,8 @@ def _fill(
     backend: Backend,
     on_bytes: Callable[[int], None] | None,
 ) -> list[TensorEntry]:
+    from cachedaemon.loader import read_source, transform
+
     entries = []
     slots = iter(places)
     for sp in plans:

@@ -12,12 +12,10 @@ import structlog
 
 from cachedaemon import protocol
 from cachedaemon.backends import Backend, get_backend
-from cachedaemon.config import CacheConfig
+from cachedaemon.config import CacheConfig, LoadOptions
 from cachedaemon.errors import DaemonUnavailable, ProtocolError
 from cachedaemon.frameserver import FrameServer, Reply
-from cachedaemon.loader import LoadOptions
 from cachedaemon.pool import Pool, build_pool
-from cachedaemon.progress import ByteProgress
 from cachedaemon.rundir import claim, listen, prepare, start_time, write_json_atomic
 
 log = structlog.get_logger("cachedaemon.daemon")
@@ -98,6 +96,8 @@ class Daemon:
             self.pool = reclaim(self.opts.keeper, self.config, self.backend, before)
             self.adopted = self.pool is not None
         if self.pool is None:
+            from cachedaemon.progress import ByteProgress
+
             with ByteProgress(f"loading {Path(self.opts.model).name}") as progress:
                 self.pool, self.bytes_read = build_pool(
                     self.opts.model, self.opts, self.backend, self.fingerprint, progress

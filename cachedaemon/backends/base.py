@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class Mapping(ABC):
@@ -51,6 +53,10 @@ class Backend(ABC):
     @abstractmethod
     def checksum(self, data: torch.Tensor) -> str:
         """A checksum of a flat uint8 tensor's bytes, computed where the bytes live."""
+
+    def checksum_region(self, chunk: Mapping, offset: int, nbytes: int) -> str:
+        """The checksum of `nbytes` at `offset` of a mapped chunk."""
+        return self.checksum(chunk.tensor[offset : offset + nbytes])
 
     def checksums(self, data: list[torch.Tensor]) -> list[str]:
         """Checksums of many tensors; backends override this to batch the work."""

@@ -8,16 +8,20 @@ import mmap
 import os
 import warnings
 import zlib
-
-import torch
+from typing import TYPE_CHECKING
 
 from cachedaemon.backends.base import Backend, Mapping, OwnedChunk
+
+if TYPE_CHECKING:  # torch is imported only when a tensor is asked for: a daemon that
+    import torch  # reclaims and verifies a pool never loads it
 
 _PAGE = mmap.PAGESIZE
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
 
 
 def _tensor_over(mm: mmap.mmap) -> torch.Tensor:
+    import torch
+
     with warnings.catch_warnings():
         # torch warns that a read-only buffer is not writable: that is the point.
         warnings.simplefilter("ignore", UserWarning)
@@ -28,13 +32,21 @@ class MemfdMapping(Mapping):
     def __init__(self, fd: int, size: int) -> None:
         self.size = size
         self._mm: mmap.mmap | None = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        self._tensor: torch.Tensor | None = _tensor_over(self._mm)
+        self._tensor: torch.Tensor | None = None
 
     @property
     def tensor(self) -> torch.Tensor:
-        if self._tensor is None:
+        if self._mm is None:
             raise ValueError("mapping is closed")
+        if self._tensor is None:
+            self._tensor = _tensor_over(self._mm)
         return self._tensor
+
+    def crc32(self, offset: int, nbytes: int) -> str:
+        if self._mm is None:
+            raise ValueError("mapping is closed")
+        with memoryview(self._mm) as mv:
+            return f"{zlib.crc32(mv[offset : offset + nbytes]):08x}"
 
     def close(self) -> None:
         self._tensor = None
@@ -50,6 +62,8 @@ class MemfdChunk(OwnedChunk):
         self.fd = os.memfd_create("holdfast-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(self.fd, size)
         self._mm: mmap.mmap | None = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED)
+        import torch
+
         self._tensor: torch.Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._sealed = False
 
@@ -103,3 +117,8 @@ class MemfdBackend(Backend):
 
     def checksum(self, data: torch.Tensor) -> str:
         return f"{zlib.crc32(data.numpy().data):08x}"
+
+    def checksum_region(self, chunk: Mapping, offset: int, nbytes: int) -> str:
+        if isinstance(chunk, MemfdMapping):
+            return chunk.crc32(offset, nbytes)
+        return super().checksum_region(chunk, offset, nbytes)
