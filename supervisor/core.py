@@ -45,6 +45,7 @@ class Cluster:
         self.launcher: EngineLauncher | None = None
         self.daemons: DaemonPool | None = None
         self.wake = asyncio.Event()
+        self.refused: dict[str, str] = {}  # primaries that failed their promotion
         self.low_since: float | None = None
         self.last_evict = 0.0
         self._build()
@@ -125,6 +126,9 @@ class Cluster:
     def on_ack(self, msg: Ack) -> None:
         if msg.command == "promote":
             self.view.ack(msg.name)
+            if not msg.ok and self.primary is not None and self.primary.name == msg.name:
+                self.refused[msg.name] = msg.detail  # fenced by the next tick
+                self.wake.set()
         if not msg.ok:
             self.bus.emit("engine", msg.name, "command-failed", self.epoch,
                           command=msg.command, detail=msg.detail)

@@ -50,7 +50,10 @@ async def _check_liveness(c: Cluster, now: float) -> float | None:
         inc = e.inc
         if inc is None or inc.handled or not e.running or e.state == "draining":
             continue
-        if not inc.ready and now - inc.started > timeout:
+        refused = c.refused.pop(e.name, None) if e is c.primary else None
+        if refused is not None:
+            await c.fence(e, cause="promote-refused", detail=refused)
+        elif not inc.ready and now - inc.started > timeout:
             await c.fence(e, cause="not-ready",
                           detail=f"not ready within engines.ready_timeout_s={timeout}")
         elif inc.hello and now - e.last_beat > c.hang_s:

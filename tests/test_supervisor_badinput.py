@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines.harness import Supervisor, env, get, pid_alive, write_policy
+from tests.engines.harness import ECHO, Supervisor, env, get, pid_alive, write_policy
 
 
 def run(policy: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -91,3 +91,21 @@ def loading_daemon(sup: Supervisor, timeout: float = 60.0) -> int:
             return int(daemons[0]["pid"])
         time.sleep(0.02)  # the API is up within a second; this only paces the retries
     raise AssertionError(f"no loading daemon within {timeout}s:\n{sup.output()}")
+
+
+def test_engines_that_refuse_promotion_are_fenced_not_routed(tmp_path: Path,
+                                                            tiny_model: Path) -> None:
+    policy = write_policy(tmp_path / "p.yaml", tiny_model, tmp_path / "run",
+                          engines={"command": [*ECHO, "--refuse-promote"]},
+                          restart={"max_restarts": 0})
+    sup = Supervisor(policy)
+    try:
+        for name in ("e1", "e2"):  # each is promoted in turn, refuses, and is quarantined
+            ev = sup.wait(lambda e, n=name: e.topic == f"engine.{n}.quarantined", timeout=60)
+            assert ev.data["cause"] == "promote-refused"
+            assert "refusing promotion to epoch" in ev.data["detail"]
+        assert get(f"{sup.api}/primary")[0] == 503
+        assert sup.stop(signal.SIGTERM) == 0
+    finally:
+        if sup.proc.poll() is None:
+            sup.stop(signal.SIGKILL)

@@ -4,7 +4,7 @@ POST /v1/completions answers `{"engine", "epoch", "role", "text"}`; `"sleep_s"` 
 request that long (load), `"stream": true` sends the text in chunks. GET /health answers 200.
 `--no-agent` serves without the agent (the supervisor then checks GET /health).
 `--fail-after S` exits with status 3 after S seconds; `--exit-now` exits at once with a
-message on stderr (for quarantine tests).
+message on stderr (for quarantine tests); `--refuse-promote` fails every promotion.
 """
 
 from __future__ import annotations
@@ -53,6 +53,10 @@ class Echo:
         return web.json_response({"ok": True, "engine": self.name, "role": self.role})
 
 
+def refuse(epoch: int) -> None:
+    raise RuntimeError(f"refusing promotion to epoch {epoch} (--refuse-promote)")
+
+
 async def follower() -> None:
     """Ranks other than 0 serve nothing; they live until told to stop (one_for_all)."""
     done = asyncio.Event()
@@ -76,7 +80,7 @@ async def serve(args: argparse.Namespace) -> None:
     loop.add_signal_handler(signal.SIGTERM, done.set)
     agent = None if args.no_agent else Agent.from_env(load=lambda: (echo.in_flight, 0))
     if agent is not None:
-        agent.on_promote(echo.promoted)
+        agent.on_promote(refuse if args.refuse_promote else echo.promoted)
         agent.on_stop(lambda: loop.call_soon_threadsafe(done.set))
         agent.start()
         agent.set_state("ready")
@@ -99,6 +103,7 @@ def main() -> None:
     p.add_argument("--no-agent", action="store_true")
     p.add_argument("--fail-after", type=float)
     p.add_argument("--exit-now", action="store_true")
+    p.add_argument("--refuse-promote", action="store_true")
     args = p.parse_args()
     if args.exit_now:
         print("echo: refusing to start (--exit-now)", file=sys.stderr)
