@@ -119,7 +119,9 @@ def test_mqtt_events_survive_a_broker_outage_and_last_will(
                           devices={"memory_mb": 250},
                           engines={"memory_mb": 100,
                                    "batch": [{"name": "batch", "count": 1, "memory_mb": 100}]},
-                          heartbeat={"interval_ms": 100, "miss_limit": 5})
+                          heartbeat={"interval_ms": 100, "miss_limit": 5},
+                          # the batch engine must get in before the dead slot restarts
+                          restart={"initial_s": 1.0, "max_s": 2.0, "jitter_s": 0.01})
     sup = Supervisor(policy)
     try:
         sub.wait(f"{PREFIX}/status", b"online")
