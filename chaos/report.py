@@ -113,7 +113,9 @@ def _num(value: float | None) -> str:
         return "n/a"
     if math.isinf(value):
         return "timeout"
-    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.1f}"
+    if abs(value) >= 100:
+        return f"{value:.0f}"
+    return f"{value:.1f}" if abs(value) >= 1 or value == 0 else f"{value:.4f}"
 
 
 def _pct(value: float | None) -> str:
