@@ -70,6 +70,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--no-verify", action="store_true", help="same as --verify off")
     s.add_argument(
+        "--spare",
+        action="store_true",
+        help="start as a hot spare: import and check everything, wait until the daemon that "
+        "serves this rank exits, then reclaim its pool from --keeper and serve",
+    )
+    s.add_argument(
         "--shard-rule",
         action="append",
         default=[],
@@ -141,6 +147,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         runtime_dir=args.runtime_dir,
         keeper=args.keeper,
         verify="off" if args.no_verify else args.verify,
+        spare=args.spare,
         read_timeout=args.read_timeout,
     )
     return run(opts, config)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import threading
 import time
@@ -16,7 +17,15 @@ from cachedaemon.config import CacheConfig, LoadOptions
 from cachedaemon.errors import DaemonUnavailable, ProtocolError
 from cachedaemon.frameserver import FrameServer, Reply
 from cachedaemon.pool import Pool, build_pool
-from cachedaemon.rundir import claim, listen, prepare, start_time, write_json_atomic
+from cachedaemon.rundir import (
+    claim,
+    is_alive,
+    listen,
+    prepare,
+    read_owner,
+    start_time,
+    write_json_atomic,
+)
 
 log = structlog.get_logger("cachedaemon.daemon")
 
@@ -26,6 +35,7 @@ class DaemonOptions(LoadOptions, frozen=True):
     runtime_dir: str = ""
     keeper: str | None = None
     verify: str = "before"  # before | background | off: checksums of a reclaimed pool
+    spare: bool = False  # wait for the rank's serving daemon to exit, then take over
     read_timeout: float = 5.0
 
 
@@ -88,7 +98,31 @@ class Daemon:
         self._done = threading.Event()
         self.exit_code = 0
 
+    def wait_to_take_over(self) -> None:
+        """A spare: everything imported and checked (a GPU backend has made its context
+        already), wait (pidfd) until the daemon that serves this rank exits, then go on to
+        reclaim its pool from the keeper."""
+        while True:
+            owner = read_owner(self.ready_path) or {}
+            pid, started = owner.get("pid"), owner.get("start_time")
+            started = started if isinstance(started, int) else None
+            if not isinstance(pid, int) or pid == os.getpid() or not is_alive(pid, started):
+                return
+            log.info("spare waiting", serving_pid=pid)
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                return
+            try:
+                if is_alive(pid, started):  # still the same process, not a reused pid
+                    select.select([fd], [], [])
+            finally:
+                os.close(fd)
+            log.info("spare taking over", dead_pid=pid)
+
     def load(self) -> None:
+        if self.opts.spare:
+            self.wait_to_take_over()
         claim(self.socket_path, self.ready_path, f"rank {self.opts.tp_rank} in {self.run_dir}")
         t0 = time.perf_counter()
         if self.opts.keeper:

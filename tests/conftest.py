@@ -59,24 +59,33 @@ class DaemonProc:
         self.lines: list[str] = []
         self.started = threading.Event()
         self.exited = threading.Event()
-        self._changed = threading.Event()  # serving or exited
+        self._line = threading.Condition()
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
         assert self.proc.stderr is not None
         for line in self.proc.stderr:
-            self.lines.append(line)
-            if '"event": "serving"' in line:
-                self.started.set()
-                self._changed.set()
+            with self._line:
+                self.lines.append(line)
+                if '"event": "serving"' in line:
+                    self.started.set()
+                self._line.notify_all()
         self.proc.stderr.close()
-        self.exited.set()
-        self._changed.set()
+        with self._line:
+            self.exited.set()
+            self._line.notify_all()
+
+    def wait_for(self, text: str, timeout: float = 60.0) -> None:
+        """Until a log line contains `text`; AssertionError if it exits or time runs out."""
+        with self._line:
+            found = self._line.wait_for(
+                lambda: any(text in line for line in self.lines) or self.exited.is_set(), timeout
+            )
+            if not found or not any(text in line for line in self.lines):
+                raise AssertionError(f"daemon never logged {text!r}:\n" + "".join(self.lines[-30:]))
 
     def wait_serving(self, timeout: float = 60.0) -> None:
-        self._changed.wait(timeout)
-        if not self.started.is_set():
-            raise AssertionError("daemon did not serve:\n" + "".join(self.lines[-30:]))
+        self.wait_for('"event": "serving"', timeout)
 
     @property
     def log(self) -> str:

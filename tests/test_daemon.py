@@ -173,6 +173,25 @@ def test_daemon_death_keeps_clients_and_the_keeper_restores_the_pool(
         assert keeper.pools()[0].reclaims == 1
 
 
+def test_a_spare_takes_over_when_the_serving_daemon_dies(
+    tiny_model: Path, tmp_path: Path, start_daemon: Any
+) -> None:
+    from cachedaemon.keeper import Keeper
+
+    run = tmp_path / "run"
+    with Keeper(run / "keeper.sock") as keeper:
+        keeper_arg = ("--keeper", str(keeper.socket_path))
+        first = start_daemon(tiny_model, run, *keeper_arg)
+        spare = start_daemon(tiny_model, run, *keeper_arg, "--spare", wait=False)
+        spare.wait_for('"event": "spare waiting"')
+        expected = digest(attach_state_dict(run / "daemon-0.sock"))
+        os.kill(first.proc.pid, signal.SIGKILL)
+        spare.wait_serving(30)
+        assert '"adopted": true' in spare.log and '"checkpoint_bytes_read": 0' in spare.log
+        assert json.loads((run / "daemon-0.ready").read_text())["pid"] == spare.proc.pid
+        assert digest(attach_state_dict(run / "daemon-0.sock")) == expected
+
+
 def _zero_tensor_data(path: Path) -> None:
     raw = bytearray(path.read_bytes())
     (n,) = struct.unpack("<Q", raw[:8])
@@ -217,7 +236,7 @@ def test_keeper_pool_with_bad_checksums_is_reloaded_from_disk(
             assert keeper.pools() == []
             # ... so that the next start loads from disk
             second = start_daemon(tiny_model, run, *keeper_arg)
-            assert "checkpoint_bytes_read\": 0" not in second.log
+            assert 'checkpoint_bytes_read": 0' not in second.log
         else:
             second = start_daemon(tiny_model, run, *keeper_arg)
             assert "keeper pool failed checksums; reloading from disk" in second.log
