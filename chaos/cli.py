@@ -10,12 +10,13 @@ import signal
 import sys
 from pathlib import Path
 
+import msgspec
 import structlog
 
 from chaos.checks import RUN_METRICS, STATS, TRIAL_METRICS
 from chaos.errors import ChaosError
 from chaos.report import Results
-from chaos.runner import RunOptions, preflight, run
+from chaos.runner import RunOptions, preflight, run, write_report
 from chaos.scenario import FAULT_KINDS, Plan, load_scenario
 
 EPILOG = """\
@@ -24,6 +25,7 @@ examples:
   chaos run chaos/scenarios/soak.yaml --max-faults 300 --out bench/results/soak
   chaos run my.yaml --policy policies/demo.yaml --attach     # a supervisor already running it
   chaos validate chaos/scenarios/gpu.yaml
+  chaos report /tmp/chaos-smoke        # report.md and plots again from its results.json
 
 exit status: 0 every check passed; 1 a check failed or the run stopped early;
 2 the scenario or its policy is unusable (nothing was started); 130 interrupted (Ctrl-C).
@@ -53,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     _plan_arguments(val_p)
     sub.add_parser("kinds", help="list fault kinds, metrics and statistics")
+    rep_p = sub.add_parser("report", help="write report.md and the plots again from results.json")
+    rep_p.add_argument("dir", type=Path, help="a run's --out dir (holds results.json)")
     return parser
 
 
@@ -88,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "kinds":
         return _kinds()
+    if args.command == "report":
+        return _rerender(args.dir)
     try:
         plan = load_scenario(
             args.scenario, trials=args.trials, seed=args.seed, max_faults=args.max_faults
@@ -137,6 +143,20 @@ def _summary(results: Results, out: Path) -> None:
     if results.meta.note:
         print(f"note: {results.meta.note}")
     print(f"report: {out / 'report.md'}")
+
+
+def _rerender(out: Path) -> int:
+    try:
+        results = msgspec.json.decode((out / "results.json").read_bytes(), type=Results)
+    except (OSError, msgspec.DecodeError) as exc:
+        print(
+            f"chaos: cannot read {out / 'results.json'}: {exc}; pass a run's --out dir",
+            file=sys.stderr,
+        )
+        return 2
+    write_report(out, results)
+    print(f"report: {out / 'report.md'}")
+    return 0
 
 
 def _kinds() -> int:

@@ -79,7 +79,7 @@ async def run(plan: Plan, opts: RunOptions) -> tuple[report.Results, bool]:
             interrupted = True
             got.notes.append("interrupted (Ctrl-C); partial results")
     results = _results(plan, opts, got, started, complete=not got.notes)
-    _write(opts.out, results)
+    write_report(opts.out, results)
     return results, interrupted
 
 
@@ -218,7 +218,8 @@ def _results(
     return report.Results(meta, figures, checks, got.trials, got.requests, got.events)
 
 
-def _write(out: Path, results: report.Results) -> None:
+def write_report(out: Path, results: report.Results) -> None:
+    """report.md, results.json and the plots, in `out`."""
     from chaos import plots  # matplotlib costs a second: only once there is something to plot
 
     report.write(out, results)

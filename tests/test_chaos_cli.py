@@ -139,3 +139,8 @@ def test_validate_plans_trials_and_max_faults(capsys: pytest.CaptureFixture[str]
     assert "ok, 7 faults" in capsys.readouterr().out
     assert main(["validate", soak, "--trials", "2"]) == 0
     assert "ok, 24 faults" in capsys.readouterr().out
+
+
+def test_report_needs_a_results_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", str(tmp_path)]) == 2
+    assert "results.json" in capsys.readouterr().err
