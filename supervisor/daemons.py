@@ -143,6 +143,28 @@ class DaemonPool:
         self._publish(d, "serving", adopted=d.adopted, pool_bytes=d.pool_bytes,
                       fingerprint=d.fingerprint, down_ms=ms)
         self._kick()
+        if self.keeper is not None and self.policy.cache.spare and d.spare is None:
+            await self.spawn_spare(d)
+
+    async def spawn_spare(self, d: Daemon) -> None:
+        """A hot spare for rank d: imported and waiting on the serving daemon's pidfd."""
+        proc = await Proc.spawn([*self.argv(d), "--spare"], dict(os.environ),
+                                self.run / "logs" / f"daemon-{d.rank}-spare.log")
+        inc = Incarnation([proc])
+        d.spare = inc
+        log.info("spare daemon started", rank=d.rank, pid=inc.pid)
+        self._own(self._watch_spare(d, inc))
+
+    async def _watch_spare(self, d: Daemon, inc: Incarnation) -> None:
+        code = await inc.procs[0].wait()
+        if d.spare is not inc:
+            return  # it took over: `_watch` follows it as the serving daemon now
+        d.spare = None
+        log.warning("spare daemon exited", rank=d.rank, exit_code=code, tail=inc.tail()[-300:])
+        if d.state == "serving" and not inc.handled:
+            await asyncio.sleep(d.book.delay())
+            if d.state == "serving" and d.spare is None:
+                await self.spawn_spare(d)
 
     async def _watch(self, d: Daemon, inc: Incarnation) -> None:
         code = await inc.procs[0].wait()
@@ -154,6 +176,13 @@ class DaemonPool:
         d.state = "quarantined" if quarantine else "dead"
         d.next_start = time.monotonic() + d.book.delay()
         self._publish(d, d.state, exit_code=code, tail=inc.tail()[-500:])
+        spare = d.spare
+        if d.state == "dead" and spare is not None and spare.procs[0].alive:
+            d.spare = None  # the spare is taking over already: follow it
+            d.inc, d.state = spare, "starting"
+            self._publish(d, "starting", spare=True)
+            self._own(self._watch(d, spare))
+            self._own(self._await_ready(d, spare))
         self._kick()
 
     def reconcile(self, now: float) -> float | None:
@@ -178,6 +207,10 @@ class DaemonPool:
 
     async def stop(self) -> None:
         for d in self.daemons:
+            spare, d.spare = d.spare, None
+            if spare is not None:
+                spare.handled = True
+                await spare.procs[0].terminate(grace=5.0)
             if d.inc is not None:
                 d.inc.handled = True
                 for p in d.inc.procs:

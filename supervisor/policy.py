@@ -48,6 +48,7 @@ class CacheSpec(_Spec, frozen=True):
     keeper: bool = True
     verify: bool = True
     ready_timeout_s: float = 120.0
+    spare: bool = True  # a hot spare daemon per rank takes over from escrow when one dies
 
 
 class BatchSpec(_Spec, frozen=True):

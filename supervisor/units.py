@@ -75,6 +75,7 @@ class Daemon:
     book: RestartBook
     state: str = "dead"  # starting serving dead quarantined
     inc: Incarnation | None = None
+    spare: Incarnation | None = None  # `cachedaemon serve --spare`, waiting to take over
     fingerprint: str = ""
     pool_bytes: int = 0
     adoptions: int = 0

@@ -45,16 +45,26 @@ def sup(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[
     base = tmp_path_factory.mktemp("sup")
     host, port = mqtt_broker()
     policy = write_policy(
-        base / "policy.yaml", tiny_model, base / "run",
-        engines={"batch": [
-            {"name": "batch", "count": 1, "priority": 0},
-            {"name": "flaky", "count": 1, "priority": 1, "command": [*ECHO, "--exit-now"]},
-            {"name": "missing", "count": 1, "priority": 2,
-             "command": ["/nonexistent/engine-binary"]}],
-            "load": {"evict_above": 3, "respawn_below": 1, "respawn_hold_s": 0.5}},
+        base / "policy.yaml",
+        tiny_model,
+        base / "run",
+        engines={
+            "batch": [
+                {"name": "batch", "count": 1, "priority": 0},
+                {"name": "flaky", "count": 1, "priority": 1, "command": [*ECHO, "--exit-now"]},
+                {
+                    "name": "missing",
+                    "count": 1,
+                    "priority": 2,
+                    "command": ["/nonexistent/engine-binary"],
+                },
+            ],
+            "load": {"evict_above": 3, "respawn_below": 1, "respawn_hold_s": 0.5},
+        },
         restart={"initial_s": 0.05, "max_s": 0.2, "max_restarts": 3, "window_s": 60},
         heartbeat={"interval_ms": 100, "miss_limit": 5},
-        events={"mqtt": {"host": host, "port": port, "prefix": PREFIX}})
+        events={"mqtt": {"host": host, "port": port, "prefix": PREFIX}},
+    )
     s = Supervisor(policy)
     try:
         yield s
@@ -92,10 +102,23 @@ def test_boot_promotes_one_primary_and_serves(sup: Supervisor) -> None:
     assert code == 200 and body["engine"] == p["name"] and body["text"] == "echo:boot"
     st = sup.status()
     assert set(st) >= {"epoch", "primary", "engines", "daemons"}
-    assert set(st["engines"][0]) >= {"name", "role", "state", "pid", "port", "restarts",
-                                     "heartbeat_age_ms"}
-    assert set(st["daemons"][0]) >= {"rank", "state", "pid", "fingerprint", "pool_bytes",
-                                     "adoptions"}
+    assert set(st["engines"][0]) >= {
+        "name",
+        "role",
+        "state",
+        "pid",
+        "port",
+        "restarts",
+        "heartbeat_age_ms",
+    }
+    assert set(st["daemons"][0]) >= {
+        "rank",
+        "state",
+        "pid",
+        "fingerprint",
+        "pool_bytes",
+        "adoptions",
+    }
     assert st["daemons"][0]["state"] == "serving" and st["daemons"][0]["pool_bytes"] > 0
     assert os.stat(sup.run).st_mode & 0o777 == 0o700
 
@@ -179,13 +202,26 @@ def test_daemon_kill_engines_keep_serving_and_it_adopts_from_escrow(sup: Supervi
     reply, _ = protocol.call(str(sup.run / "daemon-0.sock"), protocol.StatusRequest())
     assert isinstance(reply, protocol.StatusReply) and reply.adopted
     assert sup.status()["daemons"][0]["adoptions"] == daemon["adoptions"] + 1
+    # the hot spare took over (no new process had to start), and a new spare stands by:
+    # a second kill is taken over by a spare again
+    assert sup.wait(topic("daemon.0.starting"), timeout=5, after=mark).data.get("spare") is True
+    second = sup.status()["daemons"][0]
+    mark = sup.tap.mark()
+    os.kill(second["pid"], signal.SIGKILL)
+    assert sup.wait(topic("daemon.0.starting"), timeout=30, after=mark).data.get("spare") is True
+    again = sup.wait(topic("daemon.0.serving"), timeout=90, after=mark)
+    assert again.data["adopted"] is True and again.data["down_ms"] < 5000
 
 
 def test_load_evicts_batch_and_low_load_respawns_it(sup: Supervisor) -> None:
     sup.wait(topic("engine.batch-1.ready"), timeout=30)
     mark = sup.tap.mark()
-    held = [threading.Thread(target=complete, args=(sup.router,),
-                             kwargs={"sleep_s": 2.0, "timeout": 30}) for _ in range(6)]
+    held = [
+        threading.Thread(
+            target=complete, args=(sup.router,), kwargs={"sleep_s": 2.0, "timeout": 30}
+        )
+        for _ in range(6)
+    ]
     for t in held:
         t.start()
     evicted = sup.wait(topic("engine.batch-1.evicted"), timeout=10, after=mark)
@@ -276,8 +312,13 @@ def as_uid(uid: int, run: Path) -> str:
 
 
 def test_second_supervisor_on_the_same_dir_is_refused(sup: Supervisor) -> None:
-    cp = subprocess.run([sys.executable, "-m", "supervisor", "run", str(sup.policy_path)],
-                        env=env(), capture_output=True, text=True, timeout=60)
+    cp = subprocess.run(
+        [sys.executable, "-m", "supervisor", "run", str(sup.policy_path)],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert cp.returncode == 1
     assert f"another supervisor (pid {sup.proc.pid}) runs on {sup.run}" in cp.stderr
     assert sup.status()["primary"] is not None
@@ -290,8 +331,9 @@ def test_sigterm_stops_everything_cleanly(sup: Supervisor) -> None:
     mark = sup.tap.mark()
     tap = sup.tap
     assert sup.stop(signal.SIGTERM) == 0, sup.output()
-    assert any(isinstance(e, Event) and e.topic == "supervisor.main.stopped"
-               for e in tap.events[mark:])
+    assert any(
+        isinstance(e, Event) and e.topic == "supervisor.main.stopped" for e in tap.events[mark:]
+    )
     assert [p for p in pids if pid_alive(p)] == []
     left = sorted(p.name for p in sup.run.iterdir() if p.is_socket())
     assert left == [], f"stale sockets: {left}"
