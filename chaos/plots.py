@@ -13,11 +13,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.ticker import NullFormatter  # noqa: E402
 
 from chaos.load import RequestRow  # noqa: E402
 from chaos.metrics import TrialRow, expected  # noqa: E402
 
 BIN_S = 1.0
+MANY_FAULTS = 40  # more than this: fault ticks instead of lines across the panels
 
 
 def timeline(path: Path, rows: Sequence[RequestRow], trials: Sequence[TrialRow]) -> None:
@@ -53,19 +55,19 @@ def timeline(path: Path, rows: Sequence[RequestRow], trials: Sequence[TrialRow])
 
 
 def _mark_faults(top: Axes, bottom: Axes, trials: Sequence[TrialRow], t0: float) -> None:
+    """A dashed line per fault; past MANY_FAULTS, a tick along the top of the load panel."""
     colors = _colors(trials)
+    many = len(trials) > MANY_FAULTS
     seen: set[str] = set()
     for trial in trials:
         label = trial.fault if trial.fault not in seen else None
         seen.add(trial.fault)
-        for axis in (top, bottom):
-            axis.axvline(
-                trial.injected - t0,
-                color=colors[trial.fault],
-                lw=0.8,
-                ls="--",
-                label=label if axis is top else None,
-            )
+        x, color, lw = trial.injected - t0, colors[trial.fault], 1.0 if many else 0.8
+        if many:
+            top.axvline(x, ymin=0.92, color=color, lw=lw, label=label)
+            continue
+        top.axvline(x, ls="--", color=color, lw=lw, label=label)
+        bottom.axvline(x, ls="--", color=color, lw=lw)
 
 
 def recovery(path: Path, trials: Sequence[TrialRow]) -> None:
@@ -90,6 +92,7 @@ def recovery(path: Path, trials: Sequence[TrialRow]) -> None:
                     fontsize=7,
                 )
         axis.set_xscale("log")
+        axis.xaxis.set_minor_formatter(NullFormatter())  # decades only: no crowded labels
         axis.set_xlabel(f"{metric} (log scale)")
         axis.set_yticks(range(len(faults)), faults)
         axis.grid(axis="x", which="both", alpha=0.3)
