@@ -77,7 +77,7 @@ async def run(plan: Plan, opts: RunOptions) -> tuple[report.Results, bool]:
                 await _guarded_stage(plan, stage, faults, opts, got, progress)
         except asyncio.CancelledError:
             interrupted = True
-            got.notes.append("interrupted (Ctrl-C); partial results")
+            got.notes.append("interrupted (Ctrl-C or SIGTERM); partial results")
     results = _results(plan, opts, got, started, complete=not got.notes)
     write_report(opts.out, results)
     return results, interrupted
