@@ -39,7 +39,9 @@ def router(tmp_path: Path) -> Iterator[tuple[zmq.Socket[bytes], str]]:
     sock.close(linger=0)
 
 
-def recv_until(sock: zmq.Socket[bytes], kind: type, deadline_s: float = 5.0) -> tuple[bytes, object]:
+def recv_until(
+    sock: zmq.Socket[bytes], kind: type, deadline_s: float = 5.0
+) -> tuple[bytes, object]:
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         if sock.poll(timeout=100):
@@ -55,8 +57,15 @@ def test_hello_heartbeat_state_and_commands(router: tuple[zmq.Socket[bytes], str
     promoted: queue.SimpleQueue[int] = queue.SimpleQueue()
     drained: queue.SimpleQueue[float] = queue.SimpleQueue()
     stopped: queue.SimpleQueue[bool] = queue.SimpleQueue()
-    agent = Agent(endpoint, name="e1", role="standby", port=9001, epoch=3,
-                  interval_s=0.02, load=lambda: (7, 2))
+    agent = Agent(
+        endpoint,
+        name="e1",
+        role="standby",
+        port=9001,
+        epoch=3,
+        interval_s=0.02,
+        load=lambda: (7, 2),
+    )
     agent.on_promote(promoted.put)
     agent.on_drain(drained.put)
     agent.on_stop(lambda: stopped.put(True))
@@ -122,17 +131,27 @@ def test_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     agent = Agent.from_env()
     assert agent is not None
     assert (agent.name, agent.role, agent.port, agent.epoch, agent.interval_s) == (
-        "b1", "batch", 8123, 2, 0.02)
+        "b1",
+        "batch",
+        8123,
+        2,
+        0.02,
+    )
     monkeypatch.setenv("HOLDFAST_PORT", "eighty")
     with pytest.raises(AgentError, match="HOLDFAST_PORT"):
         Agent.from_env()
 
 
 def test_agent_and_cli_import_without_torch() -> None:
-    code = ("import supervisor.agent, supervisor.protocol; import sys; "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import supervisor.agent, supervisor.protocol; import sys; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     cli = Path(__file__).resolve().parents[1] / "supervisor" / "cli.py"
     if cli.exists():
         code = code.replace("import supervisor.agent", "import supervisor.cli, supervisor.agent")
-    subprocess.run([sys.executable, "-c", code], check=True,
-                   env={**os.environ, "PYTHONPATH": str(cli.parents[1])})
+    subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(cli.parents[1])},
+    )

@@ -16,8 +16,9 @@ def test_intensity_quarantines_past_the_limit_and_forgets_old_restarts() -> None
 
 
 def test_delay_grows_exponentially_with_jitter_and_is_capped() -> None:
-    spec = RestartSpec(initial_s=0.1, max_s=1.0, multiplier=2.0, jitter_s=0.05,
-                       max_restarts=100, window_s=60.0)
+    spec = RestartSpec(
+        initial_s=0.1, max_s=1.0, multiplier=2.0, jitter_s=0.05, max_restarts=100, window_s=60.0
+    )
     book = RestartBook(spec)
     delays = []
     for t in range(8):

@@ -17,8 +17,13 @@ from tests.engines.harness import ECHO, Supervisor, env, get, pid_alive, write_p
 
 
 def run(policy: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "supervisor", "run", str(policy)], env=env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor", "run", str(policy)],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_missing_model_path_is_a_policy_error(tmp_path: Path) -> None:
@@ -47,8 +52,12 @@ def test_router_port_in_use_fails_before_loading(tmp_path: Path, tiny_model: Pat
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        policy = write_policy(tmp_path / "p.yaml", tiny_model, tmp_path / "run",
-                              router={"listen": f"127.0.0.1:{port}"})
+        policy = write_policy(
+            tmp_path / "p.yaml",
+            tiny_model,
+            tmp_path / "run",
+            router={"listen": f"127.0.0.1:{port}"},
+        )
         cp = run(policy)
     assert cp.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in cp.stderr and "router.listen" in cp.stderr
@@ -57,8 +66,13 @@ def test_router_port_in_use_fails_before_loading(tmp_path: Path, tiny_model: Pat
 
 
 def test_status_without_a_supervisor_says_so(tmp_path: Path) -> None:
-    cp = subprocess.run([sys.executable, "-m", "supervisor", "status", "--runtime-dir",
-                         str(tmp_path)], env=env(), capture_output=True, text=True, timeout=30)
+    cp = subprocess.run(
+        [sys.executable, "-m", "supervisor", "status", "--runtime-dir", str(tmp_path)],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert cp.returncode == 1
     assert f"no supervisor runs on {tmp_path}" in cp.stderr
 
@@ -93,11 +107,16 @@ def loading_daemon(sup: Supervisor, timeout: float = 60.0) -> int:
     raise AssertionError(f"no loading daemon within {timeout}s:\n{sup.output()}")
 
 
-def test_engines_that_refuse_promotion_are_fenced_not_routed(tmp_path: Path,
-                                                            tiny_model: Path) -> None:
-    policy = write_policy(tmp_path / "p.yaml", tiny_model, tmp_path / "run",
-                          engines={"command": [*ECHO, "--refuse-promote"]},
-                          restart={"max_restarts": 0})
+def test_engines_that_refuse_promotion_are_fenced_not_routed(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    policy = write_policy(
+        tmp_path / "p.yaml",
+        tiny_model,
+        tmp_path / "run",
+        engines={"command": [*ECHO, "--refuse-promote"]},
+        restart={"max_restarts": 0},
+    )
     sup = Supervisor(policy)
     try:
         for name in ("e1", "e2"):  # each is promoted in turn, refuses, and is quarantined

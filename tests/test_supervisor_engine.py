@@ -12,18 +12,20 @@ from tests.engines.harness import Load, Supervisor, complete, get, write_policy
 
 
 def test_reference_engine_fails_over_under_load(tmp_path: Path, tiny_model: Path) -> None:
-    policy = write_policy(tmp_path / "policy.yaml", tiny_model, tmp_path / "run",
-                          engines={"command": ["{python}", "-m", "engine"],
-                                   "ready_timeout_s": 120},
-                          heartbeat={"interval_ms": 100, "miss_limit": 10})
+    policy = write_policy(
+        tmp_path / "policy.yaml",
+        tiny_model,
+        tmp_path / "run",
+        engines={"command": ["{python}", "-m", "engine"], "ready_timeout_s": 120},
+        heartbeat={"interval_ms": 100, "miss_limit": 10},
+    )
     sup = Supervisor(policy)
     try:
         first = sup.wait(lambda e: e.event == "promoted", timeout=180)
         sup.wait(lambda e: e.event == "ready" and e.name != first.name, timeout=180)
         code, body = complete(sup.router, None, prompt_token_ids=[1, 2, 3], max_tokens=4)
         assert code == 200, body
-        load = Load(sup.router, clients=2, prompt=None, prompt_token_ids=[1, 2],
-                    max_tokens=2)
+        load = Load(sup.router, clients=2, prompt=None, prompt_token_ids=[1, 2], max_tokens=2)
         try:
             load.wait_ok(5, timeout=60)
             mark = sup.tap.mark()

@@ -26,13 +26,18 @@ def rank_pid(name: str, rank: int) -> int:
     raise AssertionError(f"no rank {rank} process for {name}")
 
 
-def test_tp2_group_dies_together_and_http_health_finds_hangs(tmp_path: Path,
-                                                             tiny_model: Path) -> None:
+def test_tp2_group_dies_together_and_http_health_finds_hangs(
+    tmp_path: Path, tiny_model: Path
+) -> None:
     policy = write_policy(
-        tmp_path / "policy.yaml", tiny_model, tmp_path / "run",
-        model={"tp_size": 2}, devices={"ids": ["cpu", "cpu"]},
+        tmp_path / "policy.yaml",
+        tiny_model,
+        tmp_path / "run",
+        model={"tp_size": 2},
+        devices={"ids": ["cpu", "cpu"]},
         engines={"command": [*ECHO, "--no-agent"], "health": "http"},
-        heartbeat={"interval_ms": 100, "miss_limit": 5})
+        heartbeat={"interval_ms": 100, "miss_limit": 5},
+    )
     sup = Supervisor(policy)
     try:
         first = sup.wait(lambda e: e.event == "promoted", timeout=180)
@@ -43,8 +48,7 @@ def test_tp2_group_dies_together_and_http_health_finds_hangs(tmp_path: Path,
         leader = get(f"{sup.api}/primary")[1]["pid"]
         mark = sup.tap.mark()
         os.kill(rank_pid(first.name, 1), signal.SIGKILL)  # one rank dies: the group is dead
-        died = sup.wait(lambda e: e.topic == f"engine.{first.name}.died", timeout=10,
-                        after=mark)
+        died = sup.wait(lambda e: e.topic == f"engine.{first.name}.died", timeout=10, after=mark)
         assert died.data["detail"] == "rank 1 exited with -9"
         second = sup.wait(lambda e: e.event == "promoted", timeout=10, after=mark)
         assert second.name != first.name and not pid_alive(leader)
@@ -52,8 +56,7 @@ def test_tp2_group_dies_together_and_http_health_finds_hangs(tmp_path: Path,
 
         mark = sup.tap.mark()
         os.kill(get(f"{sup.api}/primary")[1]["pid"], signal.SIGSTOP)  # no agent: HTTP health
-        hung = sup.wait(lambda e: e.topic == f"engine.{second.name}.died", timeout=10,
-                        after=mark)
+        hung = sup.wait(lambda e: e.topic == f"engine.{second.name}.died", timeout=10, after=mark)
         assert hung.data["cause"] == "hang"
         sup.wait(lambda e: e.event == "promoted", timeout=10, after=mark)
         assert complete(sup.router)[0] == 200

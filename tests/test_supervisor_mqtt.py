@@ -32,8 +32,9 @@ class Broker:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        self.proc = subprocess.Popen([MOSQUITTO, "-p", str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [MOSQUITTO, "-p", str(self.port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -68,14 +69,20 @@ class Subscriber:
                     await client.subscribe(f"{PREFIX}/#", qos=1)
                     async for m in client.messages:
                         with self._cond:
-                            self.messages.append((str(m.topic), bytes(m.payload),  # type: ignore[arg-type]
-                                                  bool(m.retain)))
+                            self.messages.append(
+                                (
+                                    str(m.topic),
+                                    bytes(m.payload),  # type: ignore[arg-type]
+                                    bool(m.retain),
+                                )
+                            )
                             self._cond.notify_all()
             except aiomqtt.MqttError:
                 await asyncio.sleep(0.1)  # broker down: try again
 
-    def wait(self, topic_: str, payload: bytes | None = None, timeout: float = 15.0,
-             after: int = 0) -> bytes:
+    def wait(
+        self, topic_: str, payload: bytes | None = None, timeout: float = 15.0, after: int = 0
+    ) -> bytes:
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
@@ -84,8 +91,10 @@ class Subscriber:
                         return p
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise AssertionError(f"no {topic_} {payload!r} within {timeout}s; saw "
-                                         f"{[m[0] for m in self.messages[after:]][-20:]}")
+                    raise AssertionError(
+                        f"no {topic_} {payload!r} within {timeout}s; saw "
+                        f"{[m[0] for m in self.messages[after:]][-20:]}"
+                    )
                 self._cond.wait(left)
 
     def mark(self) -> int:
@@ -109,26 +118,32 @@ def broker() -> Iterator[Broker]:
 
 
 def test_mqtt_events_survive_a_broker_outage_and_last_will(
-        broker: Broker, tmp_path: Path, tiny_model: Path) -> None:
+    broker: Broker, tmp_path: Path, tiny_model: Path
+) -> None:
     sub = Subscriber(broker.port)
     # Memory for two serving engines only: the batch engine gets in while a serving slot
     # is down, and admission evicts it again when the slot comes back.
-    policy = write_policy(tmp_path / "policy.yaml", tiny_model, tmp_path / "run",
-                          events={"mqtt": {"host": "127.0.0.1", "port": broker.port,
-                                           "prefix": PREFIX, "keepalive_s": 2}},
-                          devices={"memory_mb": 250},
-                          engines={"memory_mb": 100,
-                                   "batch": [{"name": "batch", "count": 1, "memory_mb": 100}]},
-                          heartbeat={"interval_ms": 100, "miss_limit": 5},
-                          # the batch engine must get in before the dead slot restarts
-                          restart={"initial_s": 1.0, "max_s": 2.0, "jitter_s": 0.01})
+    policy = write_policy(
+        tmp_path / "policy.yaml",
+        tiny_model,
+        tmp_path / "run",
+        events={
+            "mqtt": {"host": "127.0.0.1", "port": broker.port, "prefix": PREFIX, "keepalive_s": 2}
+        },
+        devices={"memory_mb": 250},
+        engines={"memory_mb": 100, "batch": [{"name": "batch", "count": 1, "memory_mb": 100}]},
+        heartbeat={"interval_ms": 100, "miss_limit": 5},
+        # the batch engine must get in before the dead slot restarts
+        restart={"initial_s": 1.0, "max_s": 2.0, "jitter_s": 0.01},
+    )
     sup = Supervisor(policy)
     try:
         sub.wait(f"{PREFIX}/status", b"online")
         promoted = sup.wait(lambda e: e.event == "promoted", timeout=120)
         sub.wait(f"{PREFIX}/events", f'"name":"{promoted.name}","event":"promoted"'.encode())
-        state = msgspec.json.decode(sub.wait(f"{PREFIX}/engine/{promoted.name}/state",
-                                             b'"state":"primary"'))
+        state = msgspec.json.decode(
+            sub.wait(f"{PREFIX}/engine/{promoted.name}/state", b'"state":"primary"')
+        )
         assert state["epoch"] == 1
         sup.wait(lambda e: e.event == "ready" and e.name != promoted.name, timeout=60)
         assert not any(e.name == "batch-1" for e in sup.tap.events), "batch-1 cannot fit"
@@ -154,8 +169,12 @@ def test_mqtt_events_survive_a_broker_outage_and_last_will(
         mark = sub.mark()
         broker.start()  # back: the queued events arrive, status is online again
         sub.wait(f"{PREFIX}/status", b"online", timeout=20, after=mark)
-        sub.wait(f"{PREFIX}/events", f'"name":"{second.name}","event":"promoted"'.encode(),
-                 timeout=20, after=mark)
+        sub.wait(
+            f"{PREFIX}/events",
+            f'"name":"{second.name}","event":"promoted"'.encode(),
+            timeout=20,
+            after=mark,
+        )
 
         mark = sub.mark()
         sup.stop(signal.SIGKILL)  # no clean offline: the broker sends the Last Will

@@ -24,7 +24,8 @@ def test_every_error_is_reported_with_its_path(tmp_path: Path) -> None:
     errors = errors_of(
         "engines: {standby: two, bogus: 1, batch: [{count: x}]}\n"
         "model: {dtype: int3}\nheartbeat: {interval_ms: 1.5}\nrouter: {listen: 80}\n",
-        tmp_path)
+        tmp_path,
+    )
     assert "$.engines.standby: expected int, got str" in errors
     assert any(e.startswith("$.engines.bogus: unknown key") for e in errors)
     assert "$.engines.batch[0].count: expected int, got str" in errors
@@ -37,7 +38,9 @@ def test_every_error_is_reported_with_its_path(tmp_path: Path) -> None:
 def test_cross_field_rules_name_the_key(tmp_path: Path) -> None:
     errors = errors_of(
         "model: {path: /nonexistent/model}\nengines: {primary: 2, command: ['{pyhton}']}\n"
-        "devices: {ids: [cpu, cpu]}\nrouter: {listen: 'localhost'}\n", tmp_path)
+        "devices: {ids: [cpu, cpu]}\nrouter: {listen: 'localhost'}\n",
+        tmp_path,
+    )
     text = "\n".join(errors)
     assert "$.model.path: /nonexistent/model holds no config.json" in text
     assert "$.engines.primary: got 2, must be 1" in text
@@ -47,8 +50,7 @@ def test_cross_field_rules_name_the_key(tmp_path: Path) -> None:
 
 
 def test_top_level_garbage(tmp_path: Path) -> None:
-    assert errors_of("- a\n- b\n", tmp_path) == [
-        "$: expected a mapping at the top, got list"]
+    assert errors_of("- a\n- b\n", tmp_path) == ["$: expected a mapping at the top, got list"]
     assert errors_of("model: [unclosed\n", tmp_path)[0].startswith("$: not valid YAML")
 
 
@@ -83,22 +85,39 @@ def test_shipped_policies_are_valid(name: str) -> None:
 def test_validate_cli_prints_every_error_and_exits_2(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("engines: {standby: x}\nextra: 1\n")
-    cp = subprocess.run([sys.executable, "-m", "supervisor", "validate", str(bad)], env=env(),
-                        capture_output=True, text=True, timeout=30)
+    cp = subprocess.run(
+        [sys.executable, "-m", "supervisor", "validate", str(bad)],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert cp.returncode == 2
     assert "$.engines.standby: expected int, got str" in cp.stderr
     assert "$.extra: unknown key" in cp.stderr
-    ok = subprocess.run([sys.executable, "-m", "supervisor", "validate"], env=env(),
-                        capture_output=True, text=True, timeout=30)
+    ok = subprocess.run(
+        [sys.executable, "-m", "supervisor", "validate"],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert ok.returncode == 0, ok.stderr
     assert "demo.yaml: ok" in ok.stdout
 
 
 def test_help_has_examples_and_no_torch() -> None:
-    cp = subprocess.run([sys.executable, "-m", "supervisor", "--help"], env=env(),
-                        capture_output=True, text=True, timeout=30)
+    cp = subprocess.run(
+        [sys.executable, "-m", "supervisor", "--help"],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert cp.returncode == 0 and "supervisor run policies/h200.yaml" in cp.stdout
-    code = ("import supervisor.cli, supervisor.agent, supervisor.service; import sys; "
-            "assert 'torch' not in sys.modules, 'supervisor imported torch'")
+    code = (
+        "import supervisor.cli, supervisor.agent, supervisor.service; import sys; "
+        "assert 'torch' not in sys.modules, 'supervisor imported torch'"
+    )
     subprocess.run([sys.executable, "-c", code], env=env(), check=True, timeout=30)
     assert os.path.exists(REPO / "supervisor" / "__main__.py")

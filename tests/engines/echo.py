@@ -37,8 +37,9 @@ class Echo:
             await asyncio.sleep(float(body.get("sleep_s", 0)))
             text = f"echo:{body.get('prompt', '')}"
             if not body.get("stream"):
-                return web.json_response({"engine": self.name, "epoch": self.epoch,
-                                          "role": self.role, "text": text})
+                return web.json_response(
+                    {"engine": self.name, "epoch": self.epoch, "role": self.role, "text": text}
+                )
             resp = web.StreamResponse()
             await resp.prepare(request)
             for ch in text:

@@ -41,8 +41,10 @@ def free_port() -> int:
 
 
 def mqtt_broker() -> tuple[str, int]:
-    return (os.environ.get("HOLDFAST_MQTT_HOST", "127.0.0.1"),
-            int(os.environ.get("HOLDFAST_MQTT_PORT", "1883")))
+    return (
+        os.environ.get("HOLDFAST_MQTT_HOST", "127.0.0.1"),
+        int(os.environ.get("HOLDFAST_MQTT_PORT", "1883")),
+    )
 
 
 def write_policy(path: Path, checkpoint: Path, run: Path, **sections: Any) -> Path:
@@ -122,8 +124,11 @@ class Supervisor:
         self.log = policy.with_suffix(".log")
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "supervisor", "run", str(policy)], env=env(),
-                stdout=out, stderr=subprocess.STDOUT)
+                [sys.executable, "-m", "supervisor", "run", str(policy)],
+                env=env(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         self.router = "http://" + self.policy["router"]["listen"]
         self.api = "http://" + self.policy["api"]["listen"]
 
@@ -136,9 +141,13 @@ class Supervisor:
         return self.log.read_text(errors="replace")[-4000:]
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        cp = subprocess.run([sys.executable, "-m", "supervisor", *args, "--runtime-dir",
-                             str(self.run)], env=env(), capture_output=True, text=True,
-                            timeout=30)
+        cp = subprocess.run(
+            [sys.executable, "-m", "supervisor", *args, "--runtime-dir", str(self.run)],
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         if check and cp.returncode != 0:
             raise AssertionError(f"supervisor {args} failed: {cp.stderr}")
         return cp
@@ -168,12 +177,14 @@ def get(url: str, timeout: float = 5.0) -> tuple[int, Any]:
         return e.code, json.loads(e.read() or b"null")
 
 
-def complete(router: str, prompt: str | None = "hi", timeout: float = 10.0, **extra: Any
-             ) -> tuple[int, dict[str, Any]]:
+def complete(
+    router: str, prompt: str | None = "hi", timeout: float = 10.0, **extra: Any
+) -> tuple[int, dict[str, Any]]:
     fields = {"prompt": prompt, **extra} if prompt is not None else extra
     body = json.dumps(fields).encode()
-    req = urllib.request.Request(f"{router}/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{router}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             body: dict[str, Any] = json.loads(r.read())
