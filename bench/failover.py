@@ -135,7 +135,9 @@ def trial(sup: Supervisor, clients: Clients, sig: int) -> dict[str, Any]:
     }
 
 
-def daemon_trial(sup: Supervisor) -> dict[str, Any]:
+def daemon_trial(sup: Supervisor, spare_mark: int) -> dict[str, Any]:
+    """Kill the serving daemon once its hot spare stands by (the steady state)."""
+    sup.wait(lambda e: e.topic == "daemon.0.spare_ready", timeout=60, after=spare_mark)
     pid = sup.status()["daemons"][0]["pid"]
     mark = sup.tap.mark()
     t0 = time.time()
@@ -144,6 +146,7 @@ def daemon_trial(sup: Supervisor) -> dict[str, Any]:
     logs = sup.run / "logs"
     ready = last_pool_ready([logs / "daemon-0.log", logs / "daemon-0-spare.log"])
     return {
+        "mark": mark,
         "serving_ms": (back.ts - t0) * 1000,
         "adopted": back.data.get("adopted"),
         "daemon_reclaim_s": ready.get("seconds"),
@@ -226,8 +229,10 @@ def main() -> int:
             for i in range(n):
                 results[kind].append(trial(sup, clients, sig))
                 print(kind, i, json.dumps(results[kind][-1]), flush=True)
+        spare_mark = 0  # the first spare may stand by since the start
         for i in range(args.daemon_kills):
-            results["daemon"].append(daemon_trial(sup))
+            results["daemon"].append(daemon_trial(sup, spare_mark))
+            spare_mark = results["daemon"][-1].pop("mark")
             print("daemon", i, json.dumps(results["daemon"][-1]), flush=True)
         time.sleep(0.5)
         clients.close()

@@ -88,6 +88,7 @@ class Daemon:
         self.run_dir = prepare(opts.runtime_dir)
         self.socket_path = self.run_dir / f"daemon-{opts.tp_rank}.sock"
         self.ready_path = self.run_dir / f"daemon-{opts.tp_rank}.ready"
+        self.spare_path = self.run_dir / f"daemon-{opts.tp_rank}.spare"
         self.backend = get_backend(config.backend, opts.device)
         self.pool: Pool | None = None
         self.adopted = False
@@ -108,17 +109,24 @@ class Daemon:
             started = started if isinstance(started, int) else None
             if not isinstance(pid, int) or pid == os.getpid() or not is_alive(pid, started):
                 return
-            log.info("spare waiting", serving_pid=pid)
             try:
                 fd = os.pidfd_open(pid)
             except ProcessLookupError:
                 return
             try:
                 if is_alive(pid, started):  # still the same process, not a reused pid
+                    write_json_atomic(self.spare_path, {"pid": os.getpid(), "serving_pid": pid})
+                    log.info("spare waiting", serving_pid=pid)
                     select.select([fd], [], [])
             finally:
                 os.close(fd)
+                self._drop_spare_file()
             log.info("spare taking over", dead_pid=pid)
+
+    def _drop_spare_file(self) -> None:
+        owner = read_owner(self.spare_path) or {}
+        if owner.get("pid") == os.getpid():
+            self.spare_path.unlink(missing_ok=True)
 
     def load(self) -> None:
         if self.opts.spare:
@@ -192,6 +200,7 @@ class Daemon:
         self._done.wait()
 
     def close(self) -> None:
+        self._drop_spare_file()
         if self._server is not None:
             self._server.close()
         for p in (self.socket_path, self.ready_path):

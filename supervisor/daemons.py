@@ -154,6 +154,25 @@ class DaemonPool:
         d.spare = inc
         log.info("spare daemon started", rank=d.rank, pid=inc.pid)
         self._own(self._watch_spare(d, inc))
+        self._own(self._await_spare_ready(d, inc))
+
+    async def _await_spare_ready(self, d: Daemon, inc: Incarnation) -> None:
+        """Publish `daemon.<rank>.spare_ready` once the spare stands by (its .spare file)."""
+        spare_file = self.run / f"daemon-{d.rank}.spare"
+
+        def check() -> bool:
+            try:
+                return bool(json.loads(spare_file.read_text()).get("pid") == inc.pid)
+            except (OSError, ValueError):
+                return d.spare is not inc
+
+        watch = DirWatch(self.run)
+        try:
+            ok = await watch.wait(check, self.policy.cache.ready_timeout_s)
+        finally:
+            watch.close()
+        if ok and d.spare is inc:
+            self.bus.emit("daemon", str(d.rank), "spare_ready", self._epoch(), pid=inc.pid)
 
     async def _watch_spare(self, d: Daemon, inc: Incarnation) -> None:
         code = await inc.procs[0].wait()
