@@ -143,8 +143,33 @@ class DaemonPool:
         self._publish(d, "serving", adopted=d.adopted, pool_bytes=d.pool_bytes,
                       fingerprint=d.fingerprint, down_ms=ms)
         self._kick()
+        self._own(self._probe(d, inc))
         if self.keeper is not None and self.policy.cache.spare and d.spare is None:
             await self.spawn_spare(d)
+
+    async def _probe(self, d: Daemon, inc: Incarnation) -> None:
+        """Ping a serving daemon; one that misses `heartbeat.miss_limit` pings in a row
+        (stopped, hung) is fenced with SIGKILL, so its spare or a restart takes over."""
+        from cachedaemon import protocol
+        from cachedaemon.errors import CacheError
+
+        hb = self.policy.heartbeat
+        period = max(0.2, 4 * hb.interval_ms / 1000)
+        sock = str(self.run / f"daemon-{d.rank}.sock")
+        misses = 0
+        while d.inc is inc and not inc.handled:
+            await asyncio.sleep(period)
+            try:
+                await asyncio.to_thread(protocol.call, sock, protocol.Ping(), timeout=period)
+                misses = 0
+            except (CacheError, OSError):
+                misses += 1
+            if misses >= hb.miss_limit and d.inc is inc and not inc.handled:
+                log.warning("daemon stopped answering; fencing it", rank=d.rank, pid=inc.pid)
+                self.bus.emit("daemon", str(d.rank), "hung", self._epoch(), pid=inc.pid,
+                              missed=misses)
+                await inc.procs[0].fence()
+                return
 
     async def spawn_spare(self, d: Daemon) -> None:
         """A hot spare for rank d: imported and waiting on the serving daemon's pidfd."""

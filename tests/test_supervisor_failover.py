@@ -213,6 +213,17 @@ def test_daemon_kill_engines_keep_serving_and_it_adopts_from_escrow(sup: Supervi
     assert again.data["adopted"] is True and again.data["down_ms"] < 5000
 
 
+def test_a_stopped_daemon_is_fenced_and_its_spare_takes_over(sup: Supervisor) -> None:
+    daemon = sup.status()["daemons"][0]
+    mark = sup.tap.mark()
+    os.kill(daemon["pid"], signal.SIGSTOP)
+    hung = sup.wait(topic("daemon.0.hung"), timeout=30, after=mark)
+    assert hung.data["pid"] == daemon["pid"]
+    back = sup.wait(topic("daemon.0.serving"), timeout=60, after=mark)
+    assert back.data["adopted"] is True
+    assert sup.status()["daemons"][0]["pid"] != daemon["pid"]
+
+
 def test_load_evicts_batch_and_low_load_respawns_it(sup: Supervisor) -> None:
     sup.wait(topic("engine.batch-1.ready"), timeout=30)
     mark = sup.tap.mark()
