@@ -13,7 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
-from matplotlib.ticker import NullFormatter  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 from chaos.load import RequestRow  # noqa: E402
 from chaos.metrics import TrialRow, expected  # noqa: E402
@@ -92,7 +92,10 @@ def recovery(path: Path, trials: Sequence[TrialRow]) -> None:
                     fontsize=7,
                 )
         axis.set_xscale("log")
-        axis.xaxis.set_minor_formatter(NullFormatter())  # decades only: no crowded labels
+        axis.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))  # 10 20 50 100 ...
+        axis.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        axis.xaxis.set_minor_formatter(NullFormatter())
+        axis.tick_params(axis="x", labelsize=7)
         axis.set_xlabel(f"{metric} (log scale)")
         axis.set_yticks(range(len(faults)), faults)
         axis.grid(axis="x", which="both", alpha=0.3)
