@@ -135,7 +135,11 @@ def _about(injection: Injection) -> Callable[[EventRow], bool]:
     def match(ev: EventRow) -> bool:
         if ev.ts < injection.injected:
             return False
-        return (ev.kind, ev.name) in targets or (daemon and ev.kind == "daemon")
+        # a daemon's death or hang is what detects a daemon fault; a spare standing by or
+        # a pool serving again are not
+        return (ev.kind, ev.name) in targets or (
+            daemon and ev.kind == "daemon" and ev.event in ("dead", "hung")
+        )
 
     return match
 

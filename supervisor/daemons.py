@@ -148,26 +148,33 @@ class DaemonPool:
             await self.spawn_spare(d)
 
     async def _probe(self, d: Daemon, inc: Incarnation) -> None:
-        """Ping a serving daemon; one that misses `heartbeat.miss_limit` pings in a row
-        (stopped, hung) is fenced with SIGKILL, so its spare or a restart takes over."""
+        """Ping a serving daemon every heartbeat interval; one that leaves a ping unanswered
+        for max(0.5 s, interval x miss_limit) (stopped, hung) is fenced with SIGKILL, so
+        its spare or a restart takes over."""
         from cachedaemon import protocol
         from cachedaemon.errors import CacheError
 
         hb = self.policy.heartbeat
-        period = max(0.2, 4 * hb.interval_ms / 1000)
+        period = max(0.05, hb.interval_ms / 1000)
+        deadline = max(0.5, hb.interval_ms * hb.miss_limit / 1000)
         sock = str(self.run / f"daemon-{d.rank}.sock")
-        misses = 0
+        silent_since: float | None = None  # first unanswered ping of the current run
         while d.inc is inc and not inc.handled:
             await asyncio.sleep(period)
+            t0 = time.monotonic()
             try:
-                await asyncio.to_thread(protocol.call, sock, protocol.Ping(), timeout=period)
-                misses = 0
+                await asyncio.to_thread(protocol.call, sock, protocol.Ping(), timeout=deadline)
+                silent_since = None
+                continue
             except (CacheError, OSError):
-                misses += 1
-            if misses >= hb.miss_limit and d.inc is inc and not inc.handled:
+                # a refused or closed connection is what a dying daemon gives: its exit is
+                # seen by `_watch`; only silence that lasts the deadline is a hang
+                silent_since = t0 if silent_since is None else silent_since
+            silent_ms = round((time.monotonic() - silent_since) * 1000, 1)
+            if silent_ms >= deadline * 1000 and d.inc is inc and not inc.handled:
                 log.warning("daemon stopped answering; fencing it", rank=d.rank, pid=inc.pid)
                 self.bus.emit("daemon", str(d.rank), "hung", self._epoch(), pid=inc.pid,
-                              missed=misses)
+                              silent_ms=silent_ms)
                 await inc.procs[0].fence()
                 return
 
