@@ -191,7 +191,7 @@ def _fill(
         for spec in sp.outputs:
             chunk, offset, nbytes = next(slots)
             regions.append((spec, chunk, offset, chunks[chunk].tensor[offset : offset + nbytes]))
-        if _is_plain_copy(sp, opts) and regions[0][3].device.type == "cpu":
+        if _is_plain_copy(sp) and regions[0][3].device.type == "cpu":
             reader.read_into(sp.info, regions[0][3].numpy().data)  # straight into the pool
         else:
             for (_, _, _, region), t in zip(
@@ -216,6 +216,6 @@ def _fill(
     return entries
 
 
-def _is_plain_copy(sp: SourcePlan, opts: LoadOptions) -> bool:
+def _is_plain_copy(sp: SourcePlan) -> bool:
     """The pool bytes equal the file bytes: no shard, no dtype change, no transform."""
     return sp.dim is None and len(sp.outputs) == 1 and sp.outputs[0].dtype == sp.info.dtype
