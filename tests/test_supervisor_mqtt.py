@@ -52,8 +52,10 @@ class Subscriber:
         self._cond = threading.Condition()
         self._loop = asyncio.new_event_loop()
         self._task: asyncio.Task[None] | None = None
+        self._subscribed = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
+        assert self._subscribed.wait(15), "the test subscriber could not subscribe"
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -65,8 +67,13 @@ class Subscriber:
     async def _subscribe(self) -> None:
         while True:
             try:
-                async with aiomqtt.Client("127.0.0.1", self.port) as client:
+                # a persistent session: QoS 1 events published while this subscriber
+                # reconnects are kept for it by the broker
+                async with aiomqtt.Client(
+                    "127.0.0.1", self.port, identifier=f"hf-test-sub-{id(self)}", clean_session=False
+                ) as client:
                     await client.subscribe(f"{PREFIX}/#", qos=1)
+                    self._subscribed.set()
                     async for m in client.messages:
                         with self._cond:
                             self.messages.append(
