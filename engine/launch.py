@@ -6,8 +6,11 @@ reads them, and waiters block on events with deadlines instead of polling the po
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
@@ -15,8 +18,9 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+from engine import forkserver as fs
 from engine.errors import EngineError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -28,40 +32,118 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class ForkedChild:
+    """The part of Popen that EngineProcess uses, for an engine forked by a fork server:
+    its exit code comes as `Exited` on the request's connection."""
+
+    def __init__(self, sock: socket.socket, pid: int) -> None:
+        self.sock, self.pid = sock, pid
+        self.returncode: int | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def start(
+        cls, server: Path, flags: list[str], env: dict[str, str]
+    ) -> tuple[ForkedChild, IO[str]]:
+        """Fork an engine with `flags`; (the child, a stream of its stderr)."""
+        r, w = os.pipe()
+        null_in, null_out = os.open(os.devnull, os.O_RDONLY), os.open(os.devnull, os.O_WRONLY)
+        spawn = fs.Spawn(argv=flags, env=env, cwd=os.getcwd(), owner=os.getpid())
+        try:
+            sock, pid = fs.request(server, spawn, [null_in, null_out, w])
+        except BaseException:
+            os.close(r)
+            raise
+        finally:
+            for fd in (w, null_in, null_out):
+                os.close(fd)
+        return cls(sock, pid), os.fdopen(r, "r")
+
+    def _read_exit(self, timeout: float | None) -> None:
+        lost = EngineError(f"engine {self.pid}: fork server gone, exit unknown")
+        if self.sock.fileno() < 0:
+            raise lost
+        self.sock.settimeout(timeout)
+        try:
+            reply = fs.decode_reply(fs.read_frame(self.sock))
+        except TimeoutError:
+            raise subprocess.TimeoutExpired(f"engine {self.pid}", timeout or 0.0) from None
+        except EngineError as e:
+            self.sock.close()
+            raise lost from e
+        if isinstance(reply, fs.Exited):
+            self.returncode = reply.code
+            self.sock.close()
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._lock.acquire(blocking=False):
+            try:
+                sock = self.sock
+                if (
+                    self.returncode is None
+                    and sock.fileno() >= 0
+                    and select.select([sock], [], [], 0)[0]
+                ):
+                    self._read_exit(5.0)
+            finally:
+                self._lock.release()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        with self._lock:
+            if self.returncode is None:
+                self._read_exit(timeout)
+        assert self.returncode is not None
+        return self.returncode
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, sig: int) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+
 class EngineProcess:
     """One engine child; `ready` is its parsed "ready" log line once it serves."""
 
     def __init__(
-        self, args: Sequence[str], env: Mapping[str, str] | None = None, port: int | None = None
+        self,
+        args: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        port: int | None = None,
+        forkserver: Path | None = None,
     ) -> None:
         self.port = port if port is not None else free_port()
         child_env = dict(os.environ if env is None else env)
         child_env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(REPO), child_env.get("PYTHONPATH")])
         )
+        flags = ["--log-format", "json", "--port", str(self.port), *args]
         self.started_at = time.perf_counter()
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "engine",
-                "--log-format",
-                "json",
-                "--port",
-                str(self.port),
-                *args,
-            ],
-            stderr=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            text=True,
-            env=child_env,
-        )
+        self.proc: subprocess.Popen[str] | ForkedChild
+        if forkserver is None:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "engine", *flags],
+                stderr=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                text=True,
+                env=child_env,
+            )
+            assert self.proc.stderr is not None
+            stream: IO[str] = self.proc.stderr
+        else:
+            self.proc, stream = ForkedChild.start(forkserver, flags, child_env)
         self.lines: list[str] = []
         self.ready: dict[str, Any] | None = None
         self.ready_at = 0.0
         self._changed = threading.Event()
         self.exited = threading.Event()
-        threading.Thread(target=self._pump, daemon=True).start()
+        threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
 
     @property
     def url(self) -> str:
@@ -71,10 +153,7 @@ class EngineProcess:
     def log(self) -> str:
         return "".join(self.lines)
 
-    def _pump(self) -> None:
-        stream = self.proc.stderr
-        if stream is None:
-            return
+    def _pump(self, stream: IO[str]) -> None:
         for line in stream:
             self.lines.append(line)
             if '"event": "ready"' in line or '"event": "following rank 0"' in line:
@@ -82,7 +161,8 @@ class EngineProcess:
                 self.ready = json.loads(line)
                 self._changed.set()
         stream.close()
-        self.proc.wait()
+        with contextlib.suppress(EngineError):  # forked, and its server died: code unknown
+            self.proc.wait()
         self.exited.set()
         self._changed.set()
 
@@ -99,7 +179,7 @@ class EngineProcess:
     def wait_exit(self, timeout: float = 30.0) -> int:
         if not self.exited.wait(timeout):
             raise EngineError(f"engine on port {self.port} still running after {timeout} s")
-        return int(self.proc.returncode)
+        return self.proc.wait(5)
 
     def stop(self, timeout: float = 15.0) -> int:
         """SIGTERM, then SIGKILL after `timeout`; the exit code."""
@@ -111,4 +191,4 @@ class EngineProcess:
                 self.proc.kill()
                 self.proc.wait()
         self.exited.wait(5)
-        return int(self.proc.returncode)
+        return self.proc.wait(5)

@@ -132,3 +132,36 @@ def module_daemons() -> Iterator[Daemons]:
     daemons = Daemons()
     yield daemons
     daemons.stop_all()
+
+
+class ForkServerProc:
+    """A real `python -m engine.forkserver`; `ready` once it logs that it listens."""
+
+    def __init__(self, sock: Path) -> None:
+        self.sock = sock
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.forkserver", "--socket", str(sock)]
+            + ["--log-format", "json"],
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+        )
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            if "forkserver ready" in line:
+                self.ready.set()
+        self.proc.stderr.close()
+
+    def wait_ready(self) -> None:
+        assert self.ready.wait(120), "".join(self.lines)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)

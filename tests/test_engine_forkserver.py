@@ -1,0 +1,183 @@
+"""The engine fork server: forked engines serve like exec'd ones, report their exit, die with
+their owner, outlive the server; bad requests are refused and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import ForkServerProc, child_env
+
+from engine import forkserver as fs
+from engine.errors import EngineError
+from engine.launch import EngineProcess
+from supervisor.errors import PolicyError
+from supervisor.policy import load_policy
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServerProc]:
+    s = ForkServerProc(tmp_path_factory.mktemp("fork") / "forkserver.sock")
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+def complete(url: str, prompt: list[int]) -> list[int]:
+    body = json.dumps({"prompt_token_ids": prompt, "max_tokens": 8, "ignore_eos": True})
+    req = urllib.request.Request(url + "/v1/completions", data=body.encode(), method="POST")
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        ids: list[int] = json.loads(resp.read())["choices"][0]["token_ids"]
+    return ids
+
+
+def disk_flags(model: Path) -> list[str]:
+    return ["--model", str(model), "--dtype", "float32", "--allow-disk-fallback"]
+
+
+def test_forked_engine_serves_the_tokens_of_an_execd_one(
+    server: ForkServerProc, tiny_model: Path
+) -> None:
+    forked = EngineProcess(disk_flags(tiny_model), forkserver=server.sock)
+    execd = EngineProcess(disk_flags(tiny_model))
+    try:
+        f, e = forked.wait_ready(), execd.wait_ready()
+        assert f["phases"]["imports"] < e["phases"]["imports"]  # done once, in the server
+        assert os.getpgid(forked.proc.pid) == forked.proc.pid  # a session of its own
+        for prompt in ([1, 2, 3], [200, 17, 5]):
+            assert complete(forked.url, prompt) == complete(execd.url, prompt)
+        assert forked.stop() == 0  # SIGTERM drains, exit code from the server
+    finally:
+        forked.stop()
+        execd.stop()
+
+
+def test_kill_is_reported_and_the_server_keeps_forking(
+    server: ForkServerProc, tiny_model: Path
+) -> None:
+    first = EngineProcess(disk_flags(tiny_model), forkserver=server.sock)
+    first.wait_ready()
+    first.proc.kill()
+    assert first.wait_exit(30) == -signal.SIGKILL
+    second = EngineProcess(disk_flags(tiny_model), forkserver=server.sock)
+    try:
+        second.wait_ready()
+        assert complete(second.url, [4, 5])
+    finally:
+        second.stop()
+
+
+def test_engine_dies_with_its_owner(server: ForkServerProc, tiny_model: Path) -> None:
+    owner = subprocess.Popen(["sleep", "120"])
+    r, w = os.pipe()
+    null = os.open(os.devnull, os.O_RDWR)
+    spawn = fs.Spawn(argv=disk_flags(tiny_model), env=child_env(), cwd=os.getcwd(), owner=owner.pid)
+    try:
+        sock, pid = fs.request(server.sock, spawn, [null, null, w])
+    finally:
+        os.close(w)
+        os.close(null)
+    with os.fdopen(r) as err:
+        owner.kill()
+        owner.wait()
+        sock.settimeout(30)
+        assert fs.decode_reply(fs.read_frame(sock)) == fs.Exited(-signal.SIGKILL)
+        err.read()
+    sock.close()
+
+
+def test_engines_outlive_a_dead_server(tmp_path: Path, tiny_model: Path) -> None:
+    own = ForkServerProc(tmp_path / "forkserver.sock")
+    own.wait_ready()
+    engine = EngineProcess(disk_flags(tiny_model), forkserver=own.sock)
+    try:
+        engine.wait_ready()
+        own.proc.kill()
+        own.proc.wait(10)
+        assert complete(engine.url, [9, 8, 7])
+        with pytest.raises(EngineError, match="fork server gone"):
+            engine.proc.wait(10)
+    finally:
+        engine.proc.kill()
+        assert engine.exited.wait(30)
+        own.stop()
+
+
+def test_bad_engine_flags_exit_2_naming_the_flag(server: ForkServerProc, tiny_model: Path) -> None:
+    bad = EngineProcess([*disk_flags(tiny_model), "--world-size", "0"], forkserver=server.sock)
+    assert bad.wait_exit(60) == 2
+    assert "--world-size" in bad.log
+
+
+def raw_request(path: Path, payload: bytes, fds: list[int]) -> Any:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(str(path))
+        socket.send_fds(sock, [payload], fds)
+        try:
+            return fs.decode_reply(fs.read_frame(sock))
+        except EngineError:
+            return None  # closed without a reply
+
+
+def test_bad_requests_are_refused_and_the_server_keeps_serving(
+    server: ForkServerProc, tiny_model: Path
+) -> None:
+    spawn = fs.Spawn(argv=disk_flags(tiny_model), env=child_env(), cwd=os.getcwd())
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        reply = raw_request(server.sock, fs.frame(spawn), [null])
+        assert reply == fs.Refused("send stdin, stdout and stderr as 3 fds, not 1")
+        garbage = struct.pack(">I", 5) + b"\xc1\xc1\xc1\xc1\xc1"
+        reply = raw_request(server.sock, garbage, [null, null, null])
+        assert isinstance(reply, fs.Refused)
+        oversized = struct.pack(">I", fs.MAX_FRAME + 1)
+        reply = raw_request(server.sock, oversized, [null, null, null])
+        assert isinstance(reply, fs.Refused) and "over" in reply.message
+    finally:
+        os.close(null)
+    ok = EngineProcess(disk_flags(tiny_model), forkserver=server.sock)
+    try:
+        ok.wait_ready()
+    finally:
+        ok.stop()
+
+
+def test_a_second_server_on_the_same_socket_is_refused(server: ForkServerProc) -> None:
+    cp = subprocess.run(
+        [sys.executable, "-m", "engine.forkserver", "--socket", str(server.sock)],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=120,
+    )
+    assert cp.returncode == 2
+    assert f"a fork server already listens on {server.sock}" in cp.stderr
+    assert server.proc.poll() is None and server.sock.exists()
+
+
+def test_no_server_is_an_error_naming_the_socket(tmp_path: Path, tiny_model: Path) -> None:
+    with pytest.raises(EngineError, match=f"fork server at {tmp_path}/none.sock"):
+        EngineProcess(disk_flags(tiny_model), forkserver=tmp_path / "none.sock")
+
+
+def test_policy_forkserver_true_needs_the_engine_command(tmp_path: Path, tiny_model: Path) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        f"model: {{path: {tiny_model}}}\n"
+        "engines: {forkserver: true, command: [/bin/sleep, '100']}\n"
+    )
+    with pytest.raises(PolicyError, match=r"\$\.engines\.forkserver: true needs engines.command"):
+        load_policy(policy)
