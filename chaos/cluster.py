@@ -40,6 +40,7 @@ class EngineView(msgspec.Struct, frozen=True):
     port: int | None = None
     restarts: int = 0
     heartbeat_age_ms: float | None = None
+    pids: list[int] = []
 
 
 class DaemonView(msgspec.Struct, frozen=True):

@@ -83,12 +83,12 @@ def _daemon(ctx: FaultContext) -> Victim:
 
 
 def _tp_rank(ctx: FaultContext) -> Victim:
-    primary = ctx.view.primary or ""
-    last = str(ctx.sup.policy.model.tp_size - 1)
-    for ref in ctx.sup.children():
-        if ref.env("HOLDFAST_NAME") == primary and ref.env("HOLDFAST_RANK") == last:
-            return Victim("engine", primary, ref)
-    raise FaultError(f"no process with HOLDFAST_NAME={primary} HOLDFAST_RANK={last}")
+    """The primary's last tensor-parallel rank (its pid from /cluster: a forked engine's
+    /proc environ is its fork server's, so it cannot be told apart by environment)."""
+    primary = ctx.view.engine(ctx.view.primary or "")
+    if primary is None or len(primary.pids) < 2:
+        raise FaultError("kill-tp-rank needs a primary of tp_size >= 2 in /cluster")
+    return _own(ctx, "engine", primary.name, primary.pids[-1])
 
 
 def _own(ctx: FaultContext, kind: str, name: str, pid: int | None) -> Victim:

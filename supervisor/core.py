@@ -245,7 +245,8 @@ class Cluster:
         now = time.monotonic()
         engines = [EngineStatus(name=e.name, role=e.role, state=e.state, pid=e.pid, port=e.port,
                                 restarts=e.book.total, heartbeat_age_ms=e.beat_age_ms(now)
-                                if e.running else None, in_flight=e.in_flight)
+                                if e.running else None, in_flight=e.in_flight,
+                                pids=[p.pid for p in e.inc.procs] if e.inc else [])
                    for e in self.engines.values()]
         daemons = [DaemonStatus(rank=d.rank, state=d.state, pid=d.pid,
                                 fingerprint=d.fingerprint, pool_bytes=d.pool_bytes,

@@ -15,19 +15,75 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import structlog
 
-from supervisor.policy import Policy
+from supervisor.errors import StartupError
+from supervisor.fswatch import DirWatch
+from supervisor.policy import FORKABLE, Policy
 from supervisor.procs import Proc, free_port
 from supervisor.units import Engine, Incarnation
+
+log = structlog.get_logger("supervisor.engines")
+ENGINE = [sys.executable, "-m", "engine"]
 
 ExitFn = Callable[[Engine, Incarnation, str], None]
 BeatFn = Callable[[Engine, Incarnation], None]
 
 
+def wants_forkserver(p: Policy) -> bool:
+    """Unless the policy says false: when some engine command is `{python} -m engine ...`."""
+    if p.engines.forkserver is False:
+        return False
+    commands = [p.engines.command, *(b.command for b in p.engines.batch if b.command)]
+    return any(c[:3] == list(FORKABLE) for c in commands)
+
+
+class ForkServer:
+    """`python -m engine.forkserver` in the run dir: engines fork from it with their imports
+    done. Started before the daemons load; restarted when it dies (exec meanwhile)."""
+
+    def __init__(self, run: Path, env: dict[str, str]) -> None:
+        self.run = run
+        self.sock = run / "forkserver.sock"
+        self.env = env
+        self.proc: Proc | None = None
+
+    async def start(self) -> None:
+        self.sock.unlink(missing_ok=True)  # the run dir is ours alone: a leftover is stale
+        argv = [sys.executable, "-m", "engine.forkserver", "--socket", str(self.sock),
+                "--log-format", "json"]
+        self.proc = await Proc.spawn(argv, self.env, self.run / "logs" / "forkserver.log")
+
+    @property
+    def ready(self) -> bool:
+        return self.proc is not None and self.proc.alive and self.sock.exists()
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """Until it listens (True), it died, or `timeout` passed."""
+        if self.proc is None:
+            return False
+        watch = DirWatch(self.run)
+        try:
+            seen = asyncio.ensure_future(watch.wait(self.sock.exists, timeout))
+            died = asyncio.ensure_future(self.proc.wait())
+            await asyncio.wait([seen, died], return_when=asyncio.FIRST_COMPLETED)
+            for t in (seen, died):
+                t.cancel()
+            await asyncio.gather(seen, died, return_exceptions=True)
+        finally:
+            watch.close()
+        return self.ready
+
+    async def stop(self) -> None:
+        if self.proc is not None:
+            await self.proc.terminate(grace=2.0)
+
+
 class EngineLauncher:
     def __init__(self, policy: Policy, run: Path, model_dir: str, daemons: list[str],
-                 on_exit: ExitFn, on_beat: BeatFn) -> None:
+                 on_exit: ExitFn, on_beat: BeatFn, forks: ForkServer | None = None) -> None:
         self.policy = policy
+        self.forks = forks
         self.run = run
         self.model_dir = model_dir
         self.daemons = daemons
@@ -76,7 +132,7 @@ class EngineLauncher:
             for rank in range(self.policy.model.tp_size):
                 env = self.env(e, rank, epoch)
                 log = self.run / "logs" / f"{e.name}.{rank}.log"
-                procs.append(await Proc.spawn(self.argv(e, env), env, log))
+                procs.append(await self._start(self.argv(e, env), env, log))
         except BaseException:
             for p in procs:
                 await p.fence()
@@ -86,6 +142,21 @@ class EngineLauncher:
         if self.policy.engines.health == "http":
             self._own(self._http_health(e, inc))
         return inc
+
+    async def _start(self, argv: list[str], env: dict[str, str], log_path: Path) -> Proc:
+        """Fork from the fork server when it serves this command, else exec."""
+        forks = self.forks
+        if forks is None or argv[:3] != ENGINE:
+            return await Proc.spawn(argv, env, log_path)
+        if forks.proc is not None and not forks.proc.alive:
+            log.warning("fork server exited; restarting it", code=forks.proc.returncode)
+            await forks.start()
+        if await forks.wait_ready(self.policy.engines.ready_timeout_s / 2):
+            try:
+                return await Proc.fork(forks.sock, argv, env, log_path)
+            except StartupError as err:
+                log.warning("fork server did not answer; starting with exec", error=str(err))
+        return await Proc.spawn(argv, env, log_path)
 
     def _own(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

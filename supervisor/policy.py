@@ -22,6 +22,7 @@ from supervisor.errors import PolicyError
 TEMPLATE_KEYS = frozenset(
     {"python", "name", "role", "port", "epoch", "model", "agent", "daemons", "rank",
      "world_size", "device", "run"})
+FORKABLE = ("{python}", "-m", "engine")  # commands an engine fork server can start
 
 
 class _Spec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -68,6 +69,9 @@ class LoadSpec(_Spec, frozen=True):
 class EnginesSpec(_Spec, frozen=True):
     command: list[str] = msgspec.field(default_factory=lambda: ["{python}", "-m", "engine"])
     env: dict[str, str] = msgspec.field(default_factory=dict)
+    # fork engines from a process that has imported them already; None: whenever the
+    # command is `{python} -m engine ...` (others are started with exec either way)
+    forkserver: bool | None = None
     health: Literal["agent", "http"] = "agent"
     primary: int = 1
     standby: int = 1
@@ -230,6 +234,10 @@ def _engine_errors(e: EnginesSpec) -> list[str]:
     if not e.command:
         errors.append("$.engines.command: empty; give the engine command as a list")
     errors += _template_errors("$.engines.command", e.command)
+    if e.forkserver and e.command[:3] != list(FORKABLE):
+        errors.append(f"$.engines.forkserver: true needs engines.command to start with "
+                      f"{' '.join(FORKABLE)} (got {' '.join(e.command[:3])!r}); set it to "
+                      "false or leave it unset")
     names = [b.name for b in e.batch]
     for i, b in enumerate(e.batch):
         if b.count < 0 or b.memory_mb < 0:

@@ -1,7 +1,9 @@
 """Child processes: each in its own process group, output to a log file, exit seen at once.
 
 `Proc.spawn` starts one process (asyncio subprocess; the event loop's child watcher reports
-its exit the moment it happens). Fencing kills the whole process group with SIGKILL and
+its exit the moment it happens). `Proc.fork` asks an engine fork server for one instead (the
+server reports the exit code on the request's connection; if the server is gone, a pidfd
+still says when the process ends). Fencing kills the whole process group with SIGKILL and
 confirms the leader is gone; termination is SIGTERM, a grace period, then SIGKILL.
 """
 
@@ -14,19 +16,31 @@ import ctypes.util
 import os
 import signal
 import socket
+import struct
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 
+import msgspec
+
+from engine import forkserver
+from engine.errors import EngineError
 from supervisor.errors import StartupError
 
 
 class Proc:
-    def __init__(self, proc: asyncio.subprocess.Process, argv: list[str], log: Path) -> None:
-        self.proc = proc
-        self.pid = proc.pid
+    def __init__(self, pid: int, argv: list[str], log: Path, exited: Awaitable[int | None]) -> None:
+        self.pid = pid
         self.argv = argv
         self.log = log
         self.started = time.monotonic()
+        self.returncode: int | None = None
+        self._exit = asyncio.ensure_future(exited)
+        self._exit.add_done_callback(self._set_code)
+
+    def _set_code(self, fut: asyncio.Future[int | None]) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self.returncode = fut.result()
 
     @classmethod
     async def spawn(cls, argv: list[str], env: dict[str, str], log: Path) -> Proc:
@@ -39,14 +53,32 @@ class Proc:
             except OSError as e:
                 raise StartupError(f"cannot start {argv[0]!r}: {e.strerror}; fix the command "
                                    "in the policy (engines.command)") from e
-        return cls(proc, argv, log)
+        return cls(proc.pid, argv, log, proc.wait())
+
+    @classmethod
+    async def fork(cls, server: Path, argv: list[str], env: dict[str, str], log: Path) -> Proc:
+        """An engine forked by the fork server at `server`; `argv` is `python -m engine ...`
+        (only the flags travel). StartupError if the server does not answer."""
+        request = forkserver.Spawn(argv=argv[3:], env=env, cwd=os.getcwd(), owner=os.getpid())
+        with open(log, "ab") as out, open(os.devnull, "rb") as null:
+            fds = [null.fileno(), out.fileno(), out.fileno()]
+            try:
+                sock, pid = await asyncio.to_thread(forkserver.request, server, request, fds)
+            except EngineError as e:
+                raise StartupError(str(e)) from e
+        try:
+            pidfd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:  # already gone: the server's Exited says how
+            pidfd = None
+        return cls(pid, argv, log, _forked_exit(sock, pidfd))
 
     @property
     def alive(self) -> bool:
-        return self.proc.returncode is None
+        return not self._exit.done()
 
-    async def wait(self) -> int:
-        return await self.proc.wait()
+    async def wait(self) -> int | None:
+        """The exit code (-N for signal N); None for a forked one whose server died first."""
+        return await asyncio.shield(self._exit)
 
     def kill_group(self, sig: int = signal.SIGKILL) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -57,7 +89,7 @@ class Proc:
         self.kill_group(signal.SIGKILL)
         try:
             async with asyncio.timeout(timeout):
-                await self.proc.wait()
+                await self.wait()
         except TimeoutError:
             return False
         return True
@@ -70,7 +102,7 @@ class Proc:
         self.kill_group(signal.SIGTERM)
         try:
             async with asyncio.timeout(grace):
-                await self.proc.wait()
+                await self.wait()
         except TimeoutError:
             pass
         await self.fence()
@@ -83,6 +115,35 @@ class Proc:
                 return f.read().decode(errors="replace")
         except OSError:
             return ""
+
+
+async def _forked_exit(sock: socket.socket, pidfd: int | None) -> int | None:
+    """A forked child's exit code, from its fork server; if that connection breaks first,
+    wait for the process itself through its pidfd (its code is then unknown: None)."""
+    try:
+        reader, writer = await asyncio.open_unix_connection(sock=sock)
+        try:
+            (n,) = struct.unpack(">I", await reader.readexactly(4))
+            reply = forkserver.decode_reply(await reader.readexactly(n))
+            if isinstance(reply, forkserver.Exited):
+                return reply.code
+        except (asyncio.IncompleteReadError, OSError, msgspec.DecodeError):
+            pass
+        finally:
+            writer.close()
+        if pidfd is None:
+            return None
+        loop = asyncio.get_running_loop()
+        gone = asyncio.Event()
+        loop.add_reader(pidfd, gone.set)
+        try:
+            await gone.wait()
+        finally:
+            loop.remove_reader(pidfd)
+        return None
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
 
 
 _PR_SET_PDEATHSIG = 1

@@ -26,7 +26,7 @@ from supervisor.api import HealthApi
 from supervisor.control import ControlReply, ControlServer, Request
 from supervisor.core import Cluster
 from supervisor.daemons import DaemonPool
-from supervisor.engines import EngineLauncher
+from supervisor.engines import EngineLauncher, ForkServer, wants_forkserver
 from supervisor.errors import StartupError
 from supervisor.events import EventBus
 from supervisor.policy import Policy, split_listen
@@ -71,6 +71,7 @@ class Service:
         self.view = PrimaryView()
         self._tasks: list[asyncio.Task[Any]] = []
         self._runners: list[web.AppRunner] = []
+        self.forks: ForkServer | None = None
 
     def _own(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
         self._tasks.append(asyncio.get_running_loop().create_task(coro, name=name))
@@ -124,6 +125,9 @@ class Service:
         router = Router(self.policy.router, self.view)
         await self._serve_http(router.app(), self.policy.router.listen)
         await self._serve_http(HealthApi(c.snapshot).app(), self.policy.api.listen)
+        if wants_forkserver(self.policy):
+            self.forks = ForkServer(rd.path, {**os.environ, **self.policy.engines.env})
+            await self.forks.start()  # imports while the daemons load
         c.daemons = DaemonPool(self.policy, rd.path, model_dir, c.bus, c.wake.set,
                                lambda: c.epoch)
         t0 = time.monotonic()
@@ -131,7 +135,8 @@ class Service:
         c.bus.emit("supervisor", "main", "daemons-ready", c.epoch,
                    ms=round((time.monotonic() - t0) * 1000, 1))
         c.launcher = EngineLauncher(self.policy, rd.path, model_dir, c.daemons.sockets(),
-                                    on_exit=c.on_exit, on_beat=c.on_http_beat)
+                                    on_exit=c.on_exit, on_beat=c.on_http_beat,
+                                    forks=self.forks)
         c.bus.emit("supervisor", "main", "started", c.epoch, router=self.policy.router.listen,
                    api=self.policy.api.listen)
 
@@ -174,6 +179,8 @@ class Service:
         await c.stop_all()
         if c.launcher is not None:
             await c.launcher.stop()
+        if self.forks is not None:
+            await self.forks.stop()
         if c.daemons is not None:
             await c.daemons.stop()
         for runner in self._runners:
