@@ -5,13 +5,15 @@
     PYTHONPATH=. python bench/engine_startup.py --device cuda:0 --preset llama-8b \
         --model-dir /tmp/models/llama-8b --out /tmp/engine_startup_h200.json
 
-One daemon serves the checkpoint for the whole run. Each trial starts three fresh engine
-processes in turn, each to its "ready" line (HTTP listening, warmed up): attached to the
-daemon; from disk with the checkpoint in the page cache; and from disk after evicting the
+One daemon and one engine fork server (`python -m engine.forkserver`, as the supervisor runs
+it) serve the whole run. Each trial starts four fresh engine processes in turn, each to its
+"ready" line (HTTP listening, warmed up): forked from the fork server and attached to the
+daemon (how the supervisor starts engines); exec'd (a new interpreter) and attached; exec'd
+from disk with the checkpoint in the page cache; and exec'd from disk after evicting the
 checkpoint's pages (posix_fadvise DONTNEED, a cold disk read without root). The engine
 reports its own phases (imports, context init, build, attach, warm-up); what is left of
-the wall time is interpreter start. Bars (meant for an H200 with llama-8b): attached ready
-in under 3 s, and at least 4x faster than from a cold disk.
+the wall time is interpreter start (or the fork request). Bars (meant for an H200 with
+llama-8b): attached ready in under 3 s, and at least 4x faster than from a cold disk.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ sys.path.insert(0, str(REPO))
 
 from engine.launch import EngineProcess  # noqa: E402
 
-MODES = ("attach", "disk_warm", "disk_cold")
+MODES = ("attach_forked", "attach", "disk_warm", "disk_cold")
 BAR_READY_S, BAR_RATIO = 3.0, 4.0
 
 
@@ -107,6 +109,25 @@ def start_daemon(args: argparse.Namespace, run_dir: Path) -> tuple[subprocess.Po
     return proc, time.perf_counter() - t0
 
 
+def start_forkserver(
+    args: argparse.Namespace, run_dir: Path
+) -> tuple[subprocess.Popen[str], float]:
+    sock = run_dir / "forkserver.sock"
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine.forkserver", "--socket", str(sock), "--log-format", "json"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+    )
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if '"event": "forkserver ready"' in line:
+            threading.Thread(target=proc.stderr.read, daemon=True).start()
+            return proc, time.perf_counter() - t0
+    raise SystemExit(f"the fork server exited ({proc.wait()}) before listening")
+
+
 def evict(model_dir: Path) -> None:
     for path in model_dir.glob("*.safetensors"):
         fd = os.open(path, os.O_RDONLY)
@@ -117,7 +138,7 @@ def evict(model_dir: Path) -> None:
             os.close(fd)
 
 
-def one_engine(args: argparse.Namespace, mode: str, sock: Path) -> dict[str, Any]:
+def one_engine(args: argparse.Namespace, mode: str, run_dir: Path) -> dict[str, Any]:
     if mode == "disk_cold":
         evict(args.model_dir)
     flags = [
@@ -130,8 +151,10 @@ def one_engine(args: argparse.Namespace, mode: str, sock: Path) -> dict[str, Any
         "--name",
         f"bench-{mode}",
     ]
-    flags += ["--daemons", str(sock)] if mode == "attach" else ["--allow-disk-fallback"]
-    proc = EngineProcess(flags, env=child_env())
+    attach = mode.startswith("attach")
+    flags += ["--daemons", str(run_dir / "daemon-0.sock")] if attach else ["--allow-disk-fallback"]
+    forks = run_dir / "forkserver.sock" if mode == "attach_forked" else None
+    proc = EngineProcess(flags, env=child_env(), forkserver=forks)
     try:
         ready = proc.wait_ready(args.timeout)
         wall = proc.ready_at - proc.started_at
@@ -200,35 +223,43 @@ def main() -> int:
     ensure_checkpoint(args.model_dir, args.preset)
     run_dir = Path(tempfile.mkdtemp(prefix="holdfast-bench-"))
     daemon, daemon_s = start_daemon(args, run_dir)
+    forks, forks_s = start_forkserver(args, run_dir)
     results: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
     try:
         for trial in range(args.trials):
             for mode in MODES:
-                r = one_engine(args, mode, run_dir / "daemon-0.sock")
+                r = one_engine(args, mode, run_dir)
                 results[mode].append(r)
                 print(
-                    f"trial {trial} {mode:9s} ready {r['ready_s']:.3f} s  {r['phases_s']}",
+                    f"trial {trial} {mode:13s} ready {r['ready_s']:.3f} s  {r['phases_s']}",
                     flush=True,
                 )
     finally:
+        forks.terminate()
         daemon.terminate()
         daemon.wait(30)
+        forks.wait(30)
     summary = {m: summarize(t) for m, t in results.items()}
-    attach = summary["attach"]["ready_s_median"]
+    ready = {m: s["ready_s_median"] for m, s in summary.items()}
+    weights = {m: s["phases_s_median"]["attach"] for m, s in summary.items()}
     ratios = {
-        f"{m}_over_attach": round(summary[m]["ready_s_median"] / attach, 2)
+        f"{m}_over_{a}": round(ready[m] / ready[a], 2)
+        for a in ("attach_forked", "attach")
         for m in ("disk_warm", "disk_cold")
     }
-    weights_s = summary["attach"]["phases_s_median"]["attach"]
     ratios |= {
-        f"weights_phase_{m}_over_attach": round(
-            summary[m]["phases_s_median"]["attach"] / weights_s, 1
-        )
+        f"weights_phase_{m}_over_attach": round(weights[m] / weights["attach"], 1)
         for m in ("disk_warm", "disk_cold")
     }
-    bars = {
-        "attach_ready_under_3s": attach < BAR_READY_S,
-        "cold_disk_at_least_4x_slower": ratios["disk_cold_over_attach"] >= BAR_RATIO,
+    bars = {  # the supervisor forks its engines: that is the start a user waits for
+        "attach_forked_ready_under_3s": ready["attach_forked"] < BAR_READY_S,
+        "cold_disk_at_least_4x_slower_than_attach_forked": (
+            ratios["disk_cold_over_attach_forked"] >= BAR_RATIO
+        ),
+        "attach_execd_ready_under_3s": ready["attach"] < BAR_READY_S,
+        "cold_disk_at_least_4x_slower_than_attach_execd": (
+            ratios["disk_cold_over_attach"] >= BAR_RATIO
+        ),
     }
     report = {
         "bench": "engine_startup",
@@ -240,6 +271,7 @@ def main() -> int:
         "trials": args.trials,
         "checkpoint_bytes": sum(f.stat().st_size for f in args.model_dir.glob("*.safetensors")),
         "daemon_first_load_s": round(daemon_s, 3),
+        "forkserver_start_to_listening_s": round(forks_s, 3),
         "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
         "results": summary,
         "ratios": ratios,
@@ -251,7 +283,7 @@ def main() -> int:
             {
                 "ratios": ratios,
                 "bars": bars,
-                "ready_s_median": {m: s["ready_s_median"] for m, s in summary.items()},
+                "ready_s_median": ready,
             },
             indent=2,
         )

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU machine, in one call. Writes logs and JSON under $OUT.
 #   bench/gpu_run.sh [env] [tests] [probe] [moe] [lifetime] [llama]   (default: all)
-# also: checksum-tests, llama-daemon
+# also: checksum-tests, llama-daemon, engine (the engine's GPU tests, then its startup bench)
 # Wheels for packages the GPU image lacks travel in .whl/ (carry it).
 set -uo pipefail
 OUT=${OUT:-/tmp/holdfast-out}; mkdir -p "$OUT"
@@ -35,6 +35,28 @@ for stage in $stages; do
     llama-daemon)  # the daemon figures alone (no raw or safetensors reads)
       timeout 150 python3 bench/cuda_load_bench.py --only llama-8b --no-baselines \
         --out "$OUT/h200_load_llama-8b_daemon.json" 2>&1 | tee "$OUT/bench_llama-8b_daemon.txt" ;;
+    engine)  # GPU engine tests while the llama-8b checkpoint is written; then startup, alone
+      ( timeout 230 python3 -m pytest -q -p no:cacheprovider -rA tests/test_cuda_engine.py \
+          > "$OUT/engine_tests.txt" 2>&1; echo "exit $?" >> "$OUT/engine_tests.txt" ) &
+      tests=$!
+      [ -f /tmp/models/llama-8b/config.json ] || timeout 300 python3 -m cachedaemon \
+        make-checkpoint /tmp/models/llama-8b --preset llama-8b 2>&1 | tail -2
+      wait $tests; tail -40 "$OUT/engine_tests.txt"
+      timeout 330 python3 bench/engine_startup.py --device cuda:0 --preset llama-8b \
+        --model-dir /tmp/models/llama-8b --trials 3 --out "$OUT/h200_engine_startup_llama-8b.json" \
+        2>&1 | tee "$OUT/engine_startup.txt" ;;
+    imports)  # where the engine's import time goes on this machine
+      { TIMEFORMAT="%R s"
+        for i in 1 2 3; do echo -n "import torch: "; time python3 -c "import torch"; done
+        for i in 1 2; do echo -n "import torch (TORCH_DEVICE_BACKEND_AUTOLOAD=0): "
+          time TORCH_DEVICE_BACKEND_AUTOLOAD=0 python3 -c "import torch"; done
+        for i in 1 2; do echo -n "import engine.app: "; time python3 -c "import engine.app"; done
+        python3 -X importtime -c "import engine.app" 2> "$OUT/importtime_engine.txt"
+        sort -t'|' -k2 -n -r "$OUT/importtime_engine.txt" | head -45
+      } 2>&1 | tee "$OUT/imports.txt" ;;
+    nccl-tests)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -rA tests/test_cuda_engine.py \
+        -k nccl_group 2>&1 | tee "$OUT/nccl_tests.txt" ;;
     lifetime)
       timeout 120 python3 bench/cuda_lifetime.py --model /tmp/models/moe --out "$OUT/h200_lifetime.json" \
         2>&1 | tee "$OUT/lifetime.txt" ;;
