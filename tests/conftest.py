@@ -165,3 +165,14 @@ class ForkServerProc:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def forkserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServerProc]:
+    """An engine fork server for the whole module."""
+    server = ForkServerProc(tmp_path_factory.mktemp("fork") / "forkserver.sock")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()

@@ -62,18 +62,8 @@ def socks(
 
 
 @pytest.fixture(scope="module")
-def forks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServerProc]:
-    server = ForkServerProc(tmp_path_factory.mktemp("fork") / "forkserver.sock")
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
 def engines(
-    tiny_model: Path, socks: dict[str, str], forks: ForkServerProc
+    tiny_model: Path, socks: dict[str, str], forkserver: ForkServerProc
 ) -> Iterator[dict[str, EngineProcess]]:
     model = ["--model", str(tiny_model)]
     gpu = [*model, "--device", "cuda:0"]
@@ -88,7 +78,7 @@ def engines(
         "cpu-f32": [*model, "--device", "cpu", "--dtype", "float32", "--allow-disk-fallback"],
     }
     procs = {name: EngineProcess([*flags, "--name", name]) for name, flags in specs.items()}
-    procs["bf16-forked"] = EngineProcess(specs["bf16"], forkserver=forks.sock)
+    procs["bf16-forked"] = EngineProcess(specs["bf16"], forkserver=forkserver.sock)
     if TWO_GPUS:
         tp = [*model, "--dtype", "float32", "--world-size", "2", "--daemons", socks["tp2"]]
         tp += ["--dist-init", f"tcp://127.0.0.1:{free_port()}"]

@@ -11,7 +11,6 @@ import struct
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,16 +22,6 @@ from engine.errors import EngineError
 from engine.launch import EngineProcess
 from supervisor.errors import PolicyError
 from supervisor.policy import load_policy
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServerProc]:
-    s = ForkServerProc(tmp_path_factory.mktemp("fork") / "forkserver.sock")
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        s.stop()
 
 
 def complete(url: str, prompt: list[int]) -> list[int]:
@@ -48,9 +37,9 @@ def disk_flags(model: Path) -> list[str]:
 
 
 def test_forked_engine_serves_the_tokens_of_an_execd_one(
-    server: ForkServerProc, tiny_model: Path
+    forkserver: ForkServerProc, tiny_model: Path
 ) -> None:
-    forked = EngineProcess(disk_flags(tiny_model), forkserver=server.sock)
+    forked = EngineProcess(disk_flags(tiny_model), forkserver=forkserver.sock)
     execd = EngineProcess(disk_flags(tiny_model))
     try:
         f, e = forked.wait_ready(), execd.wait_ready()
@@ -65,13 +54,13 @@ def test_forked_engine_serves_the_tokens_of_an_execd_one(
 
 
 def test_kill_is_reported_and_the_server_keeps_forking(
-    server: ForkServerProc, tiny_model: Path
+    forkserver: ForkServerProc, tiny_model: Path
 ) -> None:
-    first = EngineProcess(disk_flags(tiny_model), forkserver=server.sock)
+    first = EngineProcess(disk_flags(tiny_model), forkserver=forkserver.sock)
     first.wait_ready()
     first.proc.kill()
     assert first.wait_exit(30) == -signal.SIGKILL
-    second = EngineProcess(disk_flags(tiny_model), forkserver=server.sock)
+    second = EngineProcess(disk_flags(tiny_model), forkserver=forkserver.sock)
     try:
         second.wait_ready()
         assert complete(second.url, [4, 5])
@@ -79,13 +68,13 @@ def test_kill_is_reported_and_the_server_keeps_forking(
         second.stop()
 
 
-def test_engine_dies_with_its_owner(server: ForkServerProc, tiny_model: Path) -> None:
+def test_engine_dies_with_its_owner(forkserver: ForkServerProc, tiny_model: Path) -> None:
     owner = subprocess.Popen(["sleep", "120"])
     r, w = os.pipe()
     null = os.open(os.devnull, os.O_RDWR)
     spawn = fs.Spawn(argv=disk_flags(tiny_model), env=child_env(), cwd=os.getcwd(), owner=owner.pid)
     try:
-        sock, pid = fs.request(server.sock, spawn, [null, null, w])
+        sock, pid = fs.request(forkserver.sock, spawn, [null, null, w])
     finally:
         os.close(w)
         os.close(null)
@@ -115,8 +104,10 @@ def test_engines_outlive_a_dead_server(tmp_path: Path, tiny_model: Path) -> None
         own.stop()
 
 
-def test_bad_engine_flags_exit_2_naming_the_flag(server: ForkServerProc, tiny_model: Path) -> None:
-    bad = EngineProcess([*disk_flags(tiny_model), "--world-size", "0"], forkserver=server.sock)
+def test_bad_engine_flags_exit_2_naming_the_flag(
+    forkserver: ForkServerProc, tiny_model: Path
+) -> None:
+    bad = EngineProcess([*disk_flags(tiny_model), "--world-size", "0"], forkserver=forkserver.sock)
     assert bad.wait_exit(60) == 2
     assert "--world-size" in bad.log
 
@@ -133,39 +124,39 @@ def raw_request(path: Path, payload: bytes, fds: list[int]) -> Any:
 
 
 def test_bad_requests_are_refused_and_the_server_keeps_serving(
-    server: ForkServerProc, tiny_model: Path
+    forkserver: ForkServerProc, tiny_model: Path
 ) -> None:
     spawn = fs.Spawn(argv=disk_flags(tiny_model), env=child_env(), cwd=os.getcwd())
     null = os.open(os.devnull, os.O_RDWR)
     try:
-        reply = raw_request(server.sock, fs.frame(spawn), [null])
+        reply = raw_request(forkserver.sock, fs.frame(spawn), [null])
         assert reply == fs.Refused("send stdin, stdout and stderr as 3 fds, not 1")
         garbage = struct.pack(">I", 5) + b"\xc1\xc1\xc1\xc1\xc1"
-        reply = raw_request(server.sock, garbage, [null, null, null])
+        reply = raw_request(forkserver.sock, garbage, [null, null, null])
         assert isinstance(reply, fs.Refused)
         oversized = struct.pack(">I", fs.MAX_FRAME + 1)
-        reply = raw_request(server.sock, oversized, [null, null, null])
+        reply = raw_request(forkserver.sock, oversized, [null, null, null])
         assert isinstance(reply, fs.Refused) and "over" in reply.message
     finally:
         os.close(null)
-    ok = EngineProcess(disk_flags(tiny_model), forkserver=server.sock)
+    ok = EngineProcess(disk_flags(tiny_model), forkserver=forkserver.sock)
     try:
         ok.wait_ready()
     finally:
         ok.stop()
 
 
-def test_a_second_server_on_the_same_socket_is_refused(server: ForkServerProc) -> None:
+def test_a_second_server_on_the_same_socket_is_refused(forkserver: ForkServerProc) -> None:
     cp = subprocess.run(
-        [sys.executable, "-m", "engine.forkserver", "--socket", str(server.sock)],
+        [sys.executable, "-m", "engine.forkserver", "--socket", str(forkserver.sock)],
         capture_output=True,
         text=True,
         env=child_env(),
         timeout=120,
     )
     assert cp.returncode == 2
-    assert f"a fork server already listens on {server.sock}" in cp.stderr
-    assert server.proc.poll() is None and server.sock.exists()
+    assert f"a fork server already listens on {forkserver.sock}" in cp.stderr
+    assert forkserver.proc.poll() is None and forkserver.sock.exists()
 
 
 def test_no_server_is_an_error_naming_the_socket(tmp_path: Path, tiny_model: Path) -> None:
