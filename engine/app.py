@@ -22,6 +22,7 @@ from aiohttp import web
 from engine import api
 from engine.config import EngineConfig, dist_init_method
 from engine.metrics import Metrics, Phases
+from engine.peerwatch import PeerWatch, store_address
 from engine.server import EngineServer, Model
 from engine.tokenizer import load_tokenizer
 from supervisor.agent import Agent
@@ -57,6 +58,21 @@ def context_init(cfg: EngineConfig) -> torch.device:
             timeout=FOLLOW_TIMEOUT,
         )
     return device
+
+
+def watch_peers(cfg: EngineConfig) -> PeerWatch | None:
+    """A tensor-parallel rank exits 3 when a peer dies or stops, instead of hanging."""
+    if cfg.world_size == 1:
+        return None
+    address = store_address(dist_init_method(cfg), os.environ)
+    if address is None:
+        log.warning(
+            "no peer watch: it needs a tcp:// or env:// rendezvous", dist_init=cfg.dist_init
+        )
+        return None
+    watch = PeerWatch(address, cfg.rank, cfg.world_size, stale_s=cfg.peer_stale_s)
+    watch.start()
+    return watch
 
 
 def build_llama(
@@ -127,24 +143,55 @@ def run(cfg: EngineConfig, t0: float) -> int:
     clock, phases, load = Clock(t0), Phases(), Load()
     phases.imports = clock.lap()
     agent = start_agent(cfg, load) if cfg.rank == 0 and cfg.agent else None
+    watch: PeerWatch | None = None
     try:
         device = context_init(cfg)
+        watch = watch_peers(cfg)
         phases.context_init = clock.lap()
         build = build_hf if cfg.model_impl == "hf" else build_llama
         model, limits, source = build(cfg, device, clock, phases)
         if cfg.rank > 0:
             log.info("following rank 0", rank=cfg.rank, startup_ms=clock.total())
-            return model.follow()
+            return follow(model, watch)
         metrics = Metrics()
         metrics.phases, metrics.weights_source = phases, source
         server = EngineServer(
             cfg.name, cfg.role, cfg.epoch, model, load_tokenizer(cfg.model), limits, metrics
         )
         load.server = server
-        return asyncio.run(serve(cfg, server, agent, clock))
+        return asyncio.run(serve(cfg, server, agent, watch, clock))
     finally:
+        if watch is not None:
+            watch.close()
         if agent is not None:
             agent.close()
+
+
+def follow(model: Model, watch: PeerWatch | None) -> int:
+    """Ranks > 0: follow rank 0 until it says stop (0) or is gone (3).
+
+    The process group is torn down here, not in interpreter teardown, where gloo's threads
+    abort the process about half the time. NCCL's teardown waits for rank 0's, so the stop
+    mark that rank 0 waits for comes first.
+    """
+    status = model.follow()
+    if status != 0:
+        os._exit(status)
+    if watch is not None:
+        watch.stop()
+    dist.destroy_process_group()
+    return 0
+
+
+def stop_group(model: Model, watch: PeerWatch | None) -> None:
+    """Rank 0: disarm the watch, stop the followers, keep the store up until they are done."""
+    if watch is not None:
+        watch.stop()
+    model.stop_followers()
+    if watch is not None:
+        watch.wait_stopped()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def start_agent(cfg: EngineConfig, load: Load) -> Agent:
@@ -185,7 +232,13 @@ def wire_agent(
     agent.on_stop(stop)
 
 
-async def serve(cfg: EngineConfig, server: EngineServer, agent: Agent | None, clock: Clock) -> int:
+async def serve(
+    cfg: EngineConfig,
+    server: EngineServer,
+    agent: Agent | None,
+    watch: PeerWatch | None,
+    clock: Clock,
+) -> int:
     loop = asyncio.get_running_loop()
     stop: asyncio.Future[float] = loop.create_future()
 
@@ -215,7 +268,7 @@ async def serve(cfg: EngineConfig, server: EngineServer, agent: Agent | None, cl
     finished = await server.drain(grace)
     await runner.cleanup()
     if finished:
-        await server.call_model(server.model.stop_followers)
+        await server.call_model(stop_group, server.model, watch)
     server.close()
     log.info("stopped", engine=cfg.name, clean=finished)
     if not finished:

@@ -49,6 +49,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_model_len: int = 0  # 0: the checkpoint's max_position_embeddings
     grace_s: float = 30.0
     attach_timeout_s: float = 10.0
+    peer_stale_s: float = 5.0  # tensor parallel: a peer silent this long means exit 3
     log_format: str = "auto"  # console on a terminal, JSON lines otherwise
 
     @property
@@ -125,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to wait for each daemon socket",
     )
     p.add_argument(
+        "--peer-stale-s",
+        type=float,
+        default=_DEFAULTS.peer_stale_s,
+        help="tensor parallel: exit 3 when a peer rank has been silent this many seconds",
+    )
+    p.add_argument(
         "--log-format",
         choices=["auto", "console", "json"],
         default=_DEFAULTS.log_format,
@@ -157,6 +164,7 @@ def from_args(
         "max_model_len",
         "grace_s",
         "attach_timeout_s",
+        "peer_stale_s",
         "log_format",
     ):
         values[field] = getattr(ns, field)
@@ -195,6 +203,8 @@ def validate(cfg: EngineConfig) -> None:
         )
     if cfg.max_tokens_cap < 1:
         raise EngineError("--max-tokens-cap must be at least 1")
+    if cfg.peer_stale_s < 1:
+        raise EngineError("--peer-stale-s must be at least 1")
 
 
 def log_format(cfg: EngineConfig) -> str:

@@ -1,0 +1,81 @@
+"""A standalone tensor-parallel group (real processes, gloo) ends when a rank dies or stops.
+
+gloo notices a closed socket only when a collective runs, and a stopped peer never; these
+groups are idle, so only the peer watch can end them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.launch import EngineProcess, free_port
+
+STALE_S = 2.0
+
+
+def lost_lines(proc: EngineProcess) -> list[dict[str, Any]]:
+    events = [json.loads(line) for line in proc.lines if line.startswith("{")]
+    return [e for e in events if e["event"] == "tensor-parallel peer lost; exiting"]
+
+
+@pytest.fixture
+def pair(tiny_model: Path) -> Iterator[tuple[EngineProcess, EngineProcess]]:
+    """An idle tp=2 group, both ranks ready; every rank is gone after the test."""
+    tp = [
+        *("--model", str(tiny_model), "--allow-disk-fallback", "--world-size", "2"),
+        *("--peer-stale-s", str(STALE_S), "--dist-init", f"tcp://127.0.0.1:{free_port()}"),
+    ]
+    lead = EngineProcess([*tp, "--rank", "0"])
+    follower = EngineProcess([*tp, "--rank", "1"], port=lead.port)
+    try:
+        lead.wait_ready()
+        follower.wait_ready()
+        yield lead, follower
+    finally:
+        for p in (lead, follower):
+            if p.proc.poll() is None:
+                p.proc.kill()
+                os.kill(p.proc.pid, signal.SIGCONT)  # a stopped process dies only once running
+            p.stop()
+
+
+def test_rank_0_exits_3_when_its_idle_follower_is_killed(
+    pair: tuple[EngineProcess, EngineProcess],
+) -> None:
+    lead, follower = pair
+    follower.proc.kill()
+    t0 = time.monotonic()
+    assert lead.wait_exit(STALE_S + 8) == 3
+    assert time.monotonic() - t0 >= STALE_S / 2  # judged stale, not on the first miss
+    [line] = lost_lines(lead)
+    assert line["peer"] == 1 and "heartbeat unchanged" in line["reason"]
+
+
+def test_the_follower_exits_3_when_rank_0_is_stopped(
+    pair: tuple[EngineProcess, EngineProcess],
+) -> None:
+    lead, follower = pair
+    os.kill(lead.proc.pid, signal.SIGSTOP)
+    assert follower.wait_exit(STALE_S + 8) == 3
+    [line] = lost_lines(follower)
+    assert line["peer"] == 0 and "silent" in line["reason"]
+
+
+def test_an_idle_group_stays_up_and_sigterm_stops_both_cleanly(
+    pair: tuple[EngineProcess, EngineProcess],
+) -> None:
+    lead, follower = pair
+    assert not lead.exited.wait(3 * STALE_S)  # live peers are never judged stale
+    assert not follower.exited.is_set()
+    lead.proc.terminate()
+    assert (lead.wait_exit(30), follower.wait_exit(30)) == (0, 0)
+    assert lost_lines(lead) == lost_lines(follower) == []
+    assert "did not mark their stop" not in lead.log
