@@ -46,6 +46,7 @@ class Cluster:
         self.daemons: DaemonPool | None = None
         self.wake = asyncio.Event()
         self.refused: dict[str, str] = {}  # primaries that failed their promotion
+        self.early_hellos: dict[str, Hello] = {}  # arrived while their engine was spawning
         self.low_since: float | None = None
         self.last_evict = 0.0
         self._build()
@@ -90,6 +91,8 @@ class Cluster:
         nothing a fenced predecessor sent can speak for its replacement."""
         found = self._engine_for(msg.name)
         if found is None:
+            if msg.name in self.engines:  # a forked rank 0 can speak before its siblings
+                self.early_hellos[msg.name] = msg  # exist: judged once spawn() returns
             return
         e, inc = found
         try:
@@ -279,6 +282,9 @@ class Cluster:
         e.inc, e.state, e.last_beat, e.held = inc, "starting", 0.0, False
         e.in_flight = e.queued = 0
         self.publish(e, "starting", restarts=e.book.total)
+        early = self.early_hellos.pop(e.name, None)
+        if early is not None:
+            self.on_hello(early)
 
     async def stop_all(self) -> None:
         for e in self.engines.values():

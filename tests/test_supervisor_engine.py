@@ -40,3 +40,39 @@ def test_reference_engine_fails_over_under_load(tmp_path: Path, tiny_model: Path
     finally:
         if sup.proc.poll() is None:
             sup.stop(signal.SIGKILL)
+
+
+def test_forked_tp2_reference_engines_register_and_replace_a_broken_group(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """Forked ranks start in milliseconds: rank 0 says Hello before its sibling is even
+    forked. Both groups must still register, and losing a rank replaces the group."""
+    policy = write_policy(
+        tmp_path / "policy.yaml",
+        tiny_model,
+        tmp_path / "run",
+        model={"tp_size": 2},
+        devices={"ids": ["cpu", "cpu"]},
+        engines={"command": ["{python}", "-m", "engine"], "ready_timeout_s": 120},
+        heartbeat={"interval_ms": 100, "miss_limit": 10},
+    )
+    sup = Supervisor(policy)
+    try:
+        first = sup.wait(lambda e: e.event == "promoted", timeout=180)
+        sup.wait(lambda e: e.event == "ready" and e.name != first.name, timeout=60)
+        assert "forkserver ready" in (sup.run / "logs" / "forkserver.log").read_text()
+        engines = {e["name"]: e for e in sup.status()["engines"]}
+        assert all(len(e["pids"]) == 2 for e in engines.values())
+        code, body = complete(sup.router, None, prompt_token_ids=[1, 2, 3], max_tokens=4)
+        assert code == 200, body
+        mark = sup.tap.mark()
+        os.kill(engines[first.name]["pids"][1], signal.SIGKILL)
+        second = sup.wait(lambda e: e.event == "promoted", timeout=10, after=mark)
+        assert second.name != first.name
+        sup.wait(lambda e: e.topic == f"engine.{first.name}.ready", timeout=60, after=mark)
+        code, body = complete(sup.router, None, prompt_token_ids=[4, 5], max_tokens=2)
+        assert code == 200, body
+        assert sup.stop(signal.SIGTERM) == 0, sup.output()
+    finally:
+        if sup.proc.poll() is None:
+            sup.stop(signal.SIGKILL)
