@@ -17,7 +17,7 @@ import torch
 from cachedaemon import protocol
 from engine.launch import EngineProcess, free_port
 from tests.conftest import Daemons, ForkServerProc
-from tests.engines.harness import Load, Supervisor, get, topic, write_policy
+from tests.engines.harness import Load, Supervisor, topic, write_policy
 
 pytestmark = pytest.mark.gpu
 
@@ -209,17 +209,13 @@ def test_supervisor_on_cuda_fails_over_and_survives_a_daemon_kill(
     )
     sup = Supervisor(policy)
     try:
-        first = sup.wait(lambda e: e.event == "promoted", timeout=240)
-        sup.wait(lambda e: e.event == "ready" and e.name != first.name, timeout=240)
+        first = sup.wait_pair(240)
         daemon = sup.status()["daemons"][0]
         assert daemon["state"] == "serving"
         load = Load(sup.router, clients=4, prompt=None, prompt_token_ids=[1, 2], max_tokens=4)
         try:
             load.wait_ok(10, timeout=60)
-            mark = sup.tap.mark()
-            os.kill(get(f"{sup.api}/primary")[1]["pid"], signal.SIGKILL)
-            second = sup.wait(lambda e: e.event == "promoted", timeout=5, after=mark)
-            assert second.name != first.name and second.epoch == first.epoch + 1
+            sup.kill_primary(first)
             load.wait_ok(10, timeout=60)
             mark = sup.tap.mark()
             os.kill(daemon["pid"], signal.SIGKILL)

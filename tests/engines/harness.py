@@ -137,6 +137,20 @@ class Supervisor:
             raise AssertionError(f"supervisor exited {self.proc.returncode}:\n{self.output()}")
         return self.tap.wait(pred, timeout, after)
 
+    def wait_pair(self, timeout: float = 180.0) -> Event:
+        """Until one engine is promoted and another is ready beside it; the promotion."""
+        first = self.wait(lambda e: e.event == "promoted", timeout=timeout)
+        self.wait(lambda e: e.event == "ready" and e.name != first.name, timeout=timeout)
+        return first
+
+    def kill_primary(self, first: Event) -> Event:
+        """kill -9 the primary promoted by `first`; the next promotion, of another engine."""
+        mark = self.tap.mark()
+        os.kill(get(f"{self.api}/primary")[1]["pid"], signal.SIGKILL)
+        second = self.wait(lambda e: e.event == "promoted", timeout=5, after=mark)
+        assert second.name != first.name and second.epoch == first.epoch + 1
+        return second
+
     def output(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
 
