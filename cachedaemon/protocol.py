@@ -140,10 +140,7 @@ _decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(Message)
 
 
 def encode(msg: _Msg) -> bytes:
-    body = _encoder.encode(msg)
-    if len(body) > MAX_FRAME:
-        raise ProtocolError(f"frame of {len(body)} bytes exceeds the {MAX_FRAME}-byte cap")
-    return _HEADER.pack(len(body)) + body
+    return frame_of(_encoder.encode(msg))
 
 
 def decode(body: bytes) -> _Msg:
@@ -156,14 +153,26 @@ def decode(body: bytes) -> _Msg:
 
 def send(sock: socket.socket, msg: _Msg, fds: list[int] | tuple[int, ...] = ()) -> None:
     """Send one frame; fds (at most MAX_FDS) ride on its first byte."""
-    data = encode(msg)
+    send_frame(sock, encode(msg), fds)
+
+
+def send_frame(sock: socket.socket, frame: bytes, fds: list[int] | tuple[int, ...] = ()) -> None:
+    """Send an encoded frame (header included), fds on its first byte. Any msgspec body
+    can travel this way; `send` is it for this module's messages."""
     if len(fds) > MAX_FDS:
         raise ProtocolError(f"{len(fds)} fds in one frame; at most {MAX_FDS}")
     if fds:
-        sent = socket.send_fds(sock, [data[:1]], list(fds))
-        sock.sendall(data[sent:])
+        sent = socket.send_fds(sock, [frame[:1]], list(fds))
+        sock.sendall(frame[sent:])
     else:
-        sock.sendall(data)
+        sock.sendall(frame)
+
+
+def frame_of(body: bytes) -> bytes:
+    """`body` with its length header."""
+    if len(body) > MAX_FRAME:
+        raise ProtocolError(f"frame of {len(body)} bytes exceeds the {MAX_FRAME}-byte cap")
+    return _HEADER.pack(len(body)) + body
 
 
 def _recv_exact(sock: socket.socket, n: int, what: str) -> bytes:
@@ -184,6 +193,18 @@ def recv(
 ) -> tuple[_Msg, list[int]]:
     """Receive one frame and the fds sent with it. Raises ProtocolError on a bad frame
     (fds that arrived are closed first) and EOFError on a clean close before any byte."""
+    body, fds = recv_frame(sock, max_fds=max_fds, max_frame=max_frame)
+    try:
+        return decode(body), fds
+    except BaseException:
+        close_fds(fds)
+        raise
+
+
+def recv_frame(
+    sock: socket.socket, *, max_fds: int = 0, max_frame: int = MAX_FRAME
+) -> tuple[bytes, list[int]]:
+    """One frame's body and the fds sent with it, undecoded; errors as `recv`."""
     fds: list[int] = []
     try:
         if max_fds:
@@ -201,7 +222,7 @@ def recv(
         (length,) = _HEADER.unpack(head)
         if length > max_frame:
             raise ProtocolError(f"frame of {length} bytes exceeds the {max_frame}-byte cap")
-        return decode(_recv_exact(sock, length, "frame body")), fds
+        return _recv_exact(sock, length, "frame body"), fds
     except BaseException:
         close_fds(fds)
         raise

@@ -21,7 +21,6 @@ import os
 import selectors
 import signal
 import socket
-import struct
 import sys
 import threading
 import time
@@ -31,6 +30,9 @@ from pathlib import Path
 
 import msgspec
 
+from cachedaemon import protocol
+from cachedaemon.errors import ProtocolError
+from cachedaemon.rundir import listen, socket_answers
 from engine.errors import EngineError
 
 MAX_FRAME = 1 << 20
@@ -63,22 +65,17 @@ _encode = msgspec.msgpack.Encoder().encode
 
 
 def frame(msg: Spawn | Reply) -> bytes:
-    body = _encode(msg)
-    return struct.pack(">I", len(body)) + body
+    """`msg` encoded, with its length header (the daemon protocol's framing)."""
+    return protocol.frame_of(_encode(msg))
 
 
-def read_frame(sock: socket.socket, first: bytes = b"") -> bytes:
-    """One length-prefixed frame; EngineError on EOF, a short frame or an oversized one."""
-    buf = bytearray(first)
-    while len(buf) < 4 or len(buf) < 4 + struct.unpack(">I", buf[:4])[0]:
-        if len(buf) >= 4 and struct.unpack(">I", buf[:4])[0] > MAX_FRAME:
-            raise EngineError(f"fork server frame over {MAX_FRAME} bytes")
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise EngineError("fork server connection closed mid-frame" if buf else "closed")
-        buf += chunk
-    (n,) = struct.unpack(">I", buf[:4])
-    return bytes(buf[4 : 4 + n])
+def read_reply(sock: socket.socket) -> Reply:
+    """The next reply on a request's connection; EngineError once the server is gone."""
+    try:
+        body, _ = protocol.recv_frame(sock, max_frame=MAX_FRAME)
+        return _reply.decode(body)
+    except (EOFError, ProtocolError, msgspec.DecodeError) as e:
+        raise EngineError(f"fork server connection: {e}") from e
 
 
 def decode_reply(data: bytes) -> Reply:
@@ -95,9 +92,9 @@ def request(
     try:
         sock.settimeout(timeout)
         sock.connect(str(path))
-        socket.send_fds(sock, [frame(spawn)], list(fds))
-        reply = decode_reply(read_frame(sock))
-    except (OSError, EngineError, msgspec.DecodeError) as e:
+        protocol.send_frame(sock, frame(spawn), list(fds))
+        reply = read_reply(sock)
+    except (OSError, EngineError) as e:
         sock.close()
         raise EngineError(f"fork server at {path}: {e}") from e
     if not isinstance(reply, Started):
@@ -109,30 +106,24 @@ def request(
 
 
 # ---- server ----
-class Server:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.sel = selectors.DefaultSelector()
-        self.children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, conn)
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+def bind(path: Path) -> socket.socket:
+    """Listen on `path`: refused if a server answers there, a dead one's socket replaced."""
+    if socket_answers(path):
+        raise EngineError(f"a fork server already listens on {path}")
+    path.unlink(missing_ok=True)  # left by one that died
+    staging = path.with_name(f".{path.name}.{os.getpid()}")
+    staging.unlink(missing_ok=True)
+    listener = listen(staging, backlog=64)
+    os.rename(staging, path)  # the path appears only once it accepts connections
+    return listener
 
-    def bind(self) -> None:
-        if self.path.exists():
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                probe.connect(str(self.path))
-                raise EngineError(f"a fork server already listens on {self.path}")
-            except (ConnectionRefusedError, FileNotFoundError):
-                self.path.unlink(missing_ok=True)  # left by one that died
-            finally:
-                probe.close()
-        staging = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-        staging.unlink(missing_ok=True)
-        self.listener.bind(str(staging))
-        os.chmod(staging, 0o600)
-        self.listener.listen(64)
-        os.rename(staging, self.path)  # the path appears only once it accepts connections
-        self.sel.register(self.listener, selectors.EVENT_READ)
+
+class Server:
+    def __init__(self, listener: socket.socket) -> None:
+        self.listener = listener
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(listener, selectors.EVENT_READ)
+        self.children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, conn)
 
     def loop(self) -> None:
         while True:
@@ -144,21 +135,19 @@ class Server:
 
     def _accept(self) -> None:
         conn, _ = self.listener.accept()
-        if conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)[4:8] != struct.pack(
-            "i", os.getuid()
-        ):
+        if protocol.peer_uid(conn) != os.getuid():
             conn.close()  # another user
             return
         conn.settimeout(5.0)
         fds: list[int] = []
         try:
-            data, fds, _, _ = socket.recv_fds(conn, 65536, 3)
-            spawn = _request.decode(read_frame(conn, data))
+            body, fds = protocol.recv_frame(conn, max_fds=3, max_frame=MAX_FRAME)
+            spawn = _request.decode(body)
             if len(fds) != 3:
                 raise EngineError(f"send stdin, stdout and stderr as 3 fds, not {len(fds)}")
             pid = self._fork(spawn, fds, conn)
             conn.sendall(frame(Started(pid)))
-        except (OSError, EngineError, msgspec.DecodeError, msgspec.ValidationError) as e:
+        except (OSError, EOFError, EngineError, ProtocolError, msgspec.MsgspecError) as e:
             with contextlib.suppress(OSError):
                 conn.sendall(frame(Refused(str(e))))
             conn.close()
@@ -273,10 +262,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import structlog
 
     log = structlog.get_logger("engine.forkserver")
-    server = Server(args.socket)
     try:
         seconds = preload()
-        server.bind()
+        server = Server(bind(args.socket))
     except EngineError as e:
         print(f"engine.forkserver: error: {e}", file=sys.stderr)
         return 2

@@ -60,14 +60,15 @@ class ForkedChild:
         return cls(sock, pid), os.fdopen(r, "r")
 
     def _read_exit(self, timeout: float | None) -> None:
+        """Take the `Exited` reply if it comes within `timeout` (None: wait for it)."""
         lost = EngineError(f"engine {self.pid}: fork server gone, exit unknown")
         if self.sock.fileno() < 0:
             raise lost
-        self.sock.settimeout(timeout)
+        if not select.select([self.sock], [], [], timeout)[0]:
+            raise subprocess.TimeoutExpired(f"engine {self.pid}", timeout or 0.0)
+        self.sock.settimeout(5.0)  # readable: the frame is there, or EOF
         try:
-            reply = fs.decode_reply(fs.read_frame(self.sock))
-        except TimeoutError:
-            raise subprocess.TimeoutExpired(f"engine {self.pid}", timeout or 0.0) from None
+            reply = fs.read_reply(self.sock)
         except EngineError as e:
             self.sock.close()
             raise lost from e
@@ -78,13 +79,9 @@ class ForkedChild:
     def poll(self) -> int | None:
         if self.returncode is None and self._lock.acquire(blocking=False):
             try:
-                sock = self.sock
-                if (
-                    self.returncode is None
-                    and sock.fileno() >= 0
-                    and select.select([sock], [], [], 0)[0]
-                ):
-                    self._read_exit(5.0)
+                if self.returncode is None and self.sock.fileno() >= 0:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        self._read_exit(0)
             finally:
                 self._lock.release()
         return self.returncode

@@ -24,7 +24,7 @@ from supervisor.procs import Proc, free_port
 from supervisor.units import Engine, Incarnation
 
 log = structlog.get_logger("supervisor.engines")
-ENGINE = [sys.executable, "-m", "engine"]
+ENGINE = [arg.format(python=sys.executable) for arg in FORKABLE]  # what forks serve
 
 ExitFn = Callable[[Engine, Incarnation, str], None]
 BeatFn = Callable[[Engine, Incarnation], None]

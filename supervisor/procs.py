@@ -16,12 +16,9 @@ import ctypes.util
 import os
 import signal
 import socket
-import struct
 import time
 from collections.abc import Awaitable
 from pathlib import Path
-
-import msgspec
 
 from engine import forkserver
 from engine.errors import EngineError
@@ -34,13 +31,7 @@ class Proc:
         self.argv = argv
         self.log = log
         self.started = time.monotonic()
-        self.returncode: int | None = None
         self._exit = asyncio.ensure_future(exited)
-        self._exit.add_done_callback(self._set_code)
-
-    def _set_code(self, fut: asyncio.Future[int | None]) -> None:
-        if not fut.cancelled() and fut.exception() is None:
-            self.returncode = fut.result()
 
     @classmethod
     async def spawn(cls, argv: list[str], env: dict[str, str], log: Path) -> Proc:
@@ -75,6 +66,12 @@ class Proc:
     @property
     def alive(self) -> bool:
         return not self._exit.done()
+
+    @property
+    def returncode(self) -> int | None:
+        """Once exited: the code (None if unknown); before: None."""
+        ended = self._exit.done() and not self._exit.cancelled()
+        return self._exit.result() if ended and self._exit.exception() is None else None
 
     async def wait(self) -> int | None:
         """The exit code (-N for signal N); None for a forked one whose server died first."""
@@ -121,29 +118,31 @@ async def _forked_exit(sock: socket.socket, pidfd: int | None) -> int | None:
     """A forked child's exit code, from its fork server; if that connection breaks first,
     wait for the process itself through its pidfd (its code is then unknown: None)."""
     try:
-        reader, writer = await asyncio.open_unix_connection(sock=sock)
-        try:
-            (n,) = struct.unpack(">I", await reader.readexactly(4))
-            reply = forkserver.decode_reply(await reader.readexactly(n))
-            if isinstance(reply, forkserver.Exited):
-                return reply.code
-        except (asyncio.IncompleteReadError, OSError, msgspec.DecodeError):
-            pass
-        finally:
-            writer.close()
-        if pidfd is None:
-            return None
-        loop = asyncio.get_running_loop()
-        gone = asyncio.Event()
-        loop.add_reader(pidfd, gone.set)
-        try:
-            await gone.wait()
-        finally:
-            loop.remove_reader(pidfd)
+        with sock:
+            await _readable(sock.fileno())
+            sock.settimeout(5.0)  # the frame is there, or EOF
+            try:
+                reply = forkserver.read_reply(sock)
+            except EngineError:
+                reply = None
+        if isinstance(reply, forkserver.Exited):
+            return reply.code
+        if pidfd is not None:
+            await _readable(pidfd)
         return None
     finally:
         if pidfd is not None:
             os.close(pidfd)
+
+
+async def _readable(fd: int) -> None:
+    loop = asyncio.get_running_loop()
+    ready = asyncio.Event()
+    loop.add_reader(fd, ready.set)
+    try:
+        await ready.wait()
+    finally:
+        loop.remove_reader(fd)
 
 
 _PR_SET_PDEATHSIG = 1
