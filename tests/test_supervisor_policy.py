@@ -14,6 +14,16 @@ from supervisor.policy import Policy, load_policy, parse_policy
 from tests.engines.harness import REPO, env
 
 
+def supervisor_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor", *args],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
 def errors_of(text: str, tmp_path: Path) -> list[str]:
     with pytest.raises(PolicyError) as info:
         parse_policy(text, tmp_path / "policy.yaml")
@@ -85,35 +95,17 @@ def test_shipped_policies_are_valid(name: str) -> None:
 def test_validate_cli_prints_every_error_and_exits_2(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("engines: {standby: x}\nextra: 1\n")
-    cp = subprocess.run(
-        [sys.executable, "-m", "supervisor", "validate", str(bad)],
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    cp = supervisor_cli("validate", str(bad))
     assert cp.returncode == 2
     assert "$.engines.standby: expected int, got str" in cp.stderr
     assert "$.extra: unknown key" in cp.stderr
-    ok = subprocess.run(
-        [sys.executable, "-m", "supervisor", "validate"],
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    ok = supervisor_cli("validate")
     assert ok.returncode == 0, ok.stderr
     assert "demo.yaml: ok" in ok.stdout
 
 
 def test_help_has_examples_and_no_torch() -> None:
-    cp = subprocess.run(
-        [sys.executable, "-m", "supervisor", "--help"],
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    cp = supervisor_cli("--help")
     assert cp.returncode == 0 and "supervisor run policies/h200.yaml" in cp.stdout
     code = (
         "import supervisor.cli, supervisor.agent, supervisor.service; import sys; "
