@@ -7,6 +7,7 @@ environment works unchanged and a person can run one engine by hand.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -203,8 +204,10 @@ def validate(cfg: EngineConfig) -> None:
         )
     if cfg.max_tokens_cap < 1:
         raise EngineError("--max-tokens-cap must be at least 1")
-    if cfg.peer_stale_s < 1:
-        raise EngineError("--peer-stale-s must be at least 1")
+    if not (math.isfinite(cfg.peer_stale_s) and cfg.peer_stale_s >= 1):
+        raise EngineError(
+            f"--peer-stale-s must be a number of seconds, at least 1 (got {cfg.peer_stale_s:g})"
+        )
 
 
 def log_format(cfg: EngineConfig) -> str:

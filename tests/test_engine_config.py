@@ -57,6 +57,8 @@ def test_flags_win_over_the_environment() -> None:
         ([], {**ENV, "HOLDFAST_WORLD_SIZE": "4"}, "names 2 sockets; give one per rank (4)"),
         (["--quantization", "int4"], ENV, "--quantization/HOLDFAST_QUANTIZATION 'int4'"),
         (["--model-impl", "hf"], ENV, "--model-impl hf serves at --world-size 1 only"),
+        (["--peer-stale-s", "0.5"], ENV, "--peer-stale-s must be a number of seconds, at least 1"),
+        (["--peer-stale-s", "nan"], ENV, "at least 1 (got nan)"),
     ],
 )
 def test_bad_settings_name_what_to_change(

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +21,7 @@ import pytest
 from engine.launch import EngineProcess, free_port
 
 STALE_S = 2.0
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def lost_lines(proc: EngineProcess) -> list[dict[str, Any]]:
@@ -79,3 +82,28 @@ def test_an_idle_group_stays_up_and_sigterm_stops_both_cleanly(
     assert (lead.wait_exit(30), follower.wait_exit(30)) == (0, 0)
     assert lost_lines(lead) == lost_lines(follower) == []
     assert "did not mark their stop" not in lead.log
+
+
+def test_a_peer_that_never_writes_its_key_ends_the_rank_with_exit_3() -> None:
+    """Rank 1 never comes up: rank 0's watch names it once `appear_s` has passed."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30))
+    code = (
+        "import time\n"
+        "from engine.peerwatch import PeerWatch\n"
+        f"w = PeerWatch(('127.0.0.1', {port}), 0, 2, interval_s=0.1, stale_s=2, appear_s=1)\n"
+        "w.start()\n"
+        "time.sleep(30)\n"
+    )
+    t0 = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert 1 <= time.monotonic() - t0 < 30
+    assert "never wrote holdfast/peerwatch/1 in 1 s" in done.stdout + done.stderr
+    assert store.get("holdfast/peerwatch/0")  # it beat while it waited
