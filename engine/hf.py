@@ -9,6 +9,7 @@ greedy completions through HF's own forward with its KV cache; other models serv
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -94,13 +95,18 @@ class HFModel:
             self.embed([[0]])
 
     @torch.inference_mode()
-    def run(self, job: Job, on_step: OnStep | None = None) -> Generation:
+    def run(
+        self, job: Job, on_step: OnStep | None = None, cancel: threading.Event | None = None
+    ) -> Generation:
         if self.kind != "generate":
             raise BadRequest("this model serves /v1/embeddings only")
         ids = torch.tensor([job.prompt], dtype=torch.int64, device=self.device)
         past, reason = None, "length"
         steps: list[Step] = []
         while len(steps) < job.max_tokens:
+            if cancel is not None and cancel.is_set():
+                reason = "cancelled"
+                break
             out = self.module(input_ids=ids, past_key_values=past, use_cache=True)
             past = out.past_key_values
             logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -31,7 +32,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class Model(Protocol):
     kind: str  # "generate" | "embed"
 
-    def run(self, job: Job, on_step: OnStep | None = None) -> Generation: ...
+    def run(
+        self, job: Job, on_step: OnStep | None = None, cancel: threading.Event | None = None
+    ) -> Generation: ...
 
     def embed(self, batch: list[list[int]]) -> list[list[float]]: ...
 
@@ -209,29 +212,40 @@ class EngineServer:
         def on_step(step: Step) -> None:
             loop.call_soon_threadsafe(steps.put_nowait, step)
 
-        task = asyncio.ensure_future(self.call_model(self.model.run, job, on_step))
+        cancel = threading.Event()  # set when the client leaves: the model stops next step
+        task = asyncio.ensure_future(self.call_model(self.model.run, job, on_step, cancel))
         task.add_done_callback(lambda _: steps.put_nowait(None))
-        self._streams.add(task)  # owned here until done, even if the client leaves
+        self._streams.add(task)  # owned here until done, even after the client leaves
         task.add_done_callback(self._streams.discard)
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
-        await resp.prepare(request)
-        rid, done, text = _rid(), [], ""
+        rid, done, text, counted = _rid(), [], "", False
         try:
+            await resp.prepare(request)
             while (step := await steps.get()) is not None:
                 done.append(step.token)
                 piece, text = self._delta(done, text)
                 await _sse(resp, _chunk(rid, self.name, piece, [step.token], None))
             gen: Generation = await task
             self.metrics.add_tokens(len(gen.steps))
+            counted = True
             await _sse(resp, _chunk(rid, self.name, "", [], gen.finish_reason))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionResetError:
-            # The client left; the generation finishes on the model thread regardless.
             log.info("stream client went away", tokens=len(done))
+        finally:
+            if not counted:  # the client left (or the handler was cancelled) mid-generation
+                cancel.set()
+                task.add_done_callback(self._ended_early)
         return resp
+
+    def _ended_early(self, task: asyncio.Future[Generation]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            gen = task.result()
+            self.metrics.add_tokens(len(gen.steps))
+            log.info("stream generation ended", tokens=len(gen.steps), reason=gen.finish_reason)
 
     async def embeddings(self, request: web.Request) -> web.Response:
         self._check_serving("embed")

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import socket
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -98,6 +101,53 @@ def test_streamed_tokens_equal_the_whole_completion(engines: dict[str, EnginePro
         url, PROMPTS[1], ignore_eos=True
     )["token_ids"]
     assert chunks[-1]["finish_reason"] == "length"
+
+
+def leave_a_stream(url: str, body: dict[str, Any]) -> None:
+    """Start a streamed completion, read until its first token event, and hang up."""
+    where = urllib.parse.urlparse(url)
+    data = json.dumps({**body, "stream": True}).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {where.netloc}\r\n"
+    head += f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    with socket.create_connection((where.hostname, where.port), timeout=60) as s:
+        s.sendall(head.encode() + data)
+        seen = b""
+        while b"data: " not in seen:
+            chunk = s.recv(65536)
+            assert chunk, seen
+            seen += chunk
+
+
+def ended_streams(proc: EngineProcess, count: int, timeout: float = 30) -> list[dict[str, Any]]:
+    """The engine's first `count` "stream generation ended" log events, waiting for them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        events = [json.loads(line) for line in proc.lines if line.startswith("{")]
+        ended = [e for e in events if e["event"] == "stream generation ended"]
+        if len(ended) >= count or time.monotonic() > deadline:
+            return ended
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("which", ["attached", "tp0"])
+def test_a_stream_client_that_leaves_stops_its_generation(
+    engines: dict[str, EngineProcess], which: str
+) -> None:
+    """On tp 2 both ranks stop at the same step: the next request still matches tp 1."""
+    proc, max_tokens = engines[which], 500
+    before = len(ended_streams(proc, 0))
+    leave_a_stream(
+        proc.url, {"prompt_token_ids": [7], "max_tokens": max_tokens, "ignore_eos": True}
+    )
+    ended = ended_streams(proc, before + 1)
+    assert len(ended) == before + 1, proc.log[-3000:]
+    assert ended[-1]["reason"] == "cancelled"
+    assert 1 <= ended[-1]["tokens"] < max_tokens, ended[-1]
+    for prompt in PROMPTS:
+        got = complete(proc.url, prompt, ignore_eos=True)
+        assert (
+            got["token_ids"] == complete(engines["disk"].url, prompt, ignore_eos=True)["token_ids"]
+        )
 
 
 def test_tp2_gives_the_same_tokens_and_close_logprobs(engines: dict[str, EngineProcess]) -> None:
