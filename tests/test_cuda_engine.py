@@ -18,6 +18,7 @@ from cachedaemon import protocol
 from engine.launch import EngineProcess, free_port
 from tests.conftest import Daemons, ForkServerProc
 from tests.engines.harness import Load, Supervisor, topic, write_policy
+from tests.test_engine_serve import ended_streams, leave_a_stream
 
 pytestmark = pytest.mark.gpu
 
@@ -160,6 +161,25 @@ def test_tp2_over_nccl_attached_gives_the_tokens_of_tp1(engines: dict[str, Engin
     assert ready(engines["tp0"])["weights"] == "daemon"
     for prompt in PROMPTS:
         got = complete(engines["tp0"].url, prompt, logprobs=5, ignore_eos=True)
+        want = complete(engines["f32"].url, prompt, logprobs=5, ignore_eos=True)
+        assert_same_generation(got, want, 1e-3)
+
+
+@pytest.mark.parametrize("name", ["f32", pytest.param("tp0", marks=needs_two)])
+def test_a_stream_client_that_leaves_stops_its_generation_on_cuda(
+    engines: dict[str, EngineProcess], name: str
+) -> None:
+    """Over NCCL both ranks stop at the same step: the next requests still match tp 1."""
+    proc, max_tokens = engines[name], 500
+    before = len(ended_streams(proc, 0))
+    leave_a_stream(
+        proc.url, {"prompt_token_ids": [7], "max_tokens": max_tokens, "ignore_eos": True}
+    )
+    ended = ended_streams(proc, before + 1)
+    assert len(ended) == before + 1, proc.log[-3000:]
+    assert ended[-1]["reason"] == "cancelled" and 1 <= ended[-1]["tokens"] < max_tokens
+    for prompt in PROMPTS:
+        got = complete(proc.url, prompt, logprobs=5, ignore_eos=True)
         want = complete(engines["f32"].url, prompt, logprobs=5, ignore_eos=True)
         assert_same_generation(got, want, 1e-3)
 
