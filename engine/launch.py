@@ -139,6 +139,7 @@ class EngineProcess:
         self.ready: dict[str, Any] | None = None
         self.ready_at = 0.0
         self._changed = threading.Event()
+        self._line = threading.Condition()  # notified on every line and at exit
         self.exited = threading.Event()
         threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
 
@@ -152,7 +153,9 @@ class EngineProcess:
 
     def _pump(self, stream: IO[str]) -> None:
         for line in stream:
-            self.lines.append(line)
+            with self._line:
+                self.lines.append(line)
+                self._line.notify_all()
             if '"event": "ready"' in line or '"event": "following rank 0"' in line:
                 self.ready_at = time.perf_counter()
                 self.ready = json.loads(line)
@@ -162,6 +165,22 @@ class EngineProcess:
             self.proc.wait()
         self.exited.set()
         self._changed.set()
+        with self._line:
+            self._line.notify_all()
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        """Every JSON log event called `name`, so far."""
+        found = (json.loads(line) for line in list(self.lines) if line.startswith("{"))
+        return [e for e in found if e.get("event") == name]
+
+    def wait_events(self, name: str, count: int, timeout: float = 30.0) -> list[dict[str, Any]]:
+        """The `name` events once there are `count` of them (or the engine exited, or
+        `timeout` passed: the caller checks how many came)."""
+        with self._line:
+            self._line.wait_for(
+                lambda: len(self.events(name)) >= count or self.exited.is_set(), timeout
+            )
+        return self.events(name)
 
     def wait_ready(self, timeout: float = 120.0) -> dict[str, Any]:
         """The "ready" event; raises with the child's last log lines if it never came."""

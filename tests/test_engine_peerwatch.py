@@ -6,7 +6,6 @@ groups are idle, so only the peer watch can end them.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -25,8 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def lost_lines(proc: EngineProcess) -> list[dict[str, Any]]:
-    events = [json.loads(line) for line in proc.lines if line.startswith("{")]
-    return [e for e in events if e["event"] == "tensor-parallel peer lost; exiting"]
+    return proc.events("tensor-parallel peer lost; exiting")
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -18,6 +17,7 @@ from conftest import DaemonProc
 from engine.launch import EngineProcess, free_port
 
 PROMPTS = [[1, 2, 3], [200, 17, 5, 9, 77, 3, 12], [42]]
+ENDED = "stream generation ended"  # logged once a stream whose client left stops
 
 
 def post(
@@ -118,28 +118,17 @@ def leave_a_stream(url: str, body: dict[str, Any]) -> None:
             seen += chunk
 
 
-def ended_streams(proc: EngineProcess, count: int, timeout: float = 30) -> list[dict[str, Any]]:
-    """The engine's first `count` "stream generation ended" log events, waiting for them."""
-    deadline = time.monotonic() + timeout
-    while True:
-        events = [json.loads(line) for line in proc.lines if line.startswith("{")]
-        ended = [e for e in events if e["event"] == "stream generation ended"]
-        if len(ended) >= count or time.monotonic() > deadline:
-            return ended
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("which", ["attached", "tp0"])
 def test_a_stream_client_that_leaves_stops_its_generation(
     engines: dict[str, EngineProcess], which: str
 ) -> None:
     """On tp 2 both ranks stop at the same step: the next request still matches tp 1."""
     proc, max_tokens = engines[which], 500
-    before = len(ended_streams(proc, 0))
+    before = len(proc.events(ENDED))
     leave_a_stream(
         proc.url, {"prompt_token_ids": [7], "max_tokens": max_tokens, "ignore_eos": True}
     )
-    ended = ended_streams(proc, before + 1)
+    ended = proc.wait_events(ENDED, before + 1)
     assert len(ended) == before + 1, proc.log[-3000:]
     assert ended[-1]["reason"] == "cancelled"
     assert 1 <= ended[-1]["tokens"] < max_tokens, ended[-1]
