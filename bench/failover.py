@@ -287,6 +287,7 @@ def report(
         "failures": clients.failed[:20],
         "trials": results,
     }
+
     def under(metric: str, bar: float) -> bool | None:
         p99 = out[metric]["p99"]  # type: ignore[index]
         return None if p99 is None else bool(p99 < bar)

@@ -185,8 +185,9 @@ class Agent:
             sock.close(linger=0)
 
     def _hello(self) -> Hello:
-        return Hello(name=self.name, role=self.role, pid=os.getpid(), port=self.port,
-                     epoch=self.epoch)
+        return Hello(
+            name=self.name, role=self.role, pid=os.getpid(), port=self.port, epoch=self.epoch
+        )
 
     def _loop(self, sock: zmq.Socket[bytes], wake: socket.socket) -> None:
         poller = zmq.Poller()
@@ -198,7 +199,9 @@ class Agent:
             if now >= next_beat:
                 self._send_nowait(sock, encode(self._heartbeat()))
                 next_beat = now + self.interval_s
-            events = dict(poller.poll(timeout=int(max(0.0, next_beat - time.monotonic()) * 1000) + 1))
+            events = dict(
+                poller.poll(timeout=int(max(0.0, next_beat - time.monotonic()) * 1000) + 1)
+            )
             if wake.fileno() in events:
                 self._drain_wake(wake)
             while not self._outbox.empty():
@@ -224,8 +227,14 @@ class Agent:
             in_flight, queued = self._load()
         except Exception:  # a load callback must never stop the heartbeat
             in_flight, queued = (0, 0)
-        return Heartbeat(name=self.name, seq=self._seq, state=self._state,
-                         in_flight=int(in_flight), queued=int(queued), epoch=self.epoch)
+        return Heartbeat(
+            name=self.name,
+            seq=self._seq,
+            state=self._state,
+            in_flight=int(in_flight),
+            queued=int(queued),
+            epoch=self.epoch,
+        )
 
     def _recv_commands(self, sock: zmq.Socket[bytes]) -> None:
         while True:

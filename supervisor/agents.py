@@ -29,9 +29,15 @@ from supervisor.protocol import (
 
 
 class AgentHub:
-    def __init__(self, endpoint: str, *, on_hello: Callable[[Hello], None],
-                 on_heartbeat: Callable[[Heartbeat], None],
-                 on_state: Callable[[StateChange], None], on_ack: Callable[[Ack], None]) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        on_hello: Callable[[Hello], None],
+        on_heartbeat: Callable[[Heartbeat], None],
+        on_state: Callable[[StateChange], None],
+        on_ack: Callable[[Ack], None],
+    ) -> None:
         self._sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -77,8 +83,9 @@ class AgentHub:
         except zmq.ZMQError:
             return False
         # The asyncio socket reports a refused send on the (already finished) future.
-        return not (isinstance(sent, asyncio.Future) and sent.done()
-                    and sent.exception() is not None)
+        return not (
+            isinstance(sent, asyncio.Future) and sent.done() and sent.exception() is not None
+        )
 
     def close(self) -> None:
         with contextlib.suppress(zmq.ZMQError):

@@ -11,8 +11,9 @@ from supervisor.control import ClusterStatus
 
 
 def _json(obj: object, status: int = 200) -> web.Response:
-    return web.Response(body=msgspec.json.encode(obj), status=status,
-                        content_type="application/json")
+    return web.Response(
+        body=msgspec.json.encode(obj), status=status, content_type="application/json"
+    )
 
 
 class HealthApi:

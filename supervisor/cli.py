@@ -39,39 +39,61 @@ EXAMPLES = """examples:
 
 def configure_logging(fmt: str, level: str) -> None:
     renderer: structlog.types.Processor = (
-        structlog.processors.JSONRenderer() if fmt == "json"
-        else structlog.dev.ConsoleRenderer(colors=False))
+        structlog.processors.JSONRenderer()
+        if fmt == "json"
+        else structlog.dev.ConsoleRenderer(colors=False)
+    )
     structlog.configure(
-        processors=[structlog.processors.add_log_level,
-                    structlog.processors.TimeStamper(fmt="iso", utc=True), renderer],
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            renderer,
+        ],
         wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+            logging.getLevelNamesMapping()[level.upper()]
+        ),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="supervisor", description="Supervise cache daemons and a pool of engines: one "
+        prog="supervisor",
+        description="Supervise cache daemons and a pool of engines: one "
         "primary, warm standbys, batch engines; fail over in milliseconds.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
-    run = sub.add_parser("run", help="run a policy until SIGINT/SIGTERM or `supervisor stop`",
-                         epilog="example: supervisor run policies/demo.yaml",
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    run = sub.add_parser(
+        "run",
+        help="run a policy until SIGINT/SIGTERM or `supervisor stop`",
+        epilog="example: supervisor run policies/demo.yaml",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     run.add_argument("policy", nargs="?", help="policy YAML (default: the demo policy)")
-    val = sub.add_parser("validate", help="check a policy; print every error with its path",
-                         epilog="example: supervisor validate policies/h200.yaml")
+    val = sub.add_parser(
+        "validate",
+        help="check a policy; print every error with its path",
+        epilog="example: supervisor validate policies/h200.yaml",
+    )
     val.add_argument("policy", nargs="?", help="policy YAML (default: the demo policy)")
-    for name, text in (("status", "show the cluster: epoch, primary, engines, daemons"),
-                       ("promote", "make a ready standby the primary (fences the old one)"),
-                       ("evict", "evict a batch engine until `restart NAME`"),
-                       ("restart", "kill and restart an engine (clears quarantine)"),
-                       ("stop", "stop the supervisor and everything it runs")):
-        c = sub.add_parser(name, help=text, description=text,
-                           epilog=f"example: supervisor {name}"
-                           + (" e2" if name in ("promote", "restart") else "")
-                           + (" batch-1" if name == "evict" else "")
-                           + " --runtime-dir /tmp/holdfast-demo")
+    for name, text in (
+        ("status", "show the cluster: epoch, primary, engines, daemons"),
+        ("promote", "make a ready standby the primary (fences the old one)"),
+        ("evict", "evict a batch engine until `restart NAME`"),
+        ("restart", "kill and restart an engine (clears quarantine)"),
+        ("stop", "stop the supervisor and everything it runs"),
+    ):
+        c = sub.add_parser(
+            name,
+            help=text,
+            description=text,
+            epilog=f"example: supervisor {name}"
+            + (" e2" if name in ("promote", "restart") else "")
+            + (" batch-1" if name == "evict" else "")
+            + " --runtime-dir /tmp/holdfast-demo",
+        )
         if name in ("promote", "evict", "restart"):
             c.add_argument("name", help="engine name, as `supervisor status` lists it")
         if name == "status":
@@ -99,14 +121,28 @@ def _print_status(st: ClusterStatus, as_json: bool) -> None:
         t.add_column(col)
     for e in st.engines:
         age = "-" if e.heartbeat_age_ms is None else f"{e.heartbeat_age_ms:.0f}"
-        t.add_row(e.name, e.role, e.state, str(e.pid or "-"), str(e.port or "-"),
-                  str(e.restarts), age, str(e.in_flight))
+        t.add_row(
+            e.name,
+            e.role,
+            e.state,
+            str(e.pid or "-"),
+            str(e.port or "-"),
+            str(e.restarts),
+            age,
+            str(e.in_flight),
+        )
     d = Table(title="cache daemons")
     for col in ("rank", "state", "pid", "pool bytes", "adoptions", "fingerprint"):
         d.add_column(col)
     for x in st.daemons:
-        d.add_row(str(x.rank), x.state, str(x.pid or "-"), str(x.pool_bytes),
-                  str(x.adoptions), x.fingerprint[:16])
+        d.add_row(
+            str(x.rank),
+            x.state,
+            str(x.pid or "-"),
+            str(x.pool_bytes),
+            str(x.adoptions),
+            x.fingerprint[:16],
+        )
     console = Console()
     console.print(t)
     console.print(d)
@@ -129,10 +165,12 @@ def _command(args: argparse.Namespace) -> int:
 
 
 def _validate(policy: Policy) -> int:
-    print(f"{policy.source}: ok (model {policy.model.path or policy.model.preset}, "
-          f"1 primary + {policy.engines.standby} standby + "
-          f"{sum(b.count for b in policy.engines.batch)} batch, runtime dir "
-          f"{policy.cache.runtime_dir})")
+    print(
+        f"{policy.source}: ok (model {policy.model.path or policy.model.preset}, "
+        f"1 primary + {policy.engines.standby} standby + "
+        f"{sum(b.count for b in policy.engines.batch)} batch, runtime dir "
+        f"{policy.cache.runtime_dir})"
+    )
     return 0
 
 

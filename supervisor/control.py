@@ -85,8 +85,9 @@ class ControlReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 _req_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(ControlReply)
-Handler = Callable[[StatusReq | PromoteReq | EvictReq | RestartReq | StopReq],
-                   Awaitable[ControlReply]]
+Handler = Callable[
+    [StatusReq | PromoteReq | EvictReq | RestartReq | StopReq], Awaitable[ControlReply]
+]
 
 
 class ControlServer:
@@ -130,12 +131,16 @@ def _check_reachable(endpoint: str) -> None:
     try:
         os.stat(path)
     except FileNotFoundError:
-        raise ControlError(f"no supervisor runs on {os.path.dirname(path)} (no control "
-                           "socket); start one with `supervisor run`, or pass the right "
-                           "--policy/--runtime-dir") from None
+        raise ControlError(
+            f"no supervisor runs on {os.path.dirname(path)} (no control "
+            "socket); start one with `supervisor run`, or pass the right "
+            "--policy/--runtime-dir"
+        ) from None
     except PermissionError:
-        raise ControlError(f"{os.path.dirname(path)} is not yours (uid {os.getuid()} may not "
-                           "enter it); run this as the user who runs the supervisor") from None
+        raise ControlError(
+            f"{os.path.dirname(path)} is not yours (uid {os.getuid()} may not "
+            "enter it); run this as the user who runs the supervisor"
+        ) from None
 
 
 def request(endpoint: str, req: _Req, timeout: float = 5.0) -> ControlReply:
@@ -152,8 +157,9 @@ def request(endpoint: str, req: _Req, timeout: float = 5.0) -> ControlReply:
         sock.send(msgspec.msgpack.encode(req))
         return _reply_decoder.decode(sock.recv())
     except zmq.Again as e:
-        raise ControlError(f"no supervisor answered on {endpoint} within {timeout:.0f}s; "
-                           "is `supervisor run` up for this policy/--runtime-dir?") from e
+        raise ControlError(
+            f"no supervisor answered on {endpoint} within {timeout:.0f}s; "
+            "is `supervisor run` up for this policy/--runtime-dir?"
+        ) from e
     finally:
         sock.close(linger=0)
-

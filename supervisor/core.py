@@ -54,14 +54,29 @@ class Cluster:
     def _build(self) -> None:
         e = self.policy.engines
         for i in range(e.primary + e.standby):
-            self._add(Engine(name=f"e{i + 1}", group="serving", role="standby",
-                             book=RestartBook(self.policy.restart), memory_mb=e.memory_mb,
-                             command=list(e.command)))
+            self._add(
+                Engine(
+                    name=f"e{i + 1}",
+                    group="serving",
+                    role="standby",
+                    book=RestartBook(self.policy.restart),
+                    memory_mb=e.memory_mb,
+                    command=list(e.command),
+                )
+            )
         for b in e.batch:
             for i in range(b.count):
-                self._add(Engine(name=f"{b.name}-{i + 1}", group=b.name, role="batch",
-                                 book=RestartBook(self.policy.restart), priority=b.priority,
-                                 memory_mb=b.memory_mb, command=list(b.command or e.command)))
+                self._add(
+                    Engine(
+                        name=f"{b.name}-{i + 1}",
+                        group=b.name,
+                        role="batch",
+                        book=RestartBook(self.policy.restart),
+                        priority=b.priority,
+                        memory_mb=b.memory_mb,
+                        command=list(b.command or e.command),
+                    )
+                )
 
     def _add(self, e: Engine) -> None:
         self.engines[e.name] = e
@@ -74,10 +89,20 @@ class Cluster:
     # ---- publishing ----
     def publish(self, e: Engine, event: str, **data: Any) -> None:
         data.setdefault("pid", e.pid)
-        self.bus.emit("engine", e.name, event, self.epoch, role=e.role, state=e.state,
-                      port=e.port, **data)
-        self.bus.state(UnitState(ts=time.time(), kind="engine", name=e.name, state=e.state,
-                                 epoch=self.epoch, role=e.role, pid=e.pid))
+        self.bus.emit(
+            "engine", e.name, event, self.epoch, role=e.role, state=e.state, port=e.port, **data
+        )
+        self.bus.state(
+            UnitState(
+                ts=time.time(),
+                kind="engine",
+                name=e.name,
+                state=e.state,
+                epoch=self.epoch,
+                role=e.role,
+                pid=e.pid,
+            )
+        )
 
     # ---- agent messages ----
     def _engine_for(self, name: str) -> tuple[Engine, Incarnation] | None:
@@ -123,8 +148,9 @@ class Cluster:
         if msg.state in READY_STATES:
             self._ready(*found)
         else:
-            self.bus.emit("engine", msg.name, f"reported-{msg.state}", self.epoch,
-                          detail=msg.detail)
+            self.bus.emit(
+                "engine", msg.name, f"reported-{msg.state}", self.epoch, detail=msg.detail
+            )
 
     def on_ack(self, msg: Ack) -> None:
         if msg.command == "promote":
@@ -133,8 +159,14 @@ class Cluster:
                 self.refused[msg.name] = msg.detail  # fenced by the next tick
                 self.wake.set()
         if not msg.ok:
-            self.bus.emit("engine", msg.name, "command-failed", self.epoch,
-                          command=msg.command, detail=msg.detail)
+            self.bus.emit(
+                "engine",
+                msg.name,
+                "command-failed",
+                self.epoch,
+                command=msg.command,
+                detail=msg.detail,
+            )
 
     def on_http_beat(self, e: Engine, inc: Incarnation) -> None:
         if e.inc is inc and not inc.handled:
@@ -155,8 +187,16 @@ class Cluster:
         """A rank of `e` exited: the group is already killed; handle it now."""
         self.down(e, inc, cause="exit", detail=detail, t_detect=time.monotonic())
 
-    def down(self, e: Engine, inc: Incarnation, *, cause: str, detail: str, t_detect: float,
-             counted: bool = True) -> None:
+    def down(
+        self,
+        e: Engine,
+        inc: Incarnation,
+        *,
+        cause: str,
+        detail: str,
+        t_detect: float,
+        counted: bool = True,
+    ) -> None:
         """`e` is fenced (its group killed); promote if it was primary, then plan its restart."""
         inc.handled = True
         was_primary = self.primary is e
@@ -171,8 +211,15 @@ class Cluster:
         tail = inc.tail()[-1500:]
         if quarantine:
             e.state = "quarantined"
-            self.publish(e, "quarantined", cause=cause, detail=detail, tail=tail,
-                         restarts=e.book.recent(), pid=inc.pid)
+            self.publish(
+                e,
+                "quarantined",
+                cause=cause,
+                detail=detail,
+                tail=tail,
+                restarts=e.book.recent(),
+                pid=inc.pid,
+            )
         else:
             e.next_start = time.monotonic() + (e.book.delay() if counted else 0.0)
             self.publish(e, "died", cause=cause, detail=detail, tail=tail, pid=inc.pid)
@@ -193,18 +240,32 @@ class Cluster:
     # ---- promotion ----
     def best_standby(self) -> Engine | None:
         now = time.monotonic()
-        ready = [e for e in self.engines.values() if e.state == "standby"
-                 and e.inc is not None and not e.inc.handled and now - e.last_beat < self.hang_s]
+        ready = [
+            e
+            for e in self.engines.values()
+            if e.state == "standby"
+            and e.inc is not None
+            and not e.inc.handled
+            and now - e.last_beat < self.hang_s
+        ]
         return min(ready, key=lambda e: (e.in_flight, now - e.last_beat), default=None)
 
-    def _promote_best(self, t_detect: float, *, cause: str, old: str | None,
-                      silent_ms: float | None) -> None:
+    def _promote_best(
+        self, t_detect: float, *, cause: str, old: str | None, silent_ms: float | None
+    ) -> None:
         s = self.best_standby()
         if s is not None:
             self.promote(s, t_detect, cause=cause, old=old, silent_ms=silent_ms)
 
-    def promote(self, s: Engine, t_detect: float, *, cause: str, old: str | None,
-                silent_ms: float | None = None) -> None:
+    def promote(
+        self,
+        s: Engine,
+        t_detect: float,
+        *,
+        cause: str,
+        old: str | None,
+        silent_ms: float | None = None,
+    ) -> None:
         """Route to `s` and tell it; `silent_ms`: how long the old primary had been silent
         when its loss was detected, `promote_ms`: detection to routed and told."""
         self.epoch += 1
@@ -212,8 +273,15 @@ class Cluster:
         self.primary = s
         told = self.hub.send(s.name, Promote(epoch=self.epoch)) if self.hub else False
         self.view.set(Target(s.name, s.port, self.epoch), await_ack=told)
-        self.publish(s, "promoted", previous=old, cause=cause, told=told, silent_ms=silent_ms,
-                     promote_ms=round((time.monotonic() - t_detect) * 1000, 3))
+        self.publish(
+            s,
+            "promoted",
+            previous=old,
+            cause=cause,
+            told=told,
+            silent_ms=silent_ms,
+            promote_ms=round((time.monotonic() - t_detect) * 1000, 3),
+        )
 
     # ---- eviction ----
     async def evict(self, e: Engine, *, reason: str, held: bool) -> None:
@@ -246,21 +314,42 @@ class Cluster:
     # ---- status ----
     def snapshot(self) -> ClusterStatus:
         now = time.monotonic()
-        engines = [EngineStatus(name=e.name, role=e.role, state=e.state, pid=e.pid, port=e.port,
-                                restarts=e.book.total, heartbeat_age_ms=e.beat_age_ms(now)
-                                if e.running else None, in_flight=e.in_flight,
-                                pids=[p.pid for p in e.inc.procs] if e.inc else [])
-                   for e in self.engines.values()]
-        daemons = [DaemonStatus(rank=d.rank, state=d.state, pid=d.pid,
-                                fingerprint=d.fingerprint, pool_bytes=d.pool_bytes,
-                                adoptions=d.adoptions, adopted=d.adopted)
-                   for d in (self.daemons.daemons if self.daemons else [])]
+        engines = [
+            EngineStatus(
+                name=e.name,
+                role=e.role,
+                state=e.state,
+                pid=e.pid,
+                port=e.port,
+                restarts=e.book.total,
+                heartbeat_age_ms=e.beat_age_ms(now) if e.running else None,
+                in_flight=e.in_flight,
+                pids=[p.pid for p in e.inc.procs] if e.inc else [],
+            )
+            for e in self.engines.values()
+        ]
+        daemons = [
+            DaemonStatus(
+                rank=d.rank,
+                state=d.state,
+                pid=d.pid,
+                fingerprint=d.fingerprint,
+                pool_bytes=d.pool_bytes,
+                adoptions=d.adoptions,
+                adopted=d.adopted,
+            )
+            for d in (self.daemons.daemons if self.daemons else [])
+        ]
         mqtt = self.bus.mqtt
-        return ClusterStatus(epoch=self.epoch,
-                             primary=self.primary.name if self.primary else None,
-                             engines=engines, daemons=daemons, events=self.bus.count,
-                             events_dropped=self.bus.dropped,
-                             mqtt_connected=bool(mqtt and mqtt.connected))
+        return ClusterStatus(
+            epoch=self.epoch,
+            primary=self.primary.name if self.primary else None,
+            engines=engines,
+            daemons=daemons,
+            events=self.bus.count,
+            events_dropped=self.bus.dropped,
+            mqtt_connected=bool(mqtt and mqtt.connected),
+        )
 
     def find(self, name: str) -> Engine:
         e = self.engines.get(name)
@@ -291,8 +380,14 @@ class Cluster:
             if e.inc is not None:
                 e.inc.handled = True
         grace = self.policy.engines.stop_grace_s
-        await asyncio.gather(*(p.terminate(grace) for e in self.engines.values()
-                               if e.inc is not None for p in e.inc.procs))
+        await asyncio.gather(
+            *(
+                p.terminate(grace)
+                for e in self.engines.values()
+                if e.inc is not None
+                for p in e.inc.procs
+            )
+        )
         for e in self.engines.values():
             if e.running:
                 e.state = "stopped"

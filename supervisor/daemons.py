@@ -43,8 +43,15 @@ def daemon_status(sock: str, timeout: float = 2.0) -> Any:
 
 
 class DaemonPool:
-    def __init__(self, policy: Policy, run: Path, model_dir: str, bus: EventBus,
-                 kick: Callable[[], None], epoch: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        run: Path,
+        model_dir: str,
+        bus: EventBus,
+        kick: Callable[[], None],
+        epoch: Callable[[], int],
+    ) -> None:
         self.policy = policy
         self.run = run
         self.model_dir = model_dir
@@ -53,8 +60,10 @@ class DaemonPool:
         self._epoch = epoch
         self.keeper: Any = None
         self.keeper_path = run / "keeper.sock"
-        self.daemons = [Daemon(rank=r, device=dev, book=RestartBook(policy.restart))
-                        for r, dev in enumerate(policy.devices.ids)]
+        self.daemons = [
+            Daemon(rank=r, device=dev, book=RestartBook(policy.restart))
+            for r, dev in enumerate(policy.devices.ids)
+        ]
         self._tasks: set[asyncio.Task[None]] = set()
         self._changed = asyncio.Event()
 
@@ -81,8 +90,10 @@ class DaemonPool:
                 left = deadline - time.monotonic()
                 if d.state in ("quarantined", "dead") or left <= 0:
                     tail = d.inc.tail() if d.inc else ""
-                    raise StartupError(f"cache daemon rank {d.rank} did not serve ({d.state}) "
-                                       f"within cache.ready_timeout_s; it printed:\n{tail}")
+                    raise StartupError(
+                        f"cache daemon rank {d.rank} did not serve ({d.state}) "
+                        f"within cache.ready_timeout_s; it printed:\n{tail}"
+                    )
                 self._changed.clear()
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(left):
@@ -90,10 +101,28 @@ class DaemonPool:
 
     def argv(self, d: Daemon) -> list[str]:
         m = self.policy.model
-        argv = [sys.executable, "-m", "cachedaemon", "--log-format", "json", "serve",
-                "--model", self.model_dir, "--device", d.device, "--runtime-dir", str(self.run),
-                "--tp-size", str(m.tp_size), "--tp-rank", str(d.rank), "--dtype", m.dtype,
-                "--quantization", m.quantization]
+        argv = [
+            sys.executable,
+            "-m",
+            "cachedaemon",
+            "--log-format",
+            "json",
+            "serve",
+            "--model",
+            self.model_dir,
+            "--device",
+            d.device,
+            "--runtime-dir",
+            str(self.run),
+            "--tp-size",
+            str(m.tp_size),
+            "--tp-rank",
+            str(d.rank),
+            "--dtype",
+            m.dtype,
+            "--quantization",
+            m.quantization,
+        ]
         argv += ["--backend", self.policy.cache.backend]
         if self.keeper is not None:
             argv += ["--keeper", str(self.keeper_path)]
@@ -102,8 +131,9 @@ class DaemonPool:
         return argv
 
     async def spawn(self, d: Daemon) -> None:
-        proc = await Proc.spawn(self.argv(d), dict(os.environ),
-                                self.run / "logs" / f"daemon-{d.rank}.log")
+        proc = await Proc.spawn(
+            self.argv(d), dict(os.environ), self.run / "logs" / f"daemon-{d.rank}.log"
+        )
         inc = Incarnation([proc])
         d.inc, d.state = inc, "starting"
         self._publish(d, "starting")
@@ -140,8 +170,14 @@ class DaemonPool:
         d.pool_bytes = int(getattr(status, "pool_bytes", 0))
         d.state = "serving"
         ms = (time.monotonic() - d.died_at) * 1000 if d.died_at else None
-        self._publish(d, "serving", adopted=d.adopted, pool_bytes=d.pool_bytes,
-                      fingerprint=d.fingerprint, down_ms=ms)
+        self._publish(
+            d,
+            "serving",
+            adopted=d.adopted,
+            pool_bytes=d.pool_bytes,
+            fingerprint=d.fingerprint,
+            down_ms=ms,
+        )
         self._kick()
         self._own(self._probe(d, inc))
         if self.keeper is not None and self.policy.cache.spare and d.spare is None:
@@ -173,15 +209,19 @@ class DaemonPool:
             silent_ms = round((time.monotonic() - silent_since) * 1000, 1)
             if silent_ms >= deadline * 1000 and d.inc is inc and not inc.handled:
                 log.warning("daemon stopped answering; fencing it", rank=d.rank, pid=inc.pid)
-                self.bus.emit("daemon", str(d.rank), "hung", self._epoch(), pid=inc.pid,
-                              silent_ms=silent_ms)
+                self.bus.emit(
+                    "daemon", str(d.rank), "hung", self._epoch(), pid=inc.pid, silent_ms=silent_ms
+                )
                 await inc.procs[0].fence()
                 return
 
     async def spawn_spare(self, d: Daemon) -> None:
         """A hot spare for rank d: imported and waiting on the serving daemon's pidfd."""
-        proc = await Proc.spawn([*self.argv(d), "--spare"], dict(os.environ),
-                                self.run / "logs" / f"daemon-{d.rank}-spare.log")
+        proc = await Proc.spawn(
+            [*self.argv(d), "--spare"],
+            dict(os.environ),
+            self.run / "logs" / f"daemon-{d.rank}-spare.log",
+        )
         inc = Incarnation([proc])
         d.spare = inc
         log.info("spare daemon started", rank=d.rank, pid=inc.pid)
@@ -253,8 +293,11 @@ class DaemonPool:
         self._changed.set()
         epoch = self._epoch()
         self.bus.emit("daemon", str(d.rank), state, epoch, pid=d.pid, **data)
-        self.bus.state(UnitState(ts=time.time(), kind="daemon", name=str(d.rank), state=state,
-                                 epoch=epoch, pid=d.pid))
+        self.bus.state(
+            UnitState(
+                ts=time.time(), kind="daemon", name=str(d.rank), state=state, epoch=epoch, pid=d.pid
+            )
+        )
 
     async def stop(self) -> None:
         for d in self.daemons:

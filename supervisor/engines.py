@@ -50,8 +50,15 @@ class ForkServer:
 
     async def start(self) -> None:
         self.sock.unlink(missing_ok=True)  # the run dir is ours alone: a leftover is stale
-        argv = [sys.executable, "-m", "engine.forkserver", "--socket", str(self.sock),
-                "--log-format", "json"]
+        argv = [
+            sys.executable,
+            "-m",
+            "engine.forkserver",
+            "--socket",
+            str(self.sock),
+            "--log-format",
+            "json",
+        ]
         self.proc = await Proc.spawn(argv, self.env, self.run / "logs" / "forkserver.log")
 
     @property
@@ -80,8 +87,16 @@ class ForkServer:
 
 
 class EngineLauncher:
-    def __init__(self, policy: Policy, run: Path, model_dir: str, daemons: list[str],
-                 on_exit: ExitFn, on_beat: BeatFn, forks: ForkServer | None = None) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        run: Path,
+        model_dir: str,
+        daemons: list[str],
+        on_exit: ExitFn,
+        on_beat: BeatFn,
+        forks: ForkServer | None = None,
+    ) -> None:
         self.policy = policy
         self.forks = forks
         self.run = run
@@ -101,14 +116,23 @@ class EngineLauncher:
     def env(self, e: Engine, rank: int, epoch: int) -> dict[str, str]:
         p = self.policy
         env = {**os.environ, **p.engines.env}
-        env.update({
-            "HOLDFAST_NAME": e.name, "HOLDFAST_ROLE": e.role, "HOLDFAST_PORT": str(e.port),
-            "HOLDFAST_EPOCH": str(epoch), "HOLDFAST_MODEL": self.model_dir,
-            "HOLDFAST_DAEMONS": ",".join(self.daemons), "HOLDFAST_RANK": str(rank),
-            "HOLDFAST_WORLD_SIZE": str(p.model.tp_size), "HOLDFAST_DEVICE": p.devices.ids[rank],
-            "HOLDFAST_HEARTBEAT_MS": str(p.heartbeat.interval_ms), "HOLDFAST_RUN": str(self.run),
-            "HOLDFAST_DTYPE": p.model.dtype, "HOLDFAST_QUANTIZATION": p.model.quantization,
-        })
+        env.update(
+            {
+                "HOLDFAST_NAME": e.name,
+                "HOLDFAST_ROLE": e.role,
+                "HOLDFAST_PORT": str(e.port),
+                "HOLDFAST_EPOCH": str(epoch),
+                "HOLDFAST_MODEL": self.model_dir,
+                "HOLDFAST_DAEMONS": ",".join(self.daemons),
+                "HOLDFAST_RANK": str(rank),
+                "HOLDFAST_WORLD_SIZE": str(p.model.tp_size),
+                "HOLDFAST_DEVICE": p.devices.ids[rank],
+                "HOLDFAST_HEARTBEAT_MS": str(p.heartbeat.interval_ms),
+                "HOLDFAST_RUN": str(self.run),
+                "HOLDFAST_DTYPE": p.model.dtype,
+                "HOLDFAST_QUANTIZATION": p.model.quantization,
+            }
+        )
         env.pop("HOLDFAST_AGENT", None)
         if rank == 0 and p.engines.health == "agent":
             env["HOLDFAST_AGENT"] = f"ipc://{self.run / 'agents'}"
@@ -116,11 +140,18 @@ class EngineLauncher:
 
     def argv(self, e: Engine, env: dict[str, str]) -> list[str]:
         values = {
-            "python": sys.executable, "name": e.name, "role": e.role, "port": env["HOLDFAST_PORT"],
-            "epoch": env["HOLDFAST_EPOCH"], "model": self.model_dir,
-            "agent": env.get("HOLDFAST_AGENT", ""), "daemons": env["HOLDFAST_DAEMONS"],
-            "rank": env["HOLDFAST_RANK"], "world_size": env["HOLDFAST_WORLD_SIZE"],
-            "device": env["HOLDFAST_DEVICE"], "run": str(self.run),
+            "python": sys.executable,
+            "name": e.name,
+            "role": e.role,
+            "port": env["HOLDFAST_PORT"],
+            "epoch": env["HOLDFAST_EPOCH"],
+            "model": self.model_dir,
+            "agent": env.get("HOLDFAST_AGENT", ""),
+            "daemons": env["HOLDFAST_DAEMONS"],
+            "rank": env["HOLDFAST_RANK"],
+            "world_size": env["HOLDFAST_WORLD_SIZE"],
+            "device": env["HOLDFAST_DEVICE"],
+            "run": str(self.run),
         }
         return [arg.format(**values) for arg in e.command]
 

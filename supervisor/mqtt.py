@@ -61,16 +61,23 @@ class MqttPublisher:
                 self.connected = False
                 attempt += 1
                 if attempt == 1 or attempt % 50 == 0:
-                    log.warning("mqtt_unavailable", host=self.spec.host, port=self.spec.port,
-                                error=str(e), attempt=attempt, queued=len(self._queue))
+                    log.warning(
+                        "mqtt_unavailable",
+                        host=self.spec.host,
+                        port=self.spec.port,
+                        error=str(e),
+                        attempt=attempt,
+                        queued=len(self._queue),
+                    )
                 await asyncio.sleep(delay_for(self._wait, attempt))
             else:
                 return
 
     async def _session(self) -> None:
         will = aiomqtt.Will(self.status_topic, b"offline", qos=1, retain=True)
-        async with aiomqtt.Client(self.spec.host, self.spec.port, will=will,
-                                  keepalive=self.spec.keepalive_s, timeout=2.0) as client:
+        async with aiomqtt.Client(
+            self.spec.host, self.spec.port, will=will, keepalive=self.spec.keepalive_s, timeout=2.0
+        ) as client:
             await client.publish(self.status_topic, b"online", qos=1, retain=True, timeout=2.0)
             self.connected = True
             log.info("mqtt_connected", host=self.spec.host, port=self.spec.port)
@@ -90,8 +97,7 @@ class MqttPublisher:
                 await self._wake.wait()
 
     async def _publish(self, client: aiomqtt.Client, msg: Outgoing) -> None:
-        await client.publish(msg.topic, msg.payload, qos=msg.qos, retain=msg.retain,
-                             timeout=2.0)
+        await client.publish(msg.topic, msg.payload, qos=msg.qos, retain=msg.retain, timeout=2.0)
         self.published += 1
 
     async def flush(self, timeout: float) -> None:

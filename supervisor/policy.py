@@ -20,8 +20,21 @@ from supervisor import schema
 from supervisor.errors import PolicyError
 
 TEMPLATE_KEYS = frozenset(
-    {"python", "name", "role", "port", "epoch", "model", "agent", "daemons", "rank",
-     "world_size", "device", "run"})
+    {
+        "python",
+        "name",
+        "role",
+        "port",
+        "epoch",
+        "model",
+        "agent",
+        "daemons",
+        "rank",
+        "world_size",
+        "device",
+        "run",
+    }
+)
 FORKABLE = ("{python}", "-m", "engine")  # commands an engine fork server can start
 
 
@@ -142,8 +155,10 @@ class Policy(_Spec, frozen=True):
 
 def demo_path() -> Path:
     """The embedded default policy: the repo's policies/ dir, or where an install put it."""
-    candidates = [Path(__file__).resolve().parents[1] / "policies" / "demo.yaml",
-                  Path(sys.prefix) / "share" / "holdfast" / "policies" / "demo.yaml"]
+    candidates = [
+        Path(__file__).resolve().parents[1] / "policies" / "demo.yaml",
+        Path(sys.prefix) / "share" / "holdfast" / "policies" / "demo.yaml",
+    ]
     return next((c for c in candidates if c.is_file()), candidates[0])
 
 
@@ -153,8 +168,9 @@ def load_policy(path: str | os.PathLike[str] | None = None) -> Policy:
     try:
         text = src.read_text()
     except OSError as e:
-        raise PolicyError([f"cannot read {src}: {e.strerror}; pass an existing policy file"],
-                          str(src)) from e
+        raise PolicyError(
+            [f"cannot read {src}: {e.strerror}; pass an existing policy file"], str(src)
+        ) from e
     return parse_policy(text, src)
 
 
@@ -165,8 +181,9 @@ def parse_policy(text: str, src: Path) -> Policy:
         raise PolicyError([f"$: not valid YAML: {e}"], str(src)) from e
     data = {} if data is None else data
     if not isinstance(data, dict):
-        raise PolicyError([f"$: expected a mapping at the top, got {type(data).__name__}"],
-                          str(src))
+        raise PolicyError(
+            [f"$: expected a mapping at the top, got {type(data).__name__}"], str(src)
+        )
     if "source" in data:
         raise PolicyError(["$.source: unknown key; it is set from the file name"], str(src))
     errors = schema.check(data, Policy)
@@ -213,15 +230,21 @@ def _model_errors(p: Policy) -> list[str]:
     m = p.model
     errors: list[str] = []
     if m.path is None and m.preset is None:
-        errors.append("$.model: set model.path to a checkpoint dir, or model.preset to generate one")
+        errors.append(
+            "$.model: set model.path to a checkpoint dir, or model.preset to generate one"
+        )
     if m.path is not None and not (Path(m.path) / "config.json").is_file():
-        errors.append(f"$.model.path: {m.path} holds no config.json; point it at a Hugging Face "
-                      "checkpoint dir (config.json + *.safetensors)")
+        errors.append(
+            f"$.model.path: {m.path} holds no config.json; point it at a Hugging Face "
+            "checkpoint dir (config.json + *.safetensors)"
+        )
     if m.tp_size < 1:
         errors.append("$.model.tp_size: must be at least 1")
     elif len(p.devices.ids) != m.tp_size:
-        errors.append(f"$.devices.ids: {len(p.devices.ids)} devices for tp_size {m.tp_size}; "
-                      "list one device per rank")
+        errors.append(
+            f"$.devices.ids: {len(p.devices.ids)} devices for tp_size {m.tp_size}; "
+            "list one device per rank"
+        )
     return errors
 
 
@@ -235,9 +258,11 @@ def _engine_errors(e: EnginesSpec) -> list[str]:
         errors.append("$.engines.command: empty; give the engine command as a list")
     errors += _template_errors("$.engines.command", e.command)
     if e.forkserver and e.command[:3] != list(FORKABLE):
-        errors.append(f"$.engines.forkserver: true needs engines.command to start with "
-                      f"{' '.join(FORKABLE)} (got {' '.join(e.command[:3])!r}); set it to "
-                      "false or leave it unset")
+        errors.append(
+            f"$.engines.forkserver: true needs engines.command to start with "
+            f"{' '.join(FORKABLE)} (got {' '.join(e.command[:3])!r}); set it to "
+            "false or leave it unset"
+        )
     names = [b.name for b in e.batch]
     for i, b in enumerate(e.batch):
         if b.count < 0 or b.memory_mb < 0:
@@ -262,8 +287,10 @@ def _template_errors(path: str, command: list[str]) -> list[str]:
             errors.append(f"{path}[{i}]: bad template {arg!r}: {exc}")
             continue
         for key in sorted(keys - TEMPLATE_KEYS):
-            errors.append(f"{path}[{i}]: unknown placeholder {{{key}}}; "
-                          f"known: {', '.join(sorted(TEMPLATE_KEYS))}")
+            errors.append(
+                f"{path}[{i}]: unknown placeholder {{{key}}}; "
+                f"known: {', '.join(sorted(TEMPLATE_KEYS))}"
+            )
     return errors
 
 

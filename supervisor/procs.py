@@ -38,12 +38,19 @@ class Proc:
         with open(log, "ab") as out:
             try:
                 proc = await asyncio.create_subprocess_exec(
-                    *argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=out,
-                    stderr=asyncio.subprocess.STDOUT, start_new_session=True,
-                    preexec_fn=_die_with_parent)
+                    *argv,
+                    env=env,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=asyncio.subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent,
+                )
             except OSError as e:
-                raise StartupError(f"cannot start {argv[0]!r}: {e.strerror}; fix the command "
-                                   "in the policy (engines.command)") from e
+                raise StartupError(
+                    f"cannot start {argv[0]!r}: {e.strerror}; fix the command "
+                    "in the policy (engines.command)"
+                ) from e
         return cls(proc.pid, argv, log, proc.wait())
 
     @classmethod

@@ -54,8 +54,9 @@ async def _check_liveness(c: Cluster, now: float) -> float | None:
         if refused is not None:
             await c.fence(e, cause="promote-refused", detail=refused)
         elif not inc.ready and now - inc.started > timeout:
-            await c.fence(e, cause="not-ready",
-                          detail=f"not ready within engines.ready_timeout_s={timeout}")
+            await c.fence(
+                e, cause="not-ready", detail=f"not ready within engines.ready_timeout_s={timeout}"
+            )
         elif inc.hello and now - e.last_beat > c.hang_s:
             silent = round((now - e.last_beat) * 1000, 1)
             await c.fence(e, cause="hang", detail=f"no heartbeat for {silent} ms")
@@ -89,8 +90,9 @@ async def _batch(c: Cluster, now: float) -> float | None:
             await c.evict(victims[0], reason=f"load {load} > {spec.evict_above}", held=False)
         return None
     due: float | None = None
-    waiting = sorted((e for e in c.engines.values() if not e.serving and not e.held),
-                     key=lambda e: -e.priority)
+    waiting = sorted(
+        (e for e in c.engines.values() if not e.serving and not e.held), key=lambda e: -e.priority
+    )
     for e in waiting:  # crashed batch engines come back after their backoff
         if e.state == "dead" and now < e.next_start:
             due = _earliest(due, e.next_start)
@@ -110,8 +112,9 @@ async def _batch(c: Cluster, now: float) -> float | None:
     return due
 
 
-async def handle(c: Cluster, req: StatusReq | PromoteReq | EvictReq | RestartReq | StopReq,
-                 stop: asyncio.Event) -> ControlReply:
+async def handle(
+    c: Cluster, req: StatusReq | PromoteReq | EvictReq | RestartReq | StopReq, stop: asyncio.Event
+) -> ControlReply:
     """Answer one operator request; StopReq sets `stop`."""
     if isinstance(req, StatusReq):
         return ControlReply(ok=True, status=c.snapshot())
@@ -126,15 +129,17 @@ async def handle(c: Cluster, req: StatusReq | PromoteReq | EvictReq | RestartReq
             raise ControlError(f"{e.name} is a {e.role} engine; only batch engines are evicted")
         await c.evict(e, reason="operator", held=True)
         c.wake.set()
-        return ControlReply(ok=True, message=f"{e.name} evicted; `supervisor restart "
-                                             f"{e.name}` brings it back")
+        return ControlReply(
+            ok=True, message=f"{e.name} evicted; `supervisor restart {e.name}` brings it back"
+        )
     return await _restart(c, e)
 
 
 async def _promote(c: Cluster, e: Engine) -> ControlReply:
     if e.state != "standby":
-        raise ControlError(f"{e.name} is {e.state}; only a ready standby can be promoted "
-                           "(see `supervisor status`)")
+        raise ControlError(
+            f"{e.name} is {e.state}; only a ready standby can be promoted (see `supervisor status`)"
+        )
     old = c.primary
     t0 = time.monotonic()
     if old is not None:

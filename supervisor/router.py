@@ -20,9 +20,20 @@ from supervisor.policy import RouterSpec
 
 log = structlog.get_logger("supervisor.router")
 
-HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
-                        "te", "trailers", "transfer-encoding", "upgrade", "host",
-                        "content-length"})
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
 UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError)
 
 
@@ -103,8 +114,10 @@ class Router:
         if self._session is None:
             timeout = aiohttp.ClientTimeout(total=self.spec.upstream_timeout_s, connect=2.0)
             self._session = aiohttp.ClientSession(
-                timeout=timeout, auto_decompress=False,
-                connector=aiohttp.TCPConnector(limit=0, force_close=False))
+                timeout=timeout,
+                auto_decompress=False,
+                connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            )
         return self._session
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -129,12 +142,14 @@ class Router:
         log.warning("route_failed", path=request.path, error=error)
         return web.json_response({"error": error}, status=502)
 
-    async def _forward(self, request: web.Request, body: bytes,
-                       target: Target) -> web.StreamResponse:
+    async def _forward(
+        self, request: web.Request, body: bytes, target: Target
+    ) -> web.StreamResponse:
         url = f"http://127.0.0.1:{target.port}{request.rel_url}"
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-        async with self._client().request(request.method, url, headers=headers, data=body,
-                                          allow_redirects=False) as up:
+        async with self._client().request(
+            request.method, url, headers=headers, data=body, allow_redirects=False
+        ) as up:
             resp = web.StreamResponse(status=up.status, reason=up.reason)
             for k, v in up.headers.items():
                 if k.lower() not in HOP_BY_HOP and k.lower() != "content-encoding":

@@ -25,7 +25,8 @@ def check_owner(path: Path) -> None:
     if st.st_uid != os.getuid():
         raise RuntimeDirError(
             f"runtime dir {path} is owned by uid {st.st_uid}, not by you (uid {os.getuid()}); "
-            "set cache.runtime_dir in the policy (or --runtime-dir) to a dir of your own")
+            "set cache.runtime_dir in the policy (or --runtime-dir) to a dir of your own"
+        )
     if not stat.S_ISDIR(st.st_mode):
         raise RuntimeDirError(f"runtime dir {path} is not a directory; set cache.runtime_dir")
 
@@ -47,8 +48,10 @@ class RuntimeDir:
             os.chmod(run, 0o700)
             fd = os.open(run / "supervisor.lock", os.O_RDWR | os.O_CREAT, 0o600)
         except PermissionError as e:
-            raise RuntimeDirError(f"cannot use runtime dir {run}: {e.strerror}; "
-                                  "set cache.runtime_dir to a dir you can write") from e
+            raise RuntimeDirError(
+                f"cannot use runtime dir {run}: {e.strerror}; "
+                "set cache.runtime_dir to a dir you can write"
+            ) from e
         finally:
             os.umask(old)
         try:
@@ -58,7 +61,8 @@ class RuntimeDir:
             os.close(fd)
             raise RuntimeDirError(
                 f"another supervisor (pid {holder}) runs on {run}; stop it "
-                f"(`supervisor stop --runtime-dir {run}`) or set cache.runtime_dir") from None
+                f"(`supervisor stop --runtime-dir {run}`) or set cache.runtime_dir"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         rd = cls(run, fd)

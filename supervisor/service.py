@@ -52,13 +52,24 @@ async def ensure_model(policy: Policy) -> str:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "cachedaemon", "make-checkpoint", str(tmp), "--preset",
-        str(m.preset), "--seed", str(m.seed), stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT)
+        sys.executable,
+        "-m",
+        "cachedaemon",
+        "make-checkpoint",
+        str(tmp),
+        "--preset",
+        str(m.preset),
+        "--seed",
+        str(m.seed),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     output, _ = await proc.communicate()
     if proc.returncode != 0:
-        raise StartupError(f"generating the {m.preset} checkpoint into {out} failed; set "
-                           f"model.path instead. It printed:\n{output.decode()[-1500:]}")
+        raise StartupError(
+            f"generating the {m.preset} checkpoint into {out} failed; set "
+            f"model.path instead. It printed:\n{output.decode()[-1500:]}"
+        )
     with contextlib.suppress(OSError):
         tmp.rename(out)  # another supervisor may have won the race; both are identical
     return str(out)
@@ -113,11 +124,23 @@ class Service:
         return True
 
     async def _start(self, c: Cluster, rd: RuntimeDir) -> None:
-        c.bus.emit("supervisor", "main", "starting", 0, pid=os.getpid(),
-                   policy=self.policy.source, run=str(rd.path))
+        c.bus.emit(
+            "supervisor",
+            "main",
+            "starting",
+            0,
+            pid=os.getpid(),
+            policy=self.policy.source,
+            run=str(rd.path),
+        )
         model_dir = await ensure_model(self.policy)
-        c.hub = AgentHub(rd.endpoint("agents"), on_hello=c.on_hello,
-                         on_heartbeat=c.on_heartbeat, on_state=c.on_state, on_ack=c.on_ack)
+        c.hub = AgentHub(
+            rd.endpoint("agents"),
+            on_hello=c.on_hello,
+            on_heartbeat=c.on_heartbeat,
+            on_state=c.on_state,
+            on_ack=c.on_ack,
+        )
         self._own(c.hub.serve(), "agents")
         control = ControlServer(rd.endpoint("control"), lambda r: self._control(c, r))
         self._own(control.serve(), "control")
@@ -128,17 +151,33 @@ class Service:
         if wants_forkserver(self.policy):
             self.forks = ForkServer(rd.path, {**os.environ, **self.policy.engines.env})
             await self.forks.start()  # imports while the daemons load
-        c.daemons = DaemonPool(self.policy, rd.path, model_dir, c.bus, c.wake.set,
-                               lambda: c.epoch)
+        c.daemons = DaemonPool(self.policy, rd.path, model_dir, c.bus, c.wake.set, lambda: c.epoch)
         t0 = time.monotonic()
         await c.daemons.start()
-        c.bus.emit("supervisor", "main", "daemons-ready", c.epoch,
-                   ms=round((time.monotonic() - t0) * 1000, 1))
-        c.launcher = EngineLauncher(self.policy, rd.path, model_dir, c.daemons.sockets(),
-                                    on_exit=c.on_exit, on_beat=c.on_http_beat,
-                                    forks=self.forks)
-        c.bus.emit("supervisor", "main", "started", c.epoch, router=self.policy.router.listen,
-                   api=self.policy.api.listen)
+        c.bus.emit(
+            "supervisor",
+            "main",
+            "daemons-ready",
+            c.epoch,
+            ms=round((time.monotonic() - t0) * 1000, 1),
+        )
+        c.launcher = EngineLauncher(
+            self.policy,
+            rd.path,
+            model_dir,
+            c.daemons.sockets(),
+            on_exit=c.on_exit,
+            on_beat=c.on_http_beat,
+            forks=self.forks,
+        )
+        c.bus.emit(
+            "supervisor",
+            "main",
+            "started",
+            c.epoch,
+            router=self.policy.router.listen,
+            api=self.policy.api.listen,
+        )
 
     async def _control(self, c: Cluster, req: Request) -> ControlReply:
         return await reconcile.handle(c, req, self.stop)
@@ -151,8 +190,10 @@ class Service:
         try:
             await web.TCPSite(runner, host, port, reuse_address=True).start()
         except OSError as e:
-            raise StartupError(f"cannot listen on {listen}: {e.strerror}; change router.listen "
-                               "or api.listen in the policy") from e
+            raise StartupError(
+                f"cannot listen on {listen}: {e.strerror}; change router.listen "
+                "or api.listen in the policy"
+            ) from e
 
     async def _loop(self, c: Cluster) -> None:
         interval = self.policy.heartbeat.interval_ms / 1000.0
@@ -163,8 +204,7 @@ class Service:
                 due = await reconcile.tick(c)
                 left = interval if due is None else max(0.0, min(interval, due - time.monotonic()))
                 wake = asyncio.ensure_future(c.wake.wait())
-                await asyncio.wait([wake, stop], timeout=left,
-                                   return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait([wake, stop], timeout=left, return_when=asyncio.FIRST_COMPLETED)
                 wake.cancel()
                 self._check_tasks()
         finally:

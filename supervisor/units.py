@@ -85,5 +85,4 @@ class Daemon:
 
     @property
     def pid(self) -> int:
-        return self.inc.pid if self.inc is not None and self.state in ("starting", "serving") \
-            else 0
+        return self.inc.pid if self.inc is not None and self.state in ("starting", "serving") else 0

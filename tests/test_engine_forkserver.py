@@ -136,7 +136,10 @@ def test_bad_requests_are_refused_and_the_server_keeps_serving(
         assert isinstance(reply, fs.Refused)
         oversized = struct.pack(">I", fs.MAX_FRAME + 1)
         reply = raw_request(forkserver.sock, oversized, [null, null, null])
-        assert isinstance(reply, fs.Refused) and f"exceeds the {fs.MAX_FRAME}-byte cap" in reply.message
+        assert (
+            isinstance(reply, fs.Refused)
+            and f"exceeds the {fs.MAX_FRAME}-byte cap" in reply.message
+        )
     finally:
         os.close(null)
     ok = EngineProcess(disk_flags(tiny_model), forkserver=forkserver.sock)

@@ -70,7 +70,10 @@ class Subscriber:
                 # a persistent session: QoS 1 events published while this subscriber
                 # reconnects are kept for it by the broker
                 async with aiomqtt.Client(
-                    "127.0.0.1", self.port, identifier=f"hf-test-sub-{id(self)}", clean_session=False
+                    "127.0.0.1",
+                    self.port,
+                    identifier=f"hf-test-sub-{id(self)}",
+                    clean_session=False,
                 ) as client:
                     await client.subscribe(f"{PREFIX}/#", qos=1)
                     self._subscribed.set()
