@@ -251,7 +251,10 @@ async def serve(
     if agent is not None:
         server.on_state = agent.set_state
         wire_agent(agent, server, loop, request_stop, cfg.grace_s)
-    runner = web.AppRunner(server.app(), handle_signals=False, access_log=None)
+    # handler_cancellation: a client that hangs up cancels its handler, and so its generation
+    runner = web.AppRunner(
+        server.app(), handle_signals=False, access_log=None, handler_cancellation=True
+    )
     await runner.setup()
     await web.TCPSite(runner, cfg.host, cfg.port).start()
     server.metrics.phases.total = clock.total()

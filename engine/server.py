@@ -27,6 +27,7 @@ from engine.tokenizer import Tokenizer
 
 log = structlog.get_logger("engine.server")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+ENDED_EARLY = "generation ended after its client left"
 
 
 class Model(Protocol):
@@ -102,8 +103,12 @@ class EngineServer:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def call_model(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run fn on the model thread; counts the request as queued until it starts."""
+    async def call_model(
+        self, fn: Callable[..., Any], *args: Any, cancel: threading.Event | None = None
+    ) -> Any:
+        """Run fn on the model thread. The request counts as queued until fn starts and in
+        flight until it returns, even if the caller is cancelled first (its client left):
+        then `cancel`, passed on to fn, is set, and the model stops at its next step."""
         loop = asyncio.get_running_loop()
         self.in_flight += 1
         self.queued += 1
@@ -114,16 +119,25 @@ class EngineServer:
             nonlocal started
             started = True
             loop.call_soon_threadsafe(self._started)
-            return fn(*args)
+            return fn(*args) if cancel is None else fn(*args, cancel=cancel)
 
-        try:
-            return await loop.run_in_executor(self._pool, work)
-        finally:
-            if not started:
+        def finished(_: asyncio.Future[Any]) -> None:
+            if not started:  # never ran: the pool was shut down
                 self.queued -= 1
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()
+
+        fut = loop.run_in_executor(self._pool, work)
+        fut.add_done_callback(finished)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            if cancel is not None:
+                cancel.set()
+                log.info("client went away", stream=False)
+                fut.add_done_callback(self._ended_early)
+            raise
 
     def _started(self) -> None:
         self.queued -= 1
@@ -195,7 +209,7 @@ class EngineServer:
         if req.stream:
             return await self._stream(request, job)
         t0 = time.perf_counter()
-        gen: Generation = await self.call_model(self.model.run, job)
+        gen: Generation = await self.call_model(self.model.run, job, cancel=threading.Event())
         self.metrics.add_tokens(len(gen.steps))
         log.info(
             "completion",
@@ -213,7 +227,7 @@ class EngineServer:
             loop.call_soon_threadsafe(steps.put_nowait, step)
 
         cancel = threading.Event()  # set when the client leaves: the model stops next step
-        task = asyncio.ensure_future(self.call_model(self.model.run, job, on_step, cancel))
+        task = asyncio.ensure_future(self.call_model(self.model.run, job, on_step, cancel=cancel))
         task.add_done_callback(lambda _: steps.put_nowait(None))
         self._streams.add(task)  # owned here until done, even after the client leaves
         task.add_done_callback(self._streams.discard)
@@ -234,7 +248,7 @@ class EngineServer:
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionResetError:
-            log.info("stream client went away", tokens=len(done))
+            log.info("client went away", stream=True, tokens=len(done))
         finally:
             if not counted:  # the client left (or the handler was cancelled) mid-generation
                 cancel.set()
@@ -242,10 +256,11 @@ class EngineServer:
         return resp
 
     def _ended_early(self, task: asyncio.Future[Generation]) -> None:
+        """The generation of a request whose client left, once the model stopped."""
         if not task.cancelled() and task.exception() is None:
             gen = task.result()
             self.metrics.add_tokens(len(gen.steps))
-            log.info("stream generation ended", tokens=len(gen.steps), reason=gen.finish_reason)
+            log.info(ENDED_EARLY, tokens=len(gen.steps), reason=gen.finish_reason)
 
     async def embeddings(self, request: web.Request) -> web.Response:
         self._check_serving("embed")

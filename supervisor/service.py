@@ -146,7 +146,8 @@ class Service:
         self._own(control.serve(), "control")
         self._control_server = control
         router = Router(self.policy.router, self.view)
-        await self._serve_http(router.app(), self.policy.router.listen)
+        # a client that hangs up cancels its routed request, so the engine stops generating
+        await self._serve_http(router.app(), self.policy.router.listen, cancel_on_hangup=True)
         await self._serve_http(HealthApi(c.snapshot).app(), self.policy.api.listen)
         if wants_forkserver(self.policy):
             self.forks = ForkServer(rd.path, {**os.environ, **self.policy.engines.env})
@@ -182,9 +183,11 @@ class Service:
     async def _control(self, c: Cluster, req: Request) -> ControlReply:
         return await reconcile.handle(c, req, self.stop)
 
-    async def _serve_http(self, app: web.Application, listen: str) -> None:
+    async def _serve_http(
+        self, app: web.Application, listen: str, cancel_on_hangup: bool = False
+    ) -> None:
         host, port = split_listen(listen)
-        runner = web.AppRunner(app, access_log=None)
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=cancel_on_hangup)
         await runner.setup()
         self._runners.append(runner)
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -15,9 +16,10 @@ import pytest
 from conftest import DaemonProc
 
 from engine.launch import EngineProcess, free_port
+from engine.server import ENDED_EARLY
 
 PROMPTS = [[1, 2, 3], [200, 17, 5, 9, 77, 3, 12], [42]]
-ENDED = "stream generation ended"  # logged once a stream whose client left stops
+ENDED = ENDED_EARLY  # logged once the generation of a client that left stops
 
 
 def post(
@@ -116,6 +118,31 @@ def leave_a_stream(url: str, body: dict[str, Any]) -> None:
             chunk = s.recv(65536)
             assert chunk, seen
             seen += chunk
+
+
+def leave_a_request(url: str, body: dict[str, Any], after_s: float) -> None:
+    """Send a (non-streamed) completion and hang up `after_s` later, before the reply."""
+    where = urllib.parse.urlparse(url)
+    data = json.dumps(body).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {where.netloc}\r\n"
+    head += f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    with socket.create_connection((where.hostname, where.port), timeout=60) as s:
+        s.sendall(head.encode() + data)
+        time.sleep(after_s)  # the model is generating by then
+
+
+def test_a_client_that_hangs_up_before_the_reply_stops_its_generation(
+    engines: dict[str, EngineProcess],
+) -> None:
+    proc, max_tokens = engines["disk"], 500  # about 0.5 s of tokens on the tiny model
+    before = len(proc.events(ENDED))
+    leave_a_request(
+        proc.url, {"prompt_token_ids": [7], "max_tokens": max_tokens, "ignore_eos": True}, 0.1
+    )
+    ended = proc.wait_events(ENDED, before + 1)
+    assert len(ended) == before + 1, proc.log[-3000:]
+    assert ended[-1]["reason"] == "cancelled" and ended[-1]["tokens"] < max_tokens
+    assert complete(proc.url, [1, 2])["token_ids"]
 
 
 @pytest.mark.parametrize("which", ["attached", "tp0"])

@@ -4,11 +4,14 @@ is promoted, answers through the router, and a kill -9 of it fails over with no 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
 
+from engine.server import ENDED_EARLY
 from tests.engines.harness import Load, Supervisor, complete, write_policy
+from tests.test_engine_serve import leave_a_request
 
 
 def test_reference_engine_fails_over_under_load(tmp_path: Path, tiny_model: Path) -> None:
@@ -32,7 +35,17 @@ def test_reference_engine_fails_over_under_load(tmp_path: Path, tiny_model: Path
         finally:
             load.stop()
         assert load.failures == [] and load.ok >= 10
+        second = sup.status()["primary"]
+        leave_a_request(
+            sup.router, {"prompt_token_ids": [7], "max_tokens": 500, "ignore_eos": True}, 0.1
+        )
+        complete(sup.router, None, prompt_token_ids=[1], max_tokens=1)  # after the one left
         assert sup.stop(signal.SIGTERM) == 0, sup.output()
+        # the router dropped the upstream request, so the engine stopped generating
+        log = (sup.run / "logs" / f"{second}.0.log").read_text()
+        ended = [json.loads(line) for line in log.splitlines() if ENDED_EARLY in line]
+        assert len(ended) == 1 and ended[0]["reason"] == "cancelled", log[-3000:]
+        assert ended[0]["tokens"] < 500
     finally:
         if sup.proc.poll() is None:
             sup.stop(signal.SIGKILL)
