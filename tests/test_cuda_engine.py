@@ -18,7 +18,7 @@ from cachedaemon import protocol
 from engine.launch import EngineProcess, free_port
 from tests.conftest import Daemons, ForkServerProc
 from tests.engines.harness import Load, Supervisor, topic, write_policy
-from tests.test_engine_serve import ENDED, leave_a_stream
+from tests.test_engine_serve import assert_leaving_stops, leave_a_stream
 
 pytestmark = pytest.mark.gpu
 
@@ -170,14 +170,8 @@ def test_a_stream_client_that_leaves_stops_its_generation_on_cuda(
     engines: dict[str, EngineProcess], name: str
 ) -> None:
     """Over NCCL both ranks stop at the same step: the next requests still match tp 1."""
-    proc, max_tokens = engines[name], 500
-    before = len(proc.events(ENDED))
-    leave_a_stream(
-        proc.url, {"prompt_token_ids": [7], "max_tokens": max_tokens, "ignore_eos": True}
-    )
-    ended = proc.wait_events(ENDED, before + 1)
-    assert len(ended) == before + 1, proc.log[-3000:]
-    assert ended[-1]["reason"] == "cancelled" and 1 <= ended[-1]["tokens"] < max_tokens
+    proc = engines[name]
+    assert_leaving_stops(proc, leave_a_stream)
     for prompt in PROMPTS:
         got = complete(proc.url, prompt, logprobs=5, ignore_eos=True)
         want = complete(engines["f32"].url, prompt, logprobs=5, ignore_eos=True)

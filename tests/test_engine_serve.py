@@ -8,7 +8,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +120,7 @@ def leave_a_stream(url: str, body: dict[str, Any]) -> None:
             seen += chunk
 
 
-def leave_a_request(url: str, body: dict[str, Any], after_s: float) -> None:
+def leave_a_request(url: str, body: dict[str, Any], after_s: float = 0.1) -> None:
     """Send a (non-streamed) completion and hang up `after_s` later, before the reply."""
     where = urllib.parse.urlparse(url)
     data = json.dumps(body).encode()
@@ -131,18 +131,22 @@ def leave_a_request(url: str, body: dict[str, Any], after_s: float) -> None:
         time.sleep(after_s)  # the model is generating by then
 
 
+def assert_leaving_stops(
+    proc: EngineProcess, leave: Callable[[str, dict[str, Any]], None], max_tokens: int = 500
+) -> None:
+    """A client that `leave`s a long request: its generation ends cancelled, short of it."""
+    before = len(proc.events(ENDED))
+    leave(proc.url, {"prompt_token_ids": [7], "max_tokens": max_tokens, "ignore_eos": True})
+    ended = proc.wait_events(ENDED, before + 1)
+    assert len(ended) == before + 1, proc.log[-3000:]
+    assert ended[-1]["reason"] == "cancelled" and ended[-1]["tokens"] < max_tokens, ended[-1]
+
+
 def test_a_client_that_hangs_up_before_the_reply_stops_its_generation(
     engines: dict[str, EngineProcess],
 ) -> None:
-    proc, max_tokens = engines["disk"], 500  # about 0.5 s of tokens on the tiny model
-    before = len(proc.events(ENDED))
-    leave_a_request(
-        proc.url, {"prompt_token_ids": [7], "max_tokens": max_tokens, "ignore_eos": True}, 0.1
-    )
-    ended = proc.wait_events(ENDED, before + 1)
-    assert len(ended) == before + 1, proc.log[-3000:]
-    assert ended[-1]["reason"] == "cancelled" and ended[-1]["tokens"] < max_tokens
-    assert complete(proc.url, [1, 2])["token_ids"]
+    assert_leaving_stops(engines["disk"], leave_a_request)  # 500 tokens: about 0.5 s here
+    assert complete(engines["disk"].url, [1, 2])["token_ids"]
 
 
 @pytest.mark.parametrize("which", ["attached", "tp0"])
@@ -150,17 +154,9 @@ def test_a_stream_client_that_leaves_stops_its_generation(
     engines: dict[str, EngineProcess], which: str
 ) -> None:
     """On tp 2 both ranks stop at the same step: the next request still matches tp 1."""
-    proc, max_tokens = engines[which], 500
-    before = len(proc.events(ENDED))
-    leave_a_stream(
-        proc.url, {"prompt_token_ids": [7], "max_tokens": max_tokens, "ignore_eos": True}
-    )
-    ended = proc.wait_events(ENDED, before + 1)
-    assert len(ended) == before + 1, proc.log[-3000:]
-    assert ended[-1]["reason"] == "cancelled"
-    assert 1 <= ended[-1]["tokens"] < max_tokens, ended[-1]
+    assert_leaving_stops(engines[which], leave_a_stream)
     for prompt in PROMPTS:
-        got = complete(proc.url, prompt, ignore_eos=True)
+        got = complete(engines[which].url, prompt, ignore_eos=True)
         assert (
             got["token_ids"] == complete(engines["disk"].url, prompt, ignore_eos=True)["token_ids"]
         )
