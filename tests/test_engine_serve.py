@@ -120,15 +120,25 @@ def leave_a_stream(url: str, body: dict[str, Any]) -> None:
             seen += chunk
 
 
-def leave_a_request(url: str, body: dict[str, Any], after_s: float = 0.1) -> None:
-    """Send a (non-streamed) completion and hang up `after_s` later, before the reply."""
+def in_flight(url: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    [line] = [x for x in text.splitlines() if x.startswith("holdfast_engine_in_flight ")]
+    return float(line.split()[1])
+
+
+def leave_a_request(url: str, body: dict[str, Any]) -> None:
+    """Send a (non-streamed) completion; hang up once the engine has it in flight."""
     where = urllib.parse.urlparse(url)
     data = json.dumps(body).encode()
     head = f"POST /v1/completions HTTP/1.1\r\nHost: {where.netloc}\r\n"
     head += f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
     with socket.create_connection((where.hostname, where.port), timeout=60) as s:
         s.sendall(head.encode() + data)
-        time.sleep(after_s)  # the model is generating by then
+        deadline = time.monotonic() + 30
+        while in_flight(url) < 1:  # through a router too: it forwards /metrics to the primary
+            assert time.monotonic() < deadline, "the request never reached the engine"
+            time.sleep(0.005)
 
 
 def assert_leaving_stops(

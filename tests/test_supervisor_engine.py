@@ -37,7 +37,7 @@ def test_reference_engine_fails_over_under_load(tmp_path: Path, tiny_model: Path
         assert load.failures == [] and load.ok >= 10
         second = sup.status()["primary"]
         leave_a_request(
-            sup.router, {"prompt_token_ids": [7], "max_tokens": 500, "ignore_eos": True}, 0.1
+            sup.router, {"prompt_token_ids": [7], "max_tokens": 500, "ignore_eos": True}
         )
         complete(sup.router, None, prompt_token_ids=[1], max_tokens=1)  # after the one left
         assert sup.stop(signal.SIGTERM) == 0, sup.output()
