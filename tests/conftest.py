@@ -46,18 +46,12 @@ def child_env() -> dict[str, str]:
     return env
 
 
-class DaemonProc:
-    """A real `cachedaemon serve` process; `started` is set when it logs that it serves."""
+class LoggedProc:
+    """A real child process whose stderr log lines are kept; `wait_for` waits on them."""
 
-    def __init__(self, args: list[str]) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cachedaemon", "--log-format", "json", *args],
-            stderr=subprocess.PIPE,
-            text=True,
-            env=child_env(),
-        )
+    def __init__(self, argv: list[str]) -> None:
+        self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=child_env())
         self.lines: list[str] = []
-        self.started = threading.Event()
         self.exited = threading.Event()
         self._line = threading.Condition()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -67,8 +61,6 @@ class DaemonProc:
         for line in self.proc.stderr:
             with self._line:
                 self.lines.append(line)
-                if '"event": "serving"' in line:
-                    self.started.set()
                 self._line.notify_all()
         self.proc.stderr.close()
         with self._line:
@@ -82,10 +74,9 @@ class DaemonProc:
                 lambda: any(text in line for line in self.lines) or self.exited.is_set(), timeout
             )
             if not found or not any(text in line for line in self.lines):
-                raise AssertionError(f"daemon never logged {text!r}:\n" + "".join(self.lines[-30:]))
-
-    def wait_serving(self, timeout: float = 60.0) -> None:
-        self.wait_for('"event": "serving"', timeout)
+                raise AssertionError(
+                    f"{self.proc.args[:4]} never logged {text!r}:\n" + "".join(self.lines[-30:])
+                )
 
     @property
     def log(self) -> str:
@@ -100,6 +91,16 @@ class DaemonProc:
                 self.proc.kill()
         self.proc.wait()
         self.exited.wait(5)
+
+
+class DaemonProc(LoggedProc):
+    """A real `cachedaemon serve` process."""
+
+    def __init__(self, args: list[str]) -> None:
+        super().__init__([sys.executable, "-m", "cachedaemon", "--log-format", "json", *args])
+
+    def wait_serving(self, timeout: float = 60.0) -> None:
+        self.wait_for('"event": "serving"', timeout)
 
 
 class Daemons:
@@ -134,37 +135,16 @@ def module_daemons() -> Iterator[Daemons]:
     daemons.stop_all()
 
 
-class ForkServerProc:
-    """A real `python -m engine.forkserver`; `ready` once it logs that it listens."""
+class ForkServerProc(LoggedProc):
+    """A real `python -m engine.forkserver` serving on `sock`."""
 
     def __init__(self, sock: Path) -> None:
         self.sock = sock
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.forkserver", "--socket", str(sock)]
-            + ["--log-format", "json"],
-            stderr=subprocess.PIPE,
-            text=True,
-            env=child_env(),
-        )
-        self.lines: list[str] = []
-        self.ready = threading.Event()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            if "forkserver ready" in line:
-                self.ready.set()
-        self.proc.stderr.close()
+        argv = [sys.executable, "-m", "engine.forkserver", "--socket", str(sock)]
+        super().__init__([*argv, "--log-format", "json"])
 
     def wait_ready(self) -> None:
-        assert self.ready.wait(120), "".join(self.lines)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
+        self.wait_for("forkserver ready", 120)
 
 
 @pytest.fixture(scope="module")
