@@ -78,10 +78,6 @@ def read_reply(sock: socket.socket) -> Reply:
         raise EngineError(f"fork server connection: {e}") from e
 
 
-def decode_reply(data: bytes) -> Reply:
-    return _reply.decode(data)
-
-
 # ---- client ----
 def request(
     path: str | Path, spawn: Spawn, fds: Sequence[int], timeout: float = 10.0

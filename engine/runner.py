@@ -3,7 +3,7 @@
 Rank 0 owns the requests: for each one it broadcasts a header (op, prompt length,
 max_tokens, ignore_eos) and the prompt ids, then every step's next token, so the other
 ranks run exactly the steps rank 0 runs. Ranks other than 0 sit in `follow()`.
-A request whose `cancel` event is set (its streaming client left) ends at the next step:
+A request whose `cancel` event is set (its client left) ends at the next step:
 rank 0 broadcasts `CANCELLED` in place of a token, so every rank stops at the same step.
 """
 
