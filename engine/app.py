@@ -78,9 +78,12 @@ def watch_peers(cfg: EngineConfig) -> PeerWatch | None:
 def build_llama(
     cfg: EngineConfig, device: torch.device, clock: Clock, phases: Phases
 ) -> tuple[Model, api.Limits, str]:
+    from engine.batcher import BatchEngine
+    from engine.kvcache import BlockPool, KVCache
     from engine.model import LlamaForCausalLM, TPGroup
     from engine.modelargs import check_tp, read_model_args
     from engine.runner import Runner
+    from engine.scheduler import Scheduler
     from engine.weights import load_weights
 
     args = read_model_args(cfg.model)
@@ -100,11 +103,34 @@ def build_llama(
         bytes=report.bytes,
         socket=report.socket,
     )
-    runner = Runner(module, device)
+    max_len = cfg.max_model_len or args.max_position_embeddings
+    kv = args.num_key_value_heads // cfg.world_size
+    dtype = getattr(torch, cfg.dtype)
+    cache = KVCache(args.num_hidden_layers, kv, args.head_dim, cfg.kv_cache_mb, dtype, device)
+    runner = Runner(
+        module, device, cache, max_batch=cfg.max_batch, max_len=max_len, cuda_graphs=cfg.cuda_graphs
+    )
     runner.warmup()
     phases.warmup = clock.lap()
-    max_len = cfg.max_model_len or args.max_position_embeddings
-    return runner, api.Limits(args.vocab_size, max_len, cfg.max_tokens_cap), report.source
+    log.info(
+        "kv cache",
+        blocks=cache.blocks,
+        block_size=cache.block_size,
+        tokens=cache.tokens,
+        mb=cache.bytes >> 20,
+        max_batch=cfg.max_batch,
+        cuda_graphs=runner.graphs is not None,
+    )
+    scheduler = Scheduler(
+        BlockPool(cache.blocks),
+        runner.eos,
+        block_size=cache.block_size,
+        max_running=cfg.max_batch,
+        max_waiting=cfg.max_waiting,
+        prefill_tokens=cfg.prefill_tokens,
+    )
+    engine = BatchEngine(runner, scheduler)
+    return engine, api.Limits(args.vocab_size, max_len, cfg.max_tokens_cap), report.source
 
 
 def build_hf(
@@ -113,6 +139,7 @@ def build_hf(
     import transformers  # noqa: F401  (timed as an import, not as building the model)
 
     from engine.hf import HFModel
+    from engine.serial import SerialEngine
     from engine.weights import load_weights
 
     phases.imports += clock.lap()
@@ -125,7 +152,11 @@ def build_hf(
     model.warmup()
     phases.warmup = clock.lap()
     max_len = min(cfg.max_model_len or model.max_len, model.max_len)
-    return model, api.Limits(model.vocab_size, max_len, cfg.max_tokens_cap), report.source
+    return (
+        SerialEngine(model, cfg.max_waiting),
+        api.Limits(model.vocab_size, max_len, cfg.max_tokens_cap),
+        report.source,
+    )
 
 
 class Load:
@@ -248,6 +279,8 @@ async def serve(
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, request_stop, cfg.grace_s)
+    server.bind(loop)
+    server.model.start()
     if agent is not None:
         server.on_state = agent.set_state
         wire_agent(agent, server, loop, request_stop, cfg.grace_s)
@@ -272,7 +305,6 @@ async def serve(
     await runner.cleanup()
     if finished:
         await server.call_model(stop_group, server.model, watch)
-    server.close()
     log.info("stopped", engine=cfg.name, clean=finished)
     if not finished:
         os._exit(0)  # the model thread is still busy past the grace: leave without it

@@ -48,6 +48,11 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dist_init: str = ""
     max_tokens_cap: int = 1024
     max_model_len: int = 0  # 0: the checkpoint's max_position_embeddings
+    kv_cache_mb: int = 1024  # the KV cache, preallocated at start
+    max_batch: int = 128  # most requests one step runs
+    max_waiting: int = 256  # requests queued for KV space beyond the batch; then 503
+    prefill_tokens: int = 8192  # prompt tokens one prefill step takes (a longer one alone)
+    cuda_graphs: bool = True
     grace_s: float = 30.0
     attach_timeout_s: float = 10.0
     peer_stale_s: float = 5.0  # tensor parallel: a peer silent this long means exit 3
@@ -78,6 +83,7 @@ _ENV: dict[str, tuple[str, type]] = {
     "device": ("HOLDFAST_DEVICE", str),
     "model_impl": ("HOLDFAST_MODEL_IMPL", str),
     "dist_init": ("HOLDFAST_DIST_INIT", str),
+    "kv_cache_mb": ("HOLDFAST_KV_CACHE_MB", int),
 }
 
 
@@ -113,6 +119,30 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=_DEFAULTS.max_model_len,
         help="context length (prompt + generated); 0 = the checkpoint's",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=_DEFAULTS.max_batch,
+        help="most requests decoded together in one step",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=_DEFAULTS.max_waiting,
+        help="requests that may wait for KV space; past it the engine answers 503",
+    )
+    p.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=_DEFAULTS.prefill_tokens,
+        help="prompt tokens one prefill step takes (a longer prompt runs alone)",
+    )
+    p.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="decode eagerly on CUDA (graphs are captured after ready by default)",
     )
     p.add_argument(
         "--grace-s",
@@ -167,6 +197,10 @@ def from_args(
         "attach_timeout_s",
         "peer_stale_s",
         "log_format",
+        "max_batch",
+        "max_waiting",
+        "prefill_tokens",
+        "cuda_graphs",
     ):
         values[field] = getattr(ns, field)
     if not values.get("model"):
@@ -202,8 +236,15 @@ def validate(cfg: EngineConfig) -> None:
             "no daemon socket: pass --daemons SOCK[,SOCK...] (HOLDFAST_DAEMONS) "
             "or --allow-disk-fallback to load from the checkpoint dir"
         )
-    if cfg.max_tokens_cap < 1:
-        raise EngineError("--max-tokens-cap must be at least 1")
+    for flag, value in (
+        ("--max-tokens-cap", cfg.max_tokens_cap),
+        ("--kv-cache-mb/HOLDFAST_KV_CACHE_MB", cfg.kv_cache_mb),
+        ("--max-batch", cfg.max_batch),
+        ("--max-waiting", cfg.max_waiting),
+        ("--prefill-tokens", cfg.prefill_tokens),
+    ):
+        if value < 1:
+            raise EngineError(f"{flag} must be at least 1 (got {value})")
     if not (math.isfinite(cfg.peer_stale_s) and cfg.peer_stale_s >= 1):
         raise EngineError(
             f"--peer-stale-s must be a number of seconds, at least 1 (got {cfg.peer_stale_s:g})"

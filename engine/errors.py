@@ -23,3 +23,9 @@ class BadRequest(EngineError):
 
 class Unavailable(EngineError):
     """The engine is up but does not serve this request now (HTTP 503)."""
+
+
+class QueueFull(Unavailable):
+    """Every KV block is taken and the waiting queue is at its bound (HTTP 503, Retry-After)."""
+
+    retry_after_s = 1

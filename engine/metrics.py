@@ -7,6 +7,8 @@ import time
 
 import msgspec
 
+from engine.job import Stats
+
 WINDOW_S = 10.0
 
 
@@ -43,7 +45,7 @@ class Metrics:
             self._recent.popleft()
         return sum(n for _, n in self._recent) / WINDOW_S
 
-    def render(self, *, name: str, role: str, epoch: int, in_flight: int, queued: int) -> str:
+    def render(self, *, name: str, role: str, epoch: int, in_flight: int, stats: Stats) -> str:
         lines: list[str] = []
 
         def metric(key: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
@@ -61,7 +63,23 @@ class Metrics:
             [(f'{{code="{c}"}}', n) for c, n in sorted(self.requests.items())] or [("", 0)],
         )
         metric("in_flight", "gauge", "requests accepted and not finished", [("", in_flight)])
-        metric("queued", "gauge", "requests waiting for the model", [("", queued)])
+        metric("queued", "gauge", "requests waiting for the model", [("", stats.waiting)])
+        metric("running", "gauge", "requests in the running batch", [("", stats.running)])
+        metric("waiting", "gauge", "requests waiting for KV cache blocks", [("", stats.waiting)])
+        metric(
+            "max_batch",
+            "gauge",
+            "most requests one step runs (1: one at a time)",
+            [("", stats.max_batch)],
+        )
+        metric(
+            "kv_blocks",
+            "gauge",
+            "KV cache blocks, by state",
+            [('{state="used"}', stats.kv_blocks_used), ('{state="free"}', stats.kv_blocks_free)],
+        )
+        metric("step_ms", "gauge", "wall time of the last model step", [("", stats.step_ms)])
+        metric("steps_total", "counter", "model steps run", [("", stats.steps)])
         metric("generated_tokens_total", "counter", "tokens generated", [("", self.tokens_total)])
         metric(
             "tokens_per_second",

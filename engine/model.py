@@ -16,10 +16,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention import Batch, attend
 from engine.kvcache import KVCache
 from engine.modelargs import ModelArgs
 
 BLOCK = 128
+KVPair = tuple[torch.Tensor, torch.Tensor]  # one layer's key and value cache
 
 
 class TPGroup:
@@ -126,19 +128,14 @@ class Attention(nn.Module):
         self.o_proj = Linear(a.hidden_size, q, dtype, fp8=fp8)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch, kv: KVPair
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = rotate(self.q_proj(x).view(n, self.heads, self.head_dim).transpose(0, 1), cos, sin)
-        k = rotate(self.k_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1), cos, sin)
-        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1)
-        k, v = cache.append(layer, k, v)
-        past = k.shape[1] - n
-        mask = None
-        if n > 1:
-            mask = torch.ones(n, k.shape[1], dtype=torch.bool, device=x.device).tril(past)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        return self.tp.all_reduce(self.o_proj(out.transpose(0, 1).reshape(n, -1)))
+        q = rotate(self.q_proj(x).view(n, self.heads, self.head_dim), cos, sin)
+        k = rotate(self.k_proj(x).view(n, self.kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        out = attend(q, k, v, kv[0], kv[1], batch)
+        return self.tp.all_reduce(self.o_proj(out.reshape(n, -1)))
 
 
 class MLP(nn.Module):
@@ -163,9 +160,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(a, tp, dtype, fp8)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch, kv: KVPair
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv)
         out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return out
 
@@ -196,7 +193,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """HF-named decoder; `forward` returns full-vocab logits of the last position."""
+    """HF-named decoder; `forward` runs one scheduler step for a batch."""
 
     def __init__(
         self,
@@ -217,17 +214,18 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", inv_freq(a).to(device), persistent=False)
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape (tokens, 1, head_dim): they broadcast over heads."""
         freqs = positions.float()[:, None] * self.inv_freq.view(1, -1)
-        emb = torch.cat((freqs, freqs), dim=-1)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
-    def forward(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        start = cache.length
-        cos, sin = self._rotary(torch.arange(start, start + ids.shape[0], device=ids.device))
+    def forward(self, ids: torch.Tensor, batch: Batch, cache: KVCache) -> torch.Tensor:
+        """One step for a whole batch: (requests, vocab) float32 logits, one row per request
+        (its last token). Keys and values of every token go to the cache on the way."""
+        cos, sin = self._rotary(batch.positions)
         x = self.model.embed_tokens(ids)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache, i)
-        cache.advance(ids.shape[0])
-        h = self.model.norm(x[-1:])
+            x = layer(x, cos, sin, batch, (cache.k[i], cache.v[i]))
+        h = self.model.norm(x.index_select(0, batch.last))
         head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        return self.tp.all_gather_last(F.linear(h, head))[0].float()
+        return self.tp.all_gather_last(F.linear(h, head)).float()

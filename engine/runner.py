@@ -1,156 +1,213 @@
-"""Greedy generation over one model, in lockstep across tensor-parallel ranks.
+"""The model runner: one scheduler step for a whole batch, in lockstep across TP ranks.
 
-Rank 0 owns the requests: for each one it broadcasts a header (op, prompt length,
-max_tokens, ignore_eos) and the prompt ids, then every step's next token, so the other
-ranks run exactly the steps rank 0 runs. Ranks other than 0 sit in `follow()`.
-A request whose `cancel` event is set (its client left) ends at the next step:
-rank 0 broadcasts `CANCELLED` in place of a token, so every rank stops at the same step.
+Rank 0 turns a `Plan` into step inputs (token ids, positions, cache slots, block tables),
+broadcasts them to the other tensor-parallel ranks, runs the model and samples greedily;
+the other ranks sit in `follow()` and run exactly the steps rank 0 broadcasts. Requests
+themselves (cancellation, EOS, max_tokens) live only on rank 0: a request that ends is
+simply not in the next step, so every rank stops it at the same step.
+
+Decode steps on one CUDA device replay CUDA graphs captured at a set of batch sizes
+(`engine.graphs`); everything else runs eagerly, with the same code.
 """
 
 from __future__ import annotations
 
 import os
-import threading
-from collections.abc import Callable
 
-import msgspec
 import structlog
 import torch
 import torch.distributed as dist
 
+from engine.attention import Batch, use_kernel
 from engine.errors import BadRequest
+from engine.graphs import DecodeGraphs
+from engine.job import TOP_LOGPROBS_MAX, Generation, Job, OnStep, Step
 from engine.kvcache import KVCache
 from engine.model import LlamaForCausalLM
+from engine.scheduler import Plan, Seq
+
+__all__ = ["TOP_LOGPROBS_MAX", "Generation", "Job", "OnStep", "Runner", "Step"]
 
 log = structlog.get_logger("engine.runner")
-OP_GENERATE, OP_STOP = 1, 2
-TOP_LOGPROBS_MAX = 5
-CANCELLED = -1  # broadcast instead of a token: the request ends here on every rank
+OP_PREFILL, OP_DECODE, OP_STOP = 1, 2, 3
 
 
-class Step(msgspec.Struct, frozen=True):
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
+def sample(logits: torch.Tensor) -> torch.Tensor:
+    """(n, vocab) -> (n, 2 + 2K) float32: greedy id, its logprob, top-K ids, top-K logprobs.
+    One tensor, so reading the step's result is one device-to-host copy."""
+    logp = torch.log_softmax(logits, dim=-1)
+    ids = torch.argmax(logits, dim=-1, keepdim=True)
+    vals, top = torch.topk(logp, min(TOP_LOGPROBS_MAX, logp.shape[-1]), dim=-1)
+    return torch.cat([ids.float(), logp.gather(-1, ids), top.float(), vals], dim=-1)
 
 
-class Generation(msgspec.Struct, frozen=True):
-    prompt_tokens: int
-    steps: tuple[Step, ...]
-    finish_reason: str  # "stop" (an EOS token) | "length" | "cancelled" (the client left)
-
-    @property
-    def tokens(self) -> list[int]:
-        return [s.token for s in self.steps]
-
-
-class Job(msgspec.Struct, frozen=True):
-    prompt: tuple[int, ...]
-    max_tokens: int
-    top_logprobs: int = 0
-    ignore_eos: bool = False
-
-
-OnStep = Callable[[Step], None]
+def unpack(row: list[float], top_k: int) -> Step:
+    k = (len(row) - 2) // 2
+    top = tuple((int(row[2 + i]), row[2 + k + i]) for i in range(top_k))
+    return Step(int(row[0]), row[1], top)
 
 
 class Runner:
     kind = "generate"
 
-    def __init__(self, model: LlamaForCausalLM, device: torch.device) -> None:
-        self.model, self.device = model, device
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        device: torch.device,
+        cache: KVCache,
+        *,
+        max_batch: int,
+        max_len: int,
+        cuda_graphs: bool,
+    ) -> None:
+        self.model, self.device, self.cache = model, device, cache
         self.tp = model.tp
         self.eos = frozenset(model.args.eos_token_ids)
-
-    def warmup(self) -> Generation:
-        """One forward pass on every rank together (no broadcast: all ranks call it)."""
-        return self._generate(Job((0,), 1, 0, True), None, None)
+        self.kernel = use_kernel(device)
+        self.width = -(-max_len // cache.block_size)  # block-table columns of the longest
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and device.type == "cuda" and self.tp.size == 1 and self.kernel:
+            self.graphs = DecodeGraphs(
+                self._decode_and_sample, device, cache, max_batch, self.width
+            )
 
     def embed(self, batch: list[list[int]]) -> list[list[float]]:
         raise BadRequest("this model serves /v1/completions only")
 
     # ---- rank 0 ----
-    def run(
-        self, job: Job, on_step: OnStep | None = None, cancel: threading.Event | None = None
-    ) -> Generation:
-        """Generate for one request (rank 0); the other ranks follow."""
-        if self.tp.size == 1:
-            return self._generate(job, on_step, cancel)
+    def step(self, plan: Plan) -> list[Step]:
+        """Run one step of `plan` on every rank; the sampled token of each request."""
+        ids, batch = self._inputs(plan)
         try:
-            self._bcast([OP_GENERATE, len(job.prompt), job.max_tokens, int(job.ignore_eos)])
-            self._bcast(list(job.prompt))
-            return self._generate(job, on_step, cancel)
+            if self.tp.size > 1:
+                self._send(plan.prefill, ids, batch)
+            packed = self._run(ids, batch)
         except RuntimeError as e:  # a rank is gone: this group can never compute again
+            if self.tp.size == 1:
+                raise
             log.critical("tensor-parallel group broken; exiting", error=str(e))
             os._exit(3)
+        rows = packed.tolist()
+        return [unpack(row, seq.top_logprobs) for row, seq in zip(rows, plan.seqs, strict=True)]
+
+    def warmup(self) -> None:
+        """A prefill and a decode of one request on every rank (no broadcast: all call it)."""
+        seq = Seq((0,), 2, ignore_eos=True)
+        seq.blocks = [self.cache.blocks]  # the scratch block: no request's keys are touched
+        first = Plan(True, (seq,))
+        seq.out.append(unpack(self._run(*self._inputs(first)).tolist()[0], 0))
+        self._run(*self._inputs(Plan(False, (seq,))))
+
+    def capture_next(self) -> bool:
+        """Capture one more decode graph, if any is left; True if one was captured."""
+        return self.graphs is not None and self.graphs.capture_next()
 
     def stop_followers(self) -> None:
         if self.tp.size > 1:
-            self._bcast([OP_STOP, 0, 0, 0])
+            self._bcast_header(OP_STOP, 0, 0, 0)
 
     # ---- ranks > 0 ----
     def follow(self) -> int:
-        """Run rank 0's requests until it says stop (0) or is gone (3): the exit status."""
+        """Run rank 0's steps until it says stop (0) or is gone (3): the exit status."""
         try:
             while True:
-                op, n, max_tokens, ignore_eos = self._bcast([0, 0, 0, 0])
+                op, tokens, seqs, width = self._bcast_header(0, 0, 0, 0)
                 if op == OP_STOP:
                     return 0
-                prompt = tuple(self._bcast([0] * n))
-                self._generate(Job(prompt, max_tokens, 0, bool(ignore_eos)), None, None)
+                ids, batch = self._receive(op == OP_PREFILL, tokens, seqs, width)
+                self._run(ids, batch)
         except RuntimeError as e:
             log.critical("rank 0 is gone; exiting", error=str(e))
             return 3
 
     # ---- all ranks ----
     @torch.inference_mode()
-    def _generate(
-        self, job: Job, on_step: OnStep | None, cancel: threading.Event | None
-    ) -> Generation:
-        a = self.model.args
-        cache = KVCache(
-            a.num_hidden_layers,
-            a.num_key_value_heads // self.tp.size,
-            a.head_dim,
-            len(job.prompt) + job.max_tokens,
-            self.model.dtype,
-            self.device,
+    def _run(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor:
+        if not batch.prefill and self.graphs is not None:
+            out = self.graphs.replay(ids, batch)
+            if out is not None:
+                return out
+        return self._decode_and_sample(ids, batch)
+
+    def _decode_and_sample(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor:
+        return sample(self.model(ids, batch, self.cache))
+
+    def _inputs(self, plan: Plan) -> tuple[torch.Tensor, Batch]:
+        bs = self.cache.block_size
+        if plan.prefill:
+            ids = [t for s in plan.seqs for t in s.prompt]
+            pos = [p for s in plan.seqs for p in range(len(s.prompt))]
+            slots = [
+                s.blocks[p // bs] * bs + p % bs for s in plan.seqs for p in range(len(s.prompt))
+            ]
+            bounds = [0]
+            for s in plan.seqs:
+                bounds.append(bounds[-1] + len(s.prompt))
+            return self._prefill_batch(ids, pos, slots, bounds)
+        ids = [s.last_token for s in plan.seqs]
+        pos = [s.position for s in plan.seqs]
+        slots = [s.blocks[p // bs] * bs + p % bs for s, p in zip(plan.seqs, pos, strict=True)]
+        width = max(len(s.blocks) for s in plan.seqs)
+        tables = [s.blocks + [0] * (width - len(s.blocks)) for s in plan.seqs]
+        return self._decode_batch(ids, pos, slots, tables)
+
+    def _tensor(self, values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    def _prefill_batch(
+        self, ids: list[int], pos: list[int], slots: list[int], bounds: list[int]
+    ) -> tuple[torch.Tensor, Batch]:
+        last = [b - 1 for b in bounds[1:]]
+        batch = Batch(
+            True,
+            self._tensor(pos, torch.int64),
+            self._tensor(slots, torch.int64),
+            self._tensor(last, torch.int64),
+            bounds=tuple(bounds),
         )
-        ids = torch.tensor(job.prompt, dtype=torch.int64, device=self.device)
-        steps: list[Step] = []
-        reason = "length"
-        while len(steps) < job.max_tokens:
-            step = self._pick(self.model(ids, cache), job.top_logprobs, cancel)
-            if step is None:
-                reason = "cancelled"
-                break
-            steps.append(step)
-            if on_step is not None:
-                on_step(step)
-            if step.token in self.eos and not job.ignore_eos:
-                reason = "stop"
-                break
-            ids = torch.tensor([step.token], dtype=torch.int64, device=self.device)
-        return Generation(len(job.prompt), tuple(steps), reason)
+        return self._tensor(ids, torch.int64), batch
 
-    def _pick(
-        self, logits: torch.Tensor, top_k: int, cancel: threading.Event | None
-    ) -> Step | None:
-        """The greedy token, as rank 0 broadcasts it; None once rank 0 says CANCELLED."""
-        mine = CANCELLED if cancel is not None and cancel.is_set() else int(torch.argmax(logits))
-        token = int(self._bcast([mine])[0])
-        if token == CANCELLED:
-            return None
-        logp = torch.log_softmax(logits, dim=-1)
-        top: tuple[tuple[int, float], ...] = ()
-        if top_k:
-            vals, idx = torch.topk(logp, top_k)
-            top = tuple(zip(idx.tolist(), vals.tolist(), strict=True))
-        return Step(token, float(logp[token]), top)
+    def _decode_batch(
+        self, ids: list[int], pos: list[int], slots: list[int], tables: list[list[int]]
+    ) -> tuple[torch.Tensor, Batch]:
+        batch = Batch(
+            False,
+            self._tensor(pos, torch.int64),
+            self._tensor(slots, torch.int64),
+            torch.arange(len(ids), device=self.device),
+            tables=self._tensor(tables, torch.int32),
+            lengths=self._tensor([p + 1 for p in pos], torch.int32),
+            kernel=self.kernel,
+        )
+        return self._tensor(ids, torch.int64), batch
 
-    def _bcast(self, values: list[int]) -> list[int]:
-        if self.tp.size == 1:
-            return values
-        t = torch.tensor(values, dtype=torch.int64, device=self.device)
+    # ---- the broadcast of a step's composition (tp > 1) ----
+    def _send(self, prefill: bool, ids: torch.Tensor, batch: Batch) -> None:
+        n = batch.last.shape[0]
+        if prefill:
+            extra = [torch.tensor(batch.bounds, dtype=torch.int64, device=self.device)]
+            width = 0
+        else:
+            assert batch.tables is not None  # lengths follow from positions
+            width = batch.tables.shape[1]
+            extra = [batch.tables.long().flatten()]
+        self._bcast_header(OP_PREFILL if prefill else OP_DECODE, ids.shape[0], n, width)
+        dist.broadcast(torch.cat([ids, batch.positions, batch.slots, *extra]), src=0)
+
+    def _receive(
+        self, prefill: bool, tokens: int, seqs: int, width: int
+    ) -> tuple[torch.Tensor, Batch]:
+        size = 3 * tokens + (seqs + 1 if prefill else seqs * width)
+        flat = torch.empty(size, dtype=torch.int64, device=self.device)
+        dist.broadcast(flat, src=0)
+        ids, pos, slots = flat[:tokens], flat[tokens : 2 * tokens], flat[2 * tokens : 3 * tokens]
+        rest = flat[3 * tokens :]
+        if prefill:
+            return self._prefill_batch(ids.tolist(), pos.tolist(), slots.tolist(), rest.tolist())
+        tables = rest.view(seqs, width).tolist()
+        return self._decode_batch(ids.tolist(), pos.tolist(), slots.tolist(), tables)
+
+    def _bcast_header(self, op: int, tokens: int, seqs: int, width: int) -> list[int]:
+        t = torch.tensor([op, tokens, seqs, width], dtype=torch.int64, device=self.device)
         dist.broadcast(t, src=0)
         return [int(v) for v in t.tolist()]

@@ -1,7 +1,8 @@
 """The engine's HTTP face (aiohttp): completions, embeddings, health, metrics, and drain.
 
-The model runs on one worker thread, one request at a time; the event loop only parses,
-validates, queues and streams. Every response carries X-Holdfast-Engine/-Epoch/-Role so a
+The model runs on its own thread (`engine.batcher`: many requests per step; or one at a
+time for `--model-impl hf`); the event loop only parses, validates, submits and streams.
+A request past the engine's waiting bound gets 503 with Retry-After: busy, not broken. Every response carries X-Holdfast-Engine/-Epoch/-Role so a
 client (or the chaos suite) can tell which engine, under which epoch, answered.
 """
 
@@ -20,9 +21,10 @@ import structlog
 from aiohttp import web
 
 from engine import api
-from engine.errors import BadRequest, Unavailable
+from engine.batcher import Post
+from engine.errors import BadRequest, QueueFull, Unavailable
+from engine.job import Generation, Job, OnStep, Stats, Step
 from engine.metrics import Metrics
-from engine.runner import Generation, Job, OnStep, Step
 from engine.tokenizer import Tokenizer
 
 log = structlog.get_logger("engine.server")
@@ -32,12 +34,19 @@ ENDED_EARLY = "generation ended after its client left"
 
 class Model(Protocol):
     kind: str  # "generate" | "embed"
+    post: Post  # how the model thread hands callbacks to the event loop
 
-    def run(
+    def start(self) -> None: ...
+
+    def submit(
         self, job: Job, on_step: OnStep | None = None, cancel: threading.Event | None = None
-    ) -> Generation: ...
+    ) -> concurrent.futures.Future[Generation]: ...
 
     def embed(self, batch: list[list[int]]) -> list[list[float]]: ...
+
+    def wake(self) -> None: ...
+
+    def stats(self) -> Stats: ...
 
     def follow(self) -> int: ...
 
@@ -59,8 +68,6 @@ class EngineServer:
         self.model, self.tokenizer, self.limits, self.metrics = model, tokenizer, limits, metrics
         self.state = "starting"
         self.in_flight = 0
-        self.queued = 0
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model")
         self._idle = asyncio.Event()
         self._idle.set()
         self.on_state: Callable[[str], None] = lambda state: None
@@ -75,6 +82,15 @@ class EngineServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_text)
         return app
+
+    @property
+    def queued(self) -> int:
+        """Requests accepted that wait for the KV cache (or, one at a time, for the model)."""
+        return self.model.stats().waiting
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Model-thread callbacks (tokens, ends) run on this loop, one wakeup per step."""
+        self.model.post = loop.call_soon_threadsafe
 
     def set_state(self, state: str) -> None:
         self.state = state
@@ -100,47 +116,46 @@ class EngineServer:
             return False
         return True
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    def start(
+        self, job: Job, on_step: OnStep | None, cancel: threading.Event
+    ) -> asyncio.Future[Generation]:
+        """Submit a request to the model now (QueueFull and BadRequest raise here, before
+        any reply is started). It counts as in flight until the model is done with it, even
+        if its client leaves first: then `cancel` is set, and the model drops it before
+        its next step."""
+        fut = asyncio.wrap_future(self.model.submit(job, on_step, cancel))
+        self._begin()
+        fut.add_done_callback(self._end)
+        return fut
 
-    async def call_model(
-        self, fn: Callable[..., Any], *args: Any, cancel: threading.Event | None = None
-    ) -> Any:
-        """Run fn on the model thread. The request counts as queued until fn starts and in
-        flight until it returns, even if the caller is cancelled first (its client left):
-        then `cancel`, passed on to fn, is set, and the model stops at its next step."""
-        loop = asyncio.get_running_loop()
-        self.in_flight += 1
-        self.queued += 1
-        self._idle.clear()
-        started = False
-
-        def work() -> Any:
-            nonlocal started
-            started = True
-            loop.call_soon_threadsafe(self._started)
-            return fn(*args) if cancel is None else fn(*args, cancel=cancel)
-
-        def finished(_: asyncio.Future[Any]) -> None:
-            if not started:  # never ran: the pool was shut down
-                self.queued -= 1
-            self.in_flight -= 1
-            if self.in_flight == 0:
-                self._idle.set()
-
-        fut = loop.run_in_executor(self._pool, work)
-        fut.add_done_callback(finished)
+    async def generate(self, job: Job) -> Generation:
+        cancel = threading.Event()
+        fut = self.start(job, None, cancel)
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
-            if cancel is not None:
-                cancel.set()
-                log.info("client went away", stream=False)
-                fut.add_done_callback(self._ended_early)
+            cancel.set()
+            self.model.wake()
+            log.info("client went away", stream=False)
+            fut.add_done_callback(self._ended_early)
             raise
 
-    def _started(self) -> None:
-        self.queued -= 1
+    async def call_model(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a blocking model call (embeddings, a group stop) off the event loop."""
+        self._begin()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        finally:
+            self._end(None)
+
+    def _begin(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+
+    def _end(self, _: object) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
 
     # ---- middleware ----
     async def _stamp(self, request: web.Request, response: web.StreamResponse) -> None:
@@ -152,6 +167,9 @@ class EngineServer:
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             response = await handler(request)
+        except QueueFull as e:
+            response = _error(503, str(e), "overloaded")
+            response.headers["Retry-After"] = str(e.retry_after_s)
         except BadRequest as e:
             response = _error(400, str(e), "invalid_request_error")
         except Unavailable as e:
@@ -197,7 +215,7 @@ class EngineServer:
             role=self.role,
             epoch=self.epoch,
             in_flight=self.in_flight,
-            queued=self.queued,
+            stats=self.model.stats(),
         )
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
@@ -209,7 +227,7 @@ class EngineServer:
         if req.stream:
             return await self._stream(request, job)
         t0 = time.perf_counter()
-        gen: Generation = await self.call_model(self.model.run, job, cancel=threading.Event())
+        gen = await self.generate(job)
         self.metrics.add_tokens(len(gen.steps))
         log.info(
             "completion",
@@ -220,14 +238,9 @@ class EngineServer:
         return web.json_response(self._completion(gen, req.logprobs is not None))
 
     async def _stream(self, request: web.Request, job: Job) -> web.StreamResponse:
-        loop = asyncio.get_running_loop()
         steps: asyncio.Queue[Step | None] = asyncio.Queue()
-
-        def on_step(step: Step) -> None:
-            loop.call_soon_threadsafe(steps.put_nowait, step)
-
         cancel = threading.Event()  # set when the client leaves: the model stops next step
-        task = asyncio.ensure_future(self.call_model(self.model.run, job, on_step, cancel=cancel))
+        task = self.start(job, steps.put_nowait, cancel)
         task.add_done_callback(lambda _: steps.put_nowait(None))
         self._streams.add(task)  # owned here until done, even after the client leaves
         task.add_done_callback(self._streams.discard)
@@ -252,6 +265,7 @@ class EngineServer:
         finally:
             if not counted:  # the client left (or the handler was cancelled) mid-generation
                 cancel.set()
+                self.model.wake()
                 task.add_done_callback(self._ended_early)
         return resp
 

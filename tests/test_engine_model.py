@@ -10,6 +10,7 @@ import torch
 from cachedaemon.client import assign
 from cachedaemon.loader import load_state_dict
 from cachedaemon.quant import fp8_block_dequantize
+from engine.attention import Batch
 from engine.errors import ModelConfigError
 from engine.kvcache import KVCache
 from engine.model import LlamaForCausalLM, TPGroup
@@ -23,21 +24,45 @@ def build(model_dir: Path, *, quantization: str = "none") -> LlamaForCausalLM:
     return model
 
 
-def cache_for(model: LlamaForCausalLM, capacity: int = 64) -> KVCache:
-    a = model.args
-    return KVCache(
-        a.num_hidden_layers, a.num_key_value_heads, a.head_dim, capacity, torch.float32, "cpu"
-    )
+class Stream:
+    """One sequence through the paged cache (blocks 0, 1, ... in order, so slot = position):
+    the first call prefills, each later call feeds one token; each returns the last logits."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        a = model.args
+        self.model, self.pos = model, 0
+        self.cache = KVCache(
+            a.num_hidden_layers, a.num_key_value_heads, a.head_dim, 1, torch.float32, "cpu"
+        )
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        n, start = ids.shape[0], self.pos
+        positions = torch.arange(start, start + n)
+        if start == 0:
+            batch = Batch(True, positions, positions, torch.tensor([n - 1]), bounds=(0, n))
+        else:
+            assert n == 1
+            blocks = torch.arange(start // self.cache.block_size + 1, dtype=torch.int32)
+            batch = Batch(
+                False,
+                positions,
+                positions,
+                torch.tensor([0]),
+                tables=blocks[None],
+                lengths=torch.tensor([start + 1], dtype=torch.int32),
+            )
+        self.pos += n
+        return self.model(ids, batch, self.cache)[0]
 
 
 @torch.inference_mode()
 def test_decoding_with_the_cache_equals_recomputing_the_prefix(tiny_model: Path) -> None:
     model = build(tiny_model)
     ids = torch.tensor([5, 17, 99, 3, 250, 42, 7])
-    cache = cache_for(model)
-    steps = [model(ids[:4], cache)] + [model(ids[i : i + 1], cache) for i in range(4, 7)]
+    stream = Stream(model)
+    steps = [stream(ids[:4])] + [stream(ids[i : i + 1]) for i in range(4, 7)]
     for n, logits in zip(range(4, 8), steps, strict=True):
-        full = model(ids[:n], cache_for(model))
+        full = Stream(model)(ids[:n])
         torch.testing.assert_close(logits, full, rtol=1e-5, atol=1e-5)
 
 
@@ -54,9 +79,9 @@ def test_fp8_block_weights_stay_fp8_and_match_dequantized_ones(tiny_model: Path)
             w = fp8_block_dequantize(state[f"{name}.weight"], scale)
             module.weight = torch.nn.Parameter(w, requires_grad=False)
     ids = torch.tensor([1, 2, 3, 4, 5])
-    got, want = fp8(ids, cache_for(fp8)), reference(ids, cache_for(reference))
+    got, want = Stream(fp8)(ids), Stream(reference)(ids)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    plain = build(tiny_model)(ids, cache_for(fp8))
+    plain = Stream(build(tiny_model))(ids)
     assert not torch.equal(got, plain)  # the quantized pool really was used
 
 
@@ -106,7 +131,7 @@ def test_logits_equal_transformers(arch: str, tmp_path: Path) -> None:
     ours = build(tmp_path)
     ids = torch.randint(0, 256, (12,))
     want = hf(ids[None]).logits[0]
-    cache = cache_for(ours)
-    torch.testing.assert_close(ours(ids[:9], cache), want[8], rtol=1e-4, atol=1e-5)
+    stream = Stream(ours)
+    torch.testing.assert_close(stream(ids[:9]), want[8], rtol=1e-4, atol=1e-5)
     for t in range(9, 12):
-        torch.testing.assert_close(ours(ids[t : t + 1], cache), want[t], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(stream(ids[t : t + 1]), want[t], rtol=1e-4, atol=1e-5)

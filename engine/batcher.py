@@ -1,0 +1,179 @@
+"""The engine loop: continuous batching on one model thread.
+
+`submit` (any thread) queues a request and returns a future; the loop thread asks the
+scheduler for the next step, runs it on every rank through the runner, and hands each
+request its new token. Between steps requests join (admitted as KV blocks free up) and
+leave (EOS, max_tokens, or their client left), so the batch changes at every step.
+When there is no work the loop captures the next CUDA graph, if one is left, or sleeps
+until a request arrives.
+
+Callbacks for one step's tokens go out together through `post` (the server passes
+`loop.call_soon_threadsafe`), so a step of 128 requests costs the event loop one wakeup.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable
+
+import structlog
+
+from engine.errors import BadRequest, EngineError
+from engine.job import Generation, Job, OnStep, Stats, Step
+from engine.runner import Runner
+from engine.scheduler import Plan, Scheduler, Seq
+
+log = structlog.get_logger("engine.batcher")
+Post = Callable[[Callable[[], None]], object]
+CAPTURE_EVERY = 64  # steps: under non-stop load, still capture a graph now and then
+
+
+class Request:
+    def __init__(self, seq: Seq, on_step: OnStep | None) -> None:
+        self.seq, self.on_step = seq, on_step
+        self.future: concurrent.futures.Future[Generation] = concurrent.futures.Future()
+
+
+class BatchEngine:
+    kind = "generate"
+
+    def __init__(self, runner: Runner, scheduler: Scheduler) -> None:
+        self.runner, self.scheduler = runner, scheduler
+        self.post: Post = lambda fn: fn()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._requests: dict[int, Request] = {}
+        self._step_ms, self._steps = 0.0, 0
+        self._thread = threading.Thread(target=self._loop, name="model", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(
+        self, job: Job, on_step: OnStep | None = None, cancel: threading.Event | None = None
+    ) -> concurrent.futures.Future[Generation]:
+        """Queue a request (raises QueueFull past the waiting bound); its future completes
+        when it ends. `on_step` gets each token, through `post`."""
+        seq = Seq(
+            job.prompt,
+            job.max_tokens,
+            top_logprobs=job.top_logprobs,
+            ignore_eos=job.ignore_eos,
+            cancel=cancel,
+        )
+        if not self.scheduler.fits_ever(seq.kv_tokens):
+            raise BadRequest(
+                f"prompt ({len(job.prompt)} tokens) + `max_tokens` ({job.max_tokens}) needs "
+                f"more KV cache than this engine has ({self.runner.cache.tokens} tokens); "
+                "shorten the prompt or lower max_tokens (or raise the engine's --kv-cache-mb)"
+            )
+        request = Request(seq, on_step)
+        with self._lock:
+            if self._stopping:
+                raise EngineError("the engine loop has stopped")
+            self.scheduler.add(seq)
+            self._requests[seq.id] = request
+        self._wake.set()
+        return request.future
+
+    def run(
+        self, job: Job, on_step: OnStep | None = None, cancel: threading.Event | None = None
+    ) -> Generation:
+        """Blocking form of submit, for callers on their own thread."""
+        return self.submit(job, on_step, cancel).result()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stats(self) -> Stats:
+        s = self.scheduler
+        with self._lock:
+            return Stats(
+                len(s.running),
+                len(s.waiting),
+                s.pool.used,
+                s.pool.free,
+                s.max_running,
+                round(self._step_ms, 3),
+                self._steps,
+            )
+
+    def embed(self, batch: list[list[int]]) -> list[list[float]]:
+        return self.runner.embed(batch)
+
+    def follow(self) -> int:
+        return self.runner.follow()
+
+    def stop_followers(self) -> None:
+        """Stop the loop (requests still queued end as cancelled), then the other ranks."""
+        with self._lock:
+            self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self.runner.stop_followers()
+
+    # ---- the loop thread ----
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                if self._stopping:
+                    self.scheduler.abort_all("cancelled", self._done_now)
+                    return
+                self.scheduler.reap(self._done_now)
+                plan = self.scheduler.plan()
+            if plan is None:
+                if not self.runner.capture_next():
+                    self._wake.wait()
+                self._wake.clear()
+                continue
+            self._step(plan)
+            if self._steps % CAPTURE_EVERY == 0:
+                self.runner.capture_next()
+
+    def _step(self, plan: Plan) -> None:
+        t0 = time.perf_counter()
+        try:
+            steps = self.runner.step(plan)
+        except Exception as e:  # a bug in a step fails its requests, not the engine
+            log.exception("step failed", requests=len(plan.seqs), prefill=plan.prefill)
+            self._fail(plan, e)
+            return
+        out: list[Callable[[], None]] = []
+        with self._lock:
+            for seq, step in zip(plan.seqs, steps, strict=True):
+                self._tell(out, seq, step)
+            self.scheduler.record(plan, steps, lambda seq: out.append(self._finisher(seq)))
+            self._step_ms = (time.perf_counter() - t0) * 1e3
+            self._steps += 1
+        self.post(lambda: _run_all(out))
+
+    def _tell(self, out: list[Callable[[], None]], seq: Seq, step: Step) -> None:
+        on_step = self._requests[seq.id].on_step
+        if on_step is not None:
+            out.append(lambda: on_step(step))
+
+    def _finisher(self, seq: Seq) -> Callable[[], None]:
+        request = self._requests.pop(seq.id)
+        gen = Generation(len(seq.prompt), tuple(seq.out), seq.finish_reason)
+        return lambda: request.future.set_result(gen)
+
+    def _done_now(self, seq: Seq) -> None:
+        finish = self._finisher(seq)
+        self.post(finish)
+
+    def _fail(self, plan: Plan, error: Exception) -> None:
+        with self._lock:
+            for seq in plan.seqs:
+                self.scheduler.drop(seq)
+                request = self._requests.pop(seq.id, None)
+                if request is not None:
+                    request.future.set_exception(error)
+
+
+def _run_all(fns: list[Callable[[], None]]) -> None:
+    for fn in fns:
+        fn()

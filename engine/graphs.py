@@ -1,0 +1,103 @@
+"""CUDA graphs for the decode step, captured at a set of batch sizes.
+
+A decode step of a batch of n requests replays the graph of the smallest captured size
+>= n, its static inputs filled with the n requests and the rest padded: padded rows write
+their keys to the cache's scratch block and attend to one position there. Graphs are
+captured one at a time by the engine loop after the engine is ready, between steps, so a
+start is not held up by capture; a step whose size has no graph yet runs eagerly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+import torch
+
+from engine.attention import Batch
+from engine.kvcache import KVCache
+
+log = structlog.get_logger("engine.graphs")
+SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+StepFn = Callable[[torch.Tensor, Batch], torch.Tensor]
+
+
+class DecodeGraphs:
+    def __init__(
+        self, fn: StepFn, device: torch.device, cache: KVCache, max_batch: int, width: int
+    ) -> None:
+        self.fn = fn
+        self.sizes = [s for s in SIZES if s < max_batch] + [max_batch]
+        self.pending = sorted(self.sizes, reverse=True)  # largest first: its pool serves all
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.scratch_block, self.scratch_slot = cache.blocks, cache.scratch_slot
+        n = max_batch
+        self.ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slots = torch.full((n,), self.scratch_slot, dtype=torch.int64, device=device)
+        self.lengths = torch.ones(n, dtype=torch.int32, device=device)
+        self.tables = torch.full((n, width), self.scratch_block, dtype=torch.int32, device=device)
+        self.last = torch.arange(n, device=device)
+        self.capture_ms = 0.0
+        self.pool: Any = None  # the first graph's memory pool, shared by the others
+
+    def _batch(self, size: int) -> Batch:
+        return Batch(
+            False,
+            self.positions[:size],
+            self.slots[:size],
+            self.last[:size],
+            tables=self.tables[:size],
+            lengths=self.lengths[:size],
+            kernel=True,
+        )
+
+    @torch.inference_mode()
+    def capture_next(self) -> bool:
+        if not self.pending:
+            return False
+        size = self.pending.pop(0)
+        t0 = time.perf_counter()
+        self._pad(0)
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.fn(self.ids[:size], self._batch(size))  # warm-up outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.fn(self.ids[:size], self._batch(size))
+        self.pool = graph.pool()
+        self.graphs[size] = (graph, out)
+        ms = (time.perf_counter() - t0) * 1e3
+        self.capture_ms += ms
+        log.info("decode graph captured", batch=size, left=len(self.pending), ms=round(ms, 1))
+        if not self.pending:
+            log.info("decode graphs ready", sizes=sorted(self.graphs), ms=round(self.capture_ms, 1))
+        return True
+
+    def _pad(self, n: int) -> None:
+        self.ids[n:].zero_()
+        self.positions[n:].zero_()
+        self.slots[n:].fill_(self.scratch_slot)
+        self.lengths[n:].fill_(1)
+        self.tables[n:, :1].fill_(self.scratch_block)
+
+    def replay(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor | None:
+        """Run a decode step from its graph, or None if no captured size fits it."""
+        n = ids.shape[0]
+        size = next((s for s in sorted(self.graphs) if s >= n), None)
+        if size is None:
+            return None
+        assert batch.tables is not None and batch.lengths is not None
+        graph, out = self.graphs[size]
+        self.ids[:n].copy_(ids)
+        self.positions[:n].copy_(batch.positions)
+        self.slots[:n].copy_(batch.slots)
+        self.lengths[:n].copy_(batch.lengths)
+        self.tables[:n, : batch.tables.shape[1]].copy_(batch.tables)
+        self._pad(n)
+        graph.replay()
+        return out[:n]
