@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU machine, in one call. Writes logs and JSON under $OUT.
 #   bench/gpu_run.sh [env] [tests] [probe] [moe] [lifetime] [llama]   (default: all)
-# also: checksum-tests, llama-daemon, engine (the engine's GPU tests, then its startup bench)
+# also: checksum-tests, llama-daemon, engine (the engine's GPU tests, then its startup bench),
+#   batching (the batching GPU tests, then bench/engine_throughput.py with the transformers baseline)
 # Wheels for packages the GPU image lacks travel in .whl/ (carry it).
 set -uo pipefail
 OUT=${OUT:-/tmp/holdfast-out}; mkdir -p "$OUT"
@@ -45,6 +46,16 @@ for stage in $stages; do
       timeout 330 python3 bench/engine_startup.py --device cuda:0 --preset llama-8b \
         --model-dir /tmp/models/llama-8b --trials 3 --out "$OUT/h200_engine_startup_llama-8b.json" \
         2>&1 | tee "$OUT/engine_startup.txt" ;;
+    batching)  # batching GPU tests while llama-8b is written; then the throughput bench
+      ( timeout 300 python3 -m pytest -q -p no:cacheprovider -rA tests/test_cuda_batching.py \
+          tests/test_cuda_engine.py > "$OUT/batching_tests.txt" 2>&1; echo "exit $?" >> "$OUT/batching_tests.txt" ) &
+      tests=$!
+      [ -f /tmp/models/llama-8b/config.json ] || timeout 300 python3 -m cachedaemon \
+        make-checkpoint /tmp/models/llama-8b --preset llama-8b 2>&1 | tail -2
+      wait $tests; tail -25 "$OUT/batching_tests.txt"
+      timeout 420 python3 bench/engine_throughput.py --device cuda:0 --preset llama-8b \
+        --model-dir /tmp/models/llama-8b --concurrency 1,32,128 --kv-cache-mb 16384 --baseline \
+        --out "$OUT/h200_engine_throughput_llama-8b.json" 2>&1 | tee "$OUT/engine_throughput.txt" ;;
     imports)  # where the engine's import time goes on this machine
       { TIMEFORMAT="%R s"
         for i in 1 2 3; do echo -n "import torch: "; time python3 -c "import torch"; done
