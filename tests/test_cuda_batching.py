@@ -85,7 +85,7 @@ def test_graph_replay_equals_eager(tiny_model: Path) -> None:
             e.stop_followers()
     for a, b in zip(*out, strict=True):
         assert a.tokens == b.tokens
-        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.steps, b.steps)) < 1e-4
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.steps, b.steps, strict=True)) < 1e-4
 
 
 def test_bf16_batched_logprobs_within_tolerance(tiny_model: Path) -> None:
