@@ -45,6 +45,7 @@ class ChatRequest(api.Sampling, frozen=True):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     logprobs: bool | None = None
+    ignore_eos: bool = False
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 

@@ -20,6 +20,7 @@ from engine.tokenizer import Tokenizer
 class Reply:
     object_name = chunk_object = "text_completion"
     prefix = "cmpl-"
+    skip_special = False  # chat replies leave out special tokens (EOS, role markers)
 
     def __init__(self, model: str, tok: Tokenizer | None, stop: tuple[str, ...] = ()) -> None:
         self.model, self.tok, self.stop = model, tok, stop
@@ -37,7 +38,7 @@ class Reply:
         self.ids.append(token)
         if self.tok is None:
             return ""
-        full = self.tok.decode(self.ids)
+        full = self.tok.decode(self.ids, skip_special_tokens=self.skip_special)
         cut = min((i for s in self.stop if (i := full.find(s)) >= 0), default=None)
         if cut is not None:
             self.stopped = True
@@ -70,7 +71,11 @@ class Reply:
                 self.feed(token)
         elif not self.stopped:
             self.ids.extend(rest)
-            self.text = self.tok.decode(self.ids) if self.tok is not None else ""
+            self.text = (
+                self.tok.decode(self.ids, skip_special_tokens=self.skip_special)
+                if self.tok is not None
+                else ""
+            )
         return "stop" if self.stopped else gen.finish_reason
 
     def rest(self) -> str:
@@ -146,6 +151,7 @@ class CompletionReply(Reply):
 class ChatReply(Reply):
     object_name, chunk_object = "chat.completion", "chat.completion.chunk"
     prefix = "chatcmpl-"
+    skip_special = True
 
     def _delta(self, delta: dict[str, str], finish: str | None) -> dict[str, Any]:
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}

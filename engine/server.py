@@ -225,7 +225,7 @@ class EngineServer:
         self._check_serving("generate")
         req = api.decode_body(await request.read(), chat.ChatRequest)
         prompt, max_tokens = chat.chat_prompt(req, self.tokenizer, self.limits)
-        job = Job(tuple(prompt), max_tokens)
+        job = Job(tuple(prompt), max_tokens, 0, req.ignore_eos)
         out = ChatReply(self.model_id, self.tokenizer, api.stops(req.stop))
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage

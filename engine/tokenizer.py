@@ -152,8 +152,8 @@ class Tokenizer:
         finally:
             self._tok.no_truncation()
 
-    def decode(self, ids: list[int]) -> str:
-        text = str(self._tok.decode(ids, skip_special_tokens=False))
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
+        text = str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
         if self._clean_up:
             for before, after in CLEANUPS:
                 text = text.replace(before, after)
