@@ -13,6 +13,7 @@ from cachedaemon import protocol
 from cachedaemon.backends import Mapping, get_backend
 from cachedaemon.config import CacheConfig
 from cachedaemon.errors import CacheError, CacheMismatch, DaemonUnavailable
+from cachedaemon.hf import fill_buffers
 from cachedaemon.loader import load_state_dict
 from cachedaemon.pool import views
 
@@ -134,11 +135,17 @@ def assign(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> int:
         else:
             owner._buffers[leaf] = src
         nbytes += src.nbytes
+    device = next(iter(state.values())).device if state else torch.device("cpu")
+    filled = fill_buffers(module, device)  # not in any checkpoint: the model's init makes them
+    if filled:
+        log.info("buffers computed by the model's init", count=len(filled), first=filled[:3])
     left = [n for n, t in _slots(module) if t.is_meta]
     if left:
         raise CacheError(
             f"{len(left)} tensors still on the meta device after attach (first: {left[:3]}); "
-            "the checkpoint lacks them or names them differently"
+            "the checkpoint lacks them or names them differently. A buffer in no checkpoint "
+            "must be real before attach: build Hugging Face models with "
+            "cachedaemon.hf.empty_model(), others with parameters only on meta"
         )
     return nbytes
 

@@ -1,7 +1,8 @@
 """The HTTP request bodies this engine accepts, and their validation (400s that name fields).
 
-An OpenAI-compatible subset: unknown fields are ignored so stock clients work, decoding is
-always greedy. `prompt_token_ids`, `ignore_eos` and `token_ids` in replies are extensions.
+An OpenAI-compatible subset: unknown fields are ignored so stock clients work. Decoding is
+always greedy: sampling fields set to anything but their greedy value are refused by name.
+`prompt_token_ids`, `ignore_eos` and `token_ids` in replies are extensions.
 """
 
 from __future__ import annotations
@@ -11,19 +12,72 @@ from typing import TypeVar
 import msgspec
 
 from engine.errors import BadRequest
-from engine.runner import TOP_LOGPROBS_MAX
+from engine.job import TOP_LOGPROBS_MAX
 from engine.tokenizer import Tokenizer
 
 T = TypeVar("T")
+MAX_STOPS = 4
 
 
-class CompletionRequest(msgspec.Struct, frozen=True):
+class InvalidField(BadRequest):
+    """A 400 about one request field, named in the OpenAI error's `param`."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class Sampling(msgspec.Struct, frozen=True):
+    """OpenAI's sampling fields: accepted only at the values that mean greedy decoding."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    best_of: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+
+
+GREEDY: dict[str, tuple[object, ...]] = {
+    "temperature": (0,),
+    "top_p": (1,),
+    "n": (1,),
+    "best_of": (1,),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "top_k": (0, -1, 1),
+    "min_p": (0,),
+}
+
+
+def check_greedy(req: Sampling) -> None:
+    bad = [
+        f"{field}={value!r} (greedy: {allowed[0]})"
+        for field, allowed in GREEDY.items()
+        if (value := getattr(req, field)) is not None and value not in allowed
+    ]
+    if req.logit_bias:
+        bad.append("logit_bias (greedy: none)")
+    if bad:
+        raise InvalidField(
+            "this engine decodes greedily only; drop or set to greedy: " + ", ".join(bad),
+            bad[0].partition("=")[0].partition(" ")[0],
+        )
+
+
+class CompletionRequest(Sampling, frozen=True):
     prompt: str | list[int] | None = None
     prompt_token_ids: list[int] | None = None
     max_tokens: int = 16
     stream: bool = False
     logprobs: int | None = None
     ignore_eos: bool = False
+    stop: str | list[str] | None = None
 
 
 class EmbeddingRequest(msgspec.Struct, frozen=True):
@@ -48,7 +102,9 @@ def decode_body(body: bytes, kind: type[T]) -> T:
     return out
 
 
-def tokens(text_or_ids: str | list[int], tok: Tokenizer | None, field: str) -> list[int]:
+def tokens(
+    text_or_ids: str | list[int], tok: Tokenizer | None, field: str, max_length: int | None = None
+) -> list[int]:
     if isinstance(text_or_ids, list):
         return text_or_ids
     if tok is None:
@@ -56,7 +112,7 @@ def tokens(text_or_ids: str | list[int], tok: Tokenizer | None, field: str) -> l
             f"`{field}` is text but this checkpoint has no tokenizer.json; "
             "send token ids in `prompt_token_ids` instead"
         )
-    return tok.encode(text_or_ids)
+    return tok.encode(text_or_ids, max_length=max_length)
 
 
 def check_ids(ids: list[int], limits: Limits, field: str) -> None:
@@ -69,8 +125,34 @@ def check_ids(ids: list[int], limits: Limits, field: str) -> None:
         )
 
 
+def stops(stop: str | list[str] | None) -> tuple[str, ...]:
+    """The `stop` strings of a request (at most 4, none empty)."""
+    out = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(out) > MAX_STOPS or any(not s for s in out):
+        raise InvalidField(f"`stop` takes 1..{MAX_STOPS} non-empty strings", "stop")
+    return out
+
+
+def check_budget(prompt_len: int, max_tokens: int, limits: Limits, field: str) -> None:
+    if not 1 <= max_tokens <= limits.max_tokens_cap:
+        raise InvalidField(
+            f"`{field}` {max_tokens} must be in 1..{limits.max_tokens_cap} "
+            "(the engine's --max-tokens-cap)",
+            field,
+        )
+    if prompt_len + max_tokens > limits.max_model_len:
+        raise InvalidField(
+            f"prompt ({prompt_len} tokens) + `{field}` ({max_tokens}) exceeds "
+            f"the context length {limits.max_model_len}; shorten the prompt or "
+            f"lower {field}",
+            field,
+        )
+
+
 def completion_prompt(req: CompletionRequest, tok: Tokenizer | None, limits: Limits) -> list[int]:
     """The prompt's token ids, after every check a request can fail."""
+    check_greedy(req)
+    stops(req.stop)
     given = [
         (f, v)
         for f, v in (("prompt", req.prompt), ("prompt_token_ids", req.prompt_token_ids))
@@ -81,17 +163,7 @@ def completion_prompt(req: CompletionRequest, tok: Tokenizer | None, limits: Lim
     field, raw = given[0]
     ids = tokens(raw, tok, field)
     check_ids(ids, limits, field)
-    if not 1 <= req.max_tokens <= limits.max_tokens_cap:
-        raise BadRequest(
-            f"`max_tokens` {req.max_tokens} must be in 1..{limits.max_tokens_cap} "
-            "(the engine's --max-tokens-cap)"
-        )
-    if len(ids) + req.max_tokens > limits.max_model_len:
-        raise BadRequest(
-            f"prompt ({len(ids)} tokens) + `max_tokens` ({req.max_tokens}) exceeds "
-            f"the context length {limits.max_model_len}; shorten the prompt or "
-            "lower max_tokens"
-        )
+    check_budget(len(ids), req.max_tokens, limits, "max_tokens")
     if req.logprobs is not None and not 0 <= req.logprobs <= TOP_LOGPROBS_MAX:
         raise BadRequest(f"`logprobs` must be in 0..{TOP_LOGPROBS_MAX}")
     return ids
@@ -112,7 +184,8 @@ def embedding_inputs(
         items = [x for x in raw if not isinstance(x, int)]
     if not items:
         raise BadRequest("`input` is empty; send text, token ids, or a list of either")
-    out = [tokens(item, tok, "input") for item in items]
+    cap = tok.max_length if tok is not None else None  # sentence-transformers' max_seq_length
+    out = [tokens(item, tok, "input", cap) for item in items]
     for ids in out:
         check_ids(ids, limits, "input")
         if len(ids) > limits.max_model_len:

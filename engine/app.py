@@ -12,6 +12,7 @@ import signal
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 
 import msgspec
 import structlog
@@ -187,7 +188,14 @@ def run(cfg: EngineConfig, t0: float) -> int:
         metrics = Metrics()
         metrics.phases, metrics.weights_source = phases, source
         server = EngineServer(
-            cfg.name, cfg.role, cfg.epoch, model, load_tokenizer(cfg.model), limits, metrics
+            cfg.name,
+            cfg.role,
+            cfg.epoch,
+            model,
+            load_tokenizer(cfg.model),
+            limits,
+            metrics,
+            model_id=Path(cfg.model).name,
         )
         load.server = server
         return asyncio.run(serve(cfg, server, agent, watch, clock))

@@ -3,55 +3,23 @@
 Parameters are created on the meta device (buffers such as rotary frequencies are computed
 for real), then attached from the daemon or loaded from disk by name. Causal LMs serve
 greedy completions through HF's own forward with its KV cache; other models serve
-/v1/embeddings as the mean of the last hidden state over the input's tokens.
+/v1/embeddings, pooled as the checkpoint's sentence-transformers modules say
+(engine.pooling; the mean over the input's tokens when it has none).
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
+from cachedaemon.errors import CacheError
+from cachedaemon.hf import empty_model, model_class
 from engine.errors import BadRequest, ModelConfigError
-from engine.runner import Generation, Job, OnStep, Step
-
-
-@contextlib.contextmanager
-def params_on_meta() -> Iterator[None]:
-    """Every nn.Parameter registered inside lands on meta; buffers stay real."""
-    original = nn.Module.register_parameter
-
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and not param.is_meta:  # a tied (shared) one is already meta
-            param = nn.Parameter(param.to("meta"), requires_grad=False)
-        original(module, name, param)
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
-
-
-def _model_class(config: Any) -> tuple[Any, str]:
-    import transformers
-
-    archs = list(getattr(config, "architectures", None) or [])
-    for arch in archs:
-        cls = getattr(transformers, arch, None)
-        if cls is not None:
-            return cls, "generate" if arch.endswith("ForCausalLM") else "embed"
-    if archs:
-        raise ModelConfigError(
-            f"config.json architectures={archs} are not in transformers "
-            f"{transformers.__version__}; upgrade transformers"
-        )
-    return transformers.AutoModel, "embed"
+from engine.job import Generation, Job, OnStep, Step
+from engine.pooling import pool, read_pooling
 
 
 class HFModel:
@@ -60,21 +28,16 @@ class HFModel:
 
         self.device = device
         config = AutoConfig.from_pretrained(str(model_dir))
-        cls, self.kind = _model_class(config)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
         try:
-            with params_on_meta(), torch.device(device):
-                self.module: nn.Module = (
-                    cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
-                )
-        finally:
-            torch.set_default_dtype(previous)
-        self.module.eval()
-        self.tie()  # tied weights share one meta tensor, so one checkpoint entry fills both
+            _, self.kind = model_class(config)
+            self.module: nn.Module = empty_model(model_dir, dtype, device)
+        except CacheError as e:
+            raise ModelConfigError(str(e)) from e
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.vocab_size = int(text.vocab_size)
         self.max_len = int(getattr(text, "max_position_embeddings", 2048) or 2048)
+        self.pad_id = int(getattr(text, "pad_token_id", None) or 0)
+        self.pooling = read_pooling(model_dir)
         eos = getattr(config, "eos_token_id", None)
         self.eos = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
@@ -126,13 +89,19 @@ class HFModel:
 
     @torch.inference_mode()
     def embed(self, batch: list[list[int]]) -> list[list[float]]:
+        """One forward pass over the batch, right-padded with an attention mask, pooled
+        as the checkpoint's sentence-transformers modules say."""
         if self.kind != "embed":
-            raise BadRequest("this model serves /v1/completions only")
-        out = []
-        for ids in batch:
-            x = torch.tensor([ids], dtype=torch.int64, device=self.device)
-            hidden = self.module(input_ids=x).last_hidden_state[0]
-            out.append(hidden.float().mean(dim=0).tolist())
+            raise BadRequest("this model serves /v1/completions and /v1/chat/completions only")
+        longest = max(map(len, batch))
+        ids = torch.full((len(batch), longest), self.pad_id, dtype=torch.int64)
+        mask = torch.zeros((len(batch), longest), dtype=torch.int64)
+        for i, item in enumerate(batch):
+            ids[i, : len(item)] = torch.tensor(item)
+            mask[i, : len(item)] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        hidden = self.module(input_ids=ids, attention_mask=mask).last_hidden_state
+        out: list[list[float]] = pool(hidden, mask, self.pooling).tolist()
         return out
 
     def follow(self) -> int:

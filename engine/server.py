@@ -13,18 +13,18 @@ import concurrent.futures
 import json
 import threading
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import structlog
 from aiohttp import web
 
-from engine import api
+from engine import api, chat
 from engine.batcher import Post
 from engine.errors import BadRequest, QueueFull, Unavailable
 from engine.job import Generation, Job, OnStep, Stats, Step
 from engine.metrics import Metrics
+from engine.replies import ChatReply, CompletionReply, Reply
 from engine.tokenizer import Tokenizer
 
 log = structlog.get_logger("engine.server")
@@ -63,8 +63,10 @@ class EngineServer:
         tokenizer: Tokenizer | None,
         limits: api.Limits,
         metrics: Metrics,
+        model_id: str = "",
     ) -> None:
         self.name, self.role, self.epoch = name, role, epoch
+        self.model_id = model_id or name  # what /v1/models lists and replies name
         self.model, self.tokenizer, self.limits, self.metrics = model, tokenizer, limits, metrics
         self.state = "starting"
         self.in_flight = 0
@@ -78,6 +80,8 @@ class EngineServer:
         app = web.Application(middlewares=[self._errors], client_max_size=16 << 20)
         app.on_response_prepare.append(self._stamp)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_text)
@@ -128,9 +132,11 @@ class EngineServer:
         fut.add_done_callback(self._end)
         return fut
 
-    async def generate(self, job: Job) -> Generation:
-        cancel = threading.Event()
-        fut = self.start(job, None, cancel)
+    async def generate(
+        self, job: Job, on_step: OnStep | None = None, cancel: threading.Event | None = None
+    ) -> Generation:
+        cancel = cancel if cancel is not None else threading.Event()
+        fut = self.start(job, on_step, cancel)
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -171,7 +177,7 @@ class EngineServer:
             response = _error(503, str(e), "overloaded")
             response.headers["Retry-After"] = str(e.retry_after_s)
         except BadRequest as e:
-            response = _error(400, str(e), "invalid_request_error")
+            response = _error(400, str(e), "invalid_request_error", getattr(e, "param", None))
         except Unavailable as e:
             response = _error(503, str(e), "unavailable")
         except web.HTTPException as e:
@@ -193,7 +199,11 @@ class EngineServer:
                 f"(`supervisor promote {self.name}`)"
             )
         if self.model.kind != kind:
-            what = "/v1/embeddings" if self.model.kind == "embed" else "/v1/completions"
+            what = (
+                "/v1/embeddings"
+                if self.model.kind == "embed"
+                else "/v1/completions and /v1/chat/completions"
+            )
             raise BadRequest(f"this model serves {what} only")
 
     # ---- handlers ----
@@ -224,20 +234,50 @@ class EngineServer:
         req = api.decode_body(await request.read(), api.CompletionRequest)
         prompt = api.completion_prompt(req, self.tokenizer, self.limits)
         job = Job(tuple(prompt), req.max_tokens, req.logprobs or 0, req.ignore_eos)
+        out = CompletionReply(
+            self.model_id, self.tokenizer, api.stops(req.stop), req.logprobs is not None
+        )
         if req.stream:
-            return await self._stream(request, job)
+            return await self._stream(request, job, out)
+        return web.json_response(await self._generate(job, out))
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        self._check_serving("generate")
+        req = api.decode_body(await request.read(), chat.ChatRequest)
+        prompt, max_tokens = chat.chat_prompt(req, self.tokenizer, self.limits)
+        job = Job(tuple(prompt), max_tokens, 0, req.ignore_eos)
+        out = ChatReply(self.model_id, self.tokenizer, api.stops(req.stop))
+        if req.stream:
+            usage = req.stream_options is not None and req.stream_options.include_usage
+            return await self._stream(request, job, out, usage)
+        return web.json_response(await self._generate(job, out))
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(chat.models_body(self.model_id))
+
+    async def _generate(self, job: Job, out: Reply) -> dict[str, Any]:
+        """One generation, not streamed: the reply's body. A stop string cancels it."""
         t0 = time.perf_counter()
-        gen = await self.generate(job)
+        cancel = threading.Event()
+
+        def on_step(step: Step) -> None:
+            out.feed(step.token)
+            if out.stopped:
+                cancel.set()
+
+        gen = await self.generate(job, on_step if out.stop else None, cancel)
         self.metrics.add_tokens(len(gen.steps))
         log.info(
             "completion",
-            prompt=len(prompt),
+            prompt=len(job.prompt),
             tokens=len(gen.steps),
             ms=round((time.perf_counter() - t0) * 1e3, 1),
         )
-        return web.json_response(self._completion(gen, req.logprobs is not None))
+        return out.body(gen)
 
-    async def _stream(self, request: web.Request, job: Job) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, job: Job, out: Reply, usage: bool = False
+    ) -> web.StreamResponse:
         steps: asyncio.Queue[Step | None] = asyncio.Queue()
         cancel = threading.Event()  # set when the client leaves: the model stops next step
         task = self.start(job, steps.put_nowait, cancel)
@@ -247,21 +287,28 @@ class EngineServer:
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
-        rid, done, text, counted = _rid(), [], "", False
+        counted = False
         try:
             await resp.prepare(request)
+            for body in out.start():
+                await _sse(resp, body)
             while (step := await steps.get()) is not None:
-                done.append(step.token)
-                piece, text = self._delta(done, text)
-                await _sse(resp, _chunk(rid, self.name, piece, [step.token], None))
+                if out.stopped:  # a stop string ended it; the model stops next step
+                    continue
+                piece = out.feed(step.token)
+                if out.stopped:
+                    cancel.set()
+                for body in out.chunk(piece, step.token):
+                    await _sse(resp, body)
             gen: Generation = await task
             self.metrics.add_tokens(len(gen.steps))
             counted = True
-            await _sse(resp, _chunk(rid, self.name, "", [], gen.finish_reason))
+            for body in out.end(gen, usage):
+                await _sse(resp, body)
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionResetError:
-            log.info("client went away", stream=True, tokens=len(done))
+            log.info("client went away", stream=True, tokens=len(out.ids))
         finally:
             if not counted:  # the client left (or the handler was cancelled) mid-generation
                 cancel.set()
@@ -291,61 +338,11 @@ class EngineServer:
             }
         )
 
-    # ---- bodies ----
-    def _delta(self, ids: list[int], before: str) -> tuple[str, str]:
-        if self.tokenizer is None:
-            return "", ""
-        text = self.tokenizer.decode(ids)
-        return text[len(before) :], text
 
-    def _completion(self, gen: Generation, with_logprobs: bool) -> dict[str, Any]:
-        text = self.tokenizer.decode(gen.tokens) if self.tokenizer else ""
-        choice = {
-            "index": 0,
-            "text": text,
-            "token_ids": gen.tokens,
-            "logprobs": _logprobs(gen) if with_logprobs else None,
-            "finish_reason": gen.finish_reason,
-        }
-        n = len(gen.steps)
-        return {
-            "id": _rid(),
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.name,
-            "choices": [choice],
-            "usage": {
-                "prompt_tokens": gen.prompt_tokens,
-                "completion_tokens": n,
-                "total_tokens": gen.prompt_tokens + n,
-            },
-        }
-
-
-def _rid() -> str:
-    return "cmpl-" + uuid.uuid4().hex[:24]
-
-
-def _error(status: int, message: str, kind: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind}}, status=status)
-
-
-def _logprobs(gen: Generation) -> dict[str, Any]:
-    return {
-        "tokens": [str(s.token) for s in gen.steps],
-        "token_logprobs": [s.logprob for s in gen.steps],
-        "top_logprobs": [{str(t): lp for t, lp in s.top} for s in gen.steps],
-    }
-
-
-def _chunk(rid: str, model: str, text: str, ids: list[int], finish: str | None) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "token_ids": ids, "finish_reason": finish}],
-    }
+def _error(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
+    """OpenAI's error shape."""
+    error = {"message": message, "type": kind, "param": param, "code": None}
+    return web.json_response({"error": error}, status=status)
 
 
 async def _sse(resp: web.StreamResponse, body: dict[str, Any]) -> None:

@@ -1,0 +1,125 @@
+"""Hugging Face transformers models, built to be attached: parameters on meta, buffers real.
+
+    model = empty_model("/models/llama", torch.bfloat16)    # no memory for weights
+    attach_model(model, "/run/daemon-0.sock", make_config("/models/llama", dtype="bfloat16"))
+
+Non-persistent buffers (rotary frequencies, position ids, token type ids) are in no
+checkpoint; here they are computed by the model's own constructor, for real. A model built
+entirely under `torch.device("meta")` works too: `attach_model` fills such buffers from the
+model's own init (`fill_buffers`). Needs the `hf` extra (transformers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from cachedaemon.errors import CacheError
+
+
+@contextlib.contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Every nn.Parameter registered inside lands on meta; buffers stay real."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:  # a tied (shared) one is already meta
+            param = nn.Parameter(param.to("meta"), requires_grad=False)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def model_class(config: Any) -> tuple[Any, str]:
+    """The transformers class of config.json's architecture, and "generate" for a causal
+    LM or "embed" for anything else (AutoModel when no architecture is named)."""
+    import transformers
+
+    archs = list(getattr(config, "architectures", None) or [])
+    for arch in archs:
+        cls = getattr(transformers, arch, None)
+        if cls is not None:
+            return cls, "generate" if arch.endswith("ForCausalLM") else "embed"
+    if archs:
+        raise CacheError(
+            f"config.json architectures={archs} are not in transformers "
+            f"{transformers.__version__}; upgrade transformers"
+        )
+    return transformers.AutoModel, "embed"
+
+
+def empty_model(
+    model_dir: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> nn.Module:
+    """The checkpoint's transformers model in eval mode: parameters on meta (to attach),
+    buffers computed on `device`, tied weights tied."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    cls, _ = model_class(config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with params_on_meta(), torch.device(device):
+            module: nn.Module = (
+                cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
+            )
+    finally:
+        torch.set_default_dtype(previous)
+    tie_weights = getattr(module, "tie_weights", None)
+    if callable(tie_weights):
+        tie_weights()  # tied weights share one meta tensor: one checkpoint entry fills both
+    return module.eval()
+
+
+def _init_owner(root: nn.Module, name: str) -> Any:
+    """The `_init_weights` of the nearest transformers model above `name`, or None."""
+    parts = name.split(".")
+    for i in range(len(parts), -1, -1):
+        owner = root.get_submodule(".".join(parts[:i]))
+        init = getattr(owner, "_init_weights", None)
+        if callable(init):
+            return init
+    return None
+
+
+def fill_buffers(root: nn.Module, device: torch.device) -> list[str]:
+    """Non-persistent buffers still on meta, made real on `device` by the model's own
+    init (transformers' `_init_weights`, which computes them). The names it filled.
+
+    The init sees only the buffers: the module's own parameters (views of a read-only pool
+    by now) are swapped for meta stand-ins while it runs, so it can never write to them.
+    """
+    filled = []
+    for name, module in root.named_modules():
+        missing = [
+            (leaf, buf)
+            for leaf, buf in module._buffers.items()
+            if buf is not None and buf.is_meta and leaf in module._non_persistent_buffers_set
+        ]
+        init = _init_owner(root, name) if missing else None
+        if init is None:
+            continue
+        for leaf, buf in missing:
+            module._buffers[leaf] = torch.zeros(buf.shape, dtype=buf.dtype, device=device)
+        params = module._parameters
+        module._parameters = {
+            k: None if v is None else nn.Parameter(v.to("meta"), requires_grad=False)
+            for k, v in params.items()
+        }
+        try:
+            with torch.no_grad():
+                init(module)
+        finally:
+            module._parameters = params
+        filled += [f"{name}.{leaf}" if name else leaf for leaf, _ in missing]
+    return filled

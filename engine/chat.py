@@ -1,0 +1,180 @@
+"""OpenAI chat completions: the request, the checkpoint's chat template, and the reply shapes.
+
+The template is rendered with jinja2 the way transformers' `apply_chat_template` renders it
+(sandboxed, trim_blocks + lstrip_blocks, loop controls, its `tojson`, `raise_exception` and
+`strftime_now`, the special tokens as variables, `add_generation_prompt=True`), and the
+result is encoded without adding special tokens, as transformers does.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from datetime import datetime
+from typing import Any
+
+import msgspec
+
+from engine import api
+from engine.errors import BadRequest
+from engine.tokenizer import Tokenizer
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class TextPart(msgspec.Struct, frozen=True):
+    type: str
+    text: str | None = None
+
+
+class Message(msgspec.Struct, frozen=True):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(msgspec.Struct, frozen=True):
+    include_usage: bool = False
+
+
+class ChatRequest(api.Sampling, frozen=True):
+    messages: list[Message] = []
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    logprobs: bool | None = None
+    ignore_eos: bool = False
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+@functools.lru_cache(maxsize=8)
+def compile_template(source: str) -> Any:
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        """`{% generation %}...{% endgeneration %}` renders its body (transformers marks
+        assistant tokens with it; serving needs only the text)."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            call = self.call_method("_body")
+            return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return str(caller())
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def render(template: str, messages: list[dict[str, Any]], specials: dict[str, str]) -> str:
+    """The prompt text, as `apply_chat_template(messages, add_generation_prompt=True,
+    tokenize=False)` gives it."""
+    import jinja2
+
+    try:
+        text: str = compile_template(template).render(
+            messages=messages, add_generation_prompt=True, **specials
+        )
+    except jinja2.exceptions.TemplateError as e:
+        raise BadRequest(f"the checkpoint's chat template refused the messages: {e}") from None
+    return text
+
+
+def _content(message: Message, index: int) -> str:
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    texts = []
+    for part in message.content:
+        if part.type != "text" or part.text is None:
+            raise api.InvalidField(
+                f"messages[{index}].content has a {part.type!r} part; this engine takes text only",
+                f"messages[{index}].content",
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def message_dicts(messages: list[Message]) -> list[dict[str, Any]]:
+    if not messages:
+        raise api.InvalidField("`messages` is empty; send at least one message", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            raise api.InvalidField(
+                f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}",
+                f"messages[{i}].role",
+            )
+        d: dict[str, Any] = {"role": m.role, "content": _content(m, i)}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def _unsupported(req: ChatRequest) -> None:
+    for field, value in (("tools", req.tools), ("logprobs", req.logprobs or None)):
+        if value:
+            raise api.InvalidField(f"`{field}` is not supported by this engine", field)
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise api.InvalidField(
+            "`response_format` other than text is not supported by this engine", "response_format"
+        )
+
+
+def chat_prompt(
+    req: ChatRequest, tok: Tokenizer | None, limits: api.Limits
+) -> tuple[list[int], int]:
+    """The prompt's token ids and max_tokens, after every check a chat request can fail."""
+    api.check_greedy(req)
+    _unsupported(req)
+    messages = message_dicts(req.messages)
+    if tok is None or tok.chat_template is None:
+        raise BadRequest(
+            "this checkpoint has no chat template (no `chat_template` in tokenizer_config.json, "
+            "no chat_template.jinja); use /v1/completions with a prompt you format yourself"
+        )
+    text = render(tok.chat_template, messages, tok.special_tokens)
+    ids = tok.encode(text, add_special_tokens=False)
+    api.check_ids(ids, limits, "messages")
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    if max_tokens is None:  # OpenAI's default: as many as fit
+        max_tokens = max(1, min(limits.max_tokens_cap, limits.max_model_len - len(ids)))
+    api.check_budget(len(ids), max_tokens, limits, "max_completion_tokens")
+    return ids, max_tokens
+
+
+def models_body(model_id: str) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "holdfast"}],
+    }
