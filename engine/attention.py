@@ -2,8 +2,9 @@
 
 - `Batch` is what one model step needs besides the token ids: positions, the cache slot of
   every token, and for a decode step each request's block table and context length.
-- Prefill: a request's prompt attends only to itself (causal SDPA per request); its keys and
-  values are written to its slots on the way.
+- Prefill: a request's prompt attends only to itself (causal SDPA); its keys and values are
+  written to its slots on the way. One step may prefill new prompts and decode running
+  requests together (prompts first in the token axis).
 - Decode: one query per request against its cached keys. On CUDA a Triton kernel reads the
   blocks in place (no gather, no host sync, so the step can be captured in a CUDA graph);
   elsewhere each request's blocks are gathered and fed to SDPA. Both compute the same
@@ -22,18 +23,23 @@ from engine.paged_decode import paged_decode, triton_ready
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Batch:
-    """One step's inputs besides ids. Prefill: `bounds` are the prompts' offsets in the
-    flat token axis (host ints). Decode: one token per request, with `tables` (requests,
-    max blocks) int32 and `lengths` (requests,) int32 context lengths, token included."""
+    """One step's inputs besides ids. The first `bounds[-1]` tokens are prompts being
+    prefilled (`bounds`: each prompt's offset, host ints); the rest decode one token per
+    request, with `tables` (requests, max blocks) and `lengths` (requests,), int64,
+    context lengths, token included. `triton`: use the CUDA kernels (engine.fused,
+    engine.paged_decode) for this step."""
 
-    prefill: bool
     positions: torch.Tensor
     slots: torch.Tensor
     last: torch.Tensor  # index of each request's last token in the flat axis
-    bounds: tuple[int, ...] = ()
+    bounds: tuple[int, ...] = (0,)
     tables: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
-    kernel: bool = False  # decode with the Triton kernel (CUDA)
+    triton: bool = False
+
+    @property
+    def prefill_tokens(self) -> int:
+        return self.bounds[-1]
 
 
 def store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
@@ -53,21 +59,50 @@ def attend(
     """q (tokens, heads, dim), k/v (tokens, kv_heads, dim) -> (tokens, heads, dim)."""
     store(k_cache, batch.slots, k)
     store(v_cache, batch.slots, v)
-    if batch.prefill:
-        return _prefill(q, k, v, batch.bounds)
+    split = batch.prefill_tokens
+    if split == q.shape[0]:
+        return _prefill(q, k, v, batch.bounds, batch.triton)
     assert batch.tables is not None and batch.lengths is not None
-    if batch.kernel:
-        return paged_decode(q, k_cache, v_cache, batch.tables, batch.lengths)
-    return _decode_gather(q, k_cache, v_cache, batch.tables, batch.lengths)
+    decode = paged_decode if batch.triton else _decode_gather
+    if split == 0:
+        return decode(q, k_cache, v_cache, batch.tables, batch.lengths)
+    out = torch.empty_like(q)
+    out[:split] = _prefill(q[:split], k[:split], v[:split], batch.bounds, batch.triton)
+    out[split:] = decode(q[split:], k_cache, v_cache, batch.tables, batch.lengths)
+    return out
 
 
 def _prefill(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: tuple[int, ...]
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: tuple[int, ...], padded: bool
 ) -> torch.Tensor:
+    """Each prompt attends causally to itself. On CUDA (`padded`) the prompts go through one
+    SDPA call, padded to the longest (padding sits after each prompt, so the causal mask
+    keeps real tokens off it); on CPU one call per prompt, so a request gets the same bits
+    whatever it is batched with."""
+    lens = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    if padded and len(lens) > 1:
+        return _prefill_padded(q, k, v, bounds, lens)
     out = torch.empty_like(q)
     for a, b in zip(bounds[:-1], bounds[1:], strict=True):
         out[a:b] = _sdpa(q[a:b], k[a:b], v[a:b], causal=True)
     return out
+
+
+def _prefill_padded(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: tuple[int, ...], lens: list[int]
+) -> torch.Tensor:
+    n, width = len(lens), max(lens)
+    where = torch.tensor(
+        [i * width + t for i, m in enumerate(lens) for t in range(m)], device=q.device
+    )
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros(n * width, *x.shape[1:])
+        out.index_copy_(0, where, x)
+        return out.view(n, width, *x.shape[1:]).transpose(1, 2)
+
+    o = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True, enable_gqa=True)
+    return o.transpose(1, 2).reshape(n * width, *q.shape[1:]).index_select(0, where)
 
 
 def _decode_gather(

@@ -139,7 +139,7 @@ class BatchEngine:
         try:
             steps = self.runner.step(plan)
         except Exception as e:  # a bug in a step fails its requests, not the engine
-            log.exception("step failed", requests=len(plan.seqs), prefill=plan.prefill)
+            log.exception("step failed", requests=len(plan.seqs), prefill=len(plan.prefill))
             self._fail(plan, e)
             return
         out: list[Callable[[], None]] = []

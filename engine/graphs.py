@@ -37,21 +37,20 @@ class DecodeGraphs:
         self.ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.slots = torch.full((n,), self.scratch_slot, dtype=torch.int64, device=device)
-        self.lengths = torch.ones(n, dtype=torch.int32, device=device)
-        self.tables = torch.full((n, width), self.scratch_block, dtype=torch.int32, device=device)
+        self.lengths = torch.ones(n, dtype=torch.int64, device=device)
+        self.tables = torch.full((n, width), self.scratch_block, dtype=torch.int64, device=device)
         self.last = torch.arange(n, device=device)
         self.capture_ms = 0.0
         self.pool: Any = None  # the first graph's memory pool, shared by the others
 
     def _batch(self, size: int) -> Batch:
         return Batch(
-            False,
             self.positions[:size],
             self.slots[:size],
             self.last[:size],
             tables=self.tables[:size],
             lengths=self.lengths[:size],
-            kernel=True,
+            triton=True,
         )
 
     @torch.inference_mode()

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from engine import fused
 from engine.attention import Batch, attend
 from engine.kvcache import KVCache
 from engine.modelargs import ModelArgs
@@ -82,9 +83,17 @@ class RMSNorm(nn.Module):
         self.weight = _meta(dim, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return fused.rms_norm_torch(x, self.weight, self.eps)
+
+    def add_forward(
+        self, x: torch.Tensor, delta: torch.Tensor | None, triton: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + delta), x + delta), in one kernel when `triton`."""
+        if triton:
+            return fused.add_rms_norm(x, delta, self.weight, self.eps)
+        if delta is not None:
+            x = x + delta
+        return self.forward(x), x
 
 
 def inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -106,12 +115,6 @@ def inv_freq(args: ModelArgs) -> torch.Tensor:
     return torch.where(is_mid, mid, scaled)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class Attention(nn.Module):
     def __init__(self, a: ModelArgs, tp: TPGroup, dtype: torch.dtype, fp8: bool) -> None:
         super().__init__()
@@ -131,6 +134,7 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch, kv: KVPair
     ) -> torch.Tensor:
         n = x.shape[0]
+        rotate = fused.rotary_ if batch.triton else fused.rotate_torch
         q = rotate(self.q_proj(x).view(n, self.heads, self.head_dim), cos, sin)
         k = rotate(self.k_proj(x).view(n, self.kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
@@ -147,8 +151,9 @@ class MLP(nn.Module):
         self.up_proj = Linear(inter, a.hidden_size, dtype, fp8=fp8)
         self.down_proj = Linear(a.hidden_size, inter, dtype, fp8=fp8)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+    def forward(self, x: torch.Tensor, triton: bool = False) -> torch.Tensor:
+        act = fused.silu_mul if triton else fused.silu_mul_torch
+        return self.tp.all_reduce(self.down_proj(act(self.gate_proj(x), self.up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
@@ -162,8 +167,10 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch, kv: KVPair
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv)
-        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        h, _ = self.input_layernorm.add_forward(x, None, batch.triton)
+        attn = self.self_attn(h, cos, sin, batch, kv)
+        h, x = self.post_attention_layernorm.add_forward(x, attn, batch.triton)
+        out: torch.Tensor = x + self.mlp(h, batch.triton)
         return out
 
 
@@ -226,6 +233,6 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(ids)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, batch, (cache.k[i], cache.v[i]))
-        h = self.model.norm(x.index_select(0, batch.last))
+        h, _ = self.model.norm.add_forward(x.index_select(0, batch.last), None, batch.triton)
         head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         return self.tp.all_gather_last(F.linear(h, head)).float()

@@ -29,7 +29,7 @@ from engine.scheduler import Plan, Seq
 __all__ = ["TOP_LOGPROBS_MAX", "Generation", "Job", "OnStep", "Runner", "Step"]
 
 log = structlog.get_logger("engine.runner")
-OP_PREFILL, OP_DECODE, OP_STOP = 1, 2, 3
+OP_STEP, OP_STOP = 1, 2
 
 
 def sample(logits: torch.Tensor) -> torch.Tensor:
@@ -80,7 +80,7 @@ class Runner:
         ids, batch = self._inputs(plan)
         try:
             if self.tp.size > 1:
-                self._send(plan.prefill, ids, batch)
+                self._send(plan, ids, batch)
             packed = self._run(ids, batch)
         except RuntimeError as e:  # a rank is gone: this group can never compute again
             if self.tp.size == 1:
@@ -91,12 +91,14 @@ class Runner:
         return [unpack(row, seq.top_logprobs) for row, seq in zip(rows, plan.seqs, strict=True)]
 
     def warmup(self) -> None:
-        """A prefill and a decode of one request on every rank (no broadcast: all call it)."""
+        """A prefill and a decode of one request on every rank (no broadcast: all call it).
+        Eager torch ops only: Triton kernels compile when the first graph is captured,
+        after ready."""
         seq = Seq((0,), 2, ignore_eos=True)
         seq.blocks = [self.cache.blocks]  # the scratch block: no request's keys are touched
-        first = Plan(True, (seq,))
-        seq.out.append(unpack(self._run(*self._inputs(first)).tolist()[0], 0))
-        self._run(*self._inputs(Plan(False, (seq,))))
+        ids, batch = self._inputs(Plan(prefill=(seq,)), triton=False)
+        seq.out.append(unpack(self._decode_and_sample(ids, batch).tolist()[0], 0))
+        self._decode_and_sample(*self._inputs(Plan(decode=(seq,)), triton=False))
 
     def capture_next(self) -> bool:
         """Capture one more decode graph, if any is left; True if one was captured."""
@@ -104,18 +106,17 @@ class Runner:
 
     def stop_followers(self) -> None:
         if self.tp.size > 1:
-            self._bcast_header(OP_STOP, 0, 0, 0)
+            self._bcast_header(OP_STOP, 0, 0, 0, 0)
 
     # ---- ranks > 0 ----
     def follow(self) -> int:
         """Run rank 0's steps until it says stop (0) or is gone (3): the exit status."""
         try:
             while True:
-                op, tokens, seqs, width = self._bcast_header(0, 0, 0, 0)
+                op, tokens, prompts, decodes, width = self._bcast_header(0, 0, 0, 0, 0)
                 if op == OP_STOP:
                     return 0
-                ids, batch = self._receive(op == OP_PREFILL, tokens, seqs, width)
-                self._run(ids, batch)
+                self._run(*self._receive(tokens, prompts, decodes, width))
         except RuntimeError as e:
             log.critical("rank 0 is gone; exiting", error=str(e))
             return 3
@@ -123,7 +124,7 @@ class Runner:
     # ---- all ranks ----
     @torch.inference_mode()
     def _run(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor:
-        if not batch.prefill and self.graphs is not None:
+        if batch.prefill_tokens == 0 and self.graphs is not None:
             out = self.graphs.replay(ids, batch)
             if out is not None:
                 return out
@@ -132,82 +133,74 @@ class Runner:
     def _decode_and_sample(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor:
         return sample(self.model(ids, batch, self.cache))
 
-    def _inputs(self, plan: Plan) -> tuple[torch.Tensor, Batch]:
+    def _inputs(self, plan: Plan, triton: bool | None = None) -> tuple[torch.Tensor, Batch]:
         bs = self.cache.block_size
-        if plan.prefill:
-            ids = [t for s in plan.seqs for t in s.prompt]
-            pos = [p for s in plan.seqs for p in range(len(s.prompt))]
-            slots = [
-                s.blocks[p // bs] * bs + p % bs for s in plan.seqs for p in range(len(s.prompt))
-            ]
-            bounds = [0]
-            for s in plan.seqs:
-                bounds.append(bounds[-1] + len(s.prompt))
-            return self._prefill_batch(ids, pos, slots, bounds)
-        ids = [s.last_token for s in plan.seqs]
-        pos = [s.position for s in plan.seqs]
-        slots = [s.blocks[p // bs] * bs + p % bs for s, p in zip(plan.seqs, pos, strict=True)]
-        width = max(len(s.blocks) for s in plan.seqs)
-        tables = [s.blocks + [0] * (width - len(s.blocks)) for s in plan.seqs]
-        return self._decode_batch(ids, pos, slots, tables)
+        ids = [t for s in plan.prefill for t in s.prompt] + [s.last_token for s in plan.decode]
+        pos = [p for s in plan.prefill for p in range(len(s.prompt))]
+        pos += [s.position for s in plan.decode]
+        seqs = [s for s in plan.prefill for _ in s.prompt] + list(plan.decode)
+        slots = [s.blocks[p // bs] * bs + p % bs for s, p in zip(seqs, pos, strict=True)]
+        bounds = [0]
+        for s in plan.prefill:
+            bounds.append(bounds[-1] + len(s.prompt))
+        width = max((len(s.blocks) for s in plan.decode), default=0)
+        tables = [s.blocks + [0] * (width - len(s.blocks)) for s in plan.decode]
+        return self._batch(ids, pos, slots, bounds, tables, triton)
 
-    def _tensor(self, values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
-    def _prefill_batch(
-        self, ids: list[int], pos: list[int], slots: list[int], bounds: list[int]
+    def _batch(
+        self,
+        ids: list[int],
+        pos: list[int],
+        slots: list[int],
+        bounds: list[int],
+        tables: list[list[int]],
+        triton: bool | None = None,
     ) -> tuple[torch.Tensor, Batch]:
-        last = [b - 1 for b in bounds[1:]]
+        """The step's tensors, sent to the device in one copy (int64 throughout)."""
+        split, n = bounds[-1], len(ids)
+        last = [b - 1 for b in bounds[1:]] + list(range(split, n))
+        lengths = [p + 1 for p in pos[split:]]
+        flat = torch.tensor(ids + pos + slots + last + lengths + [t for r in tables for t in r])
+        if self.device.type == "cuda":
+            flat = flat.pin_memory()
+        flat = flat.to(self.device, non_blocking=True)
+        rest = flat.numel() - 3 * n - len(last) - len(lengths)
+        parts = torch.split(flat, [n, n, n, len(last), len(lengths), rest])
         batch = Batch(
-            True,
-            self._tensor(pos, torch.int64),
-            self._tensor(slots, torch.int64),
-            self._tensor(last, torch.int64),
+            parts[1],
+            parts[2],
+            parts[3],
             bounds=tuple(bounds),
+            tables=parts[5].view(len(tables), -1) if tables else None,
+            lengths=parts[4] if tables else None,
+            triton=self.kernel if triton is None else triton,
         )
-        return self._tensor(ids, torch.int64), batch
-
-    def _decode_batch(
-        self, ids: list[int], pos: list[int], slots: list[int], tables: list[list[int]]
-    ) -> tuple[torch.Tensor, Batch]:
-        batch = Batch(
-            False,
-            self._tensor(pos, torch.int64),
-            self._tensor(slots, torch.int64),
-            torch.arange(len(ids), device=self.device),
-            tables=self._tensor(tables, torch.int32),
-            lengths=self._tensor([p + 1 for p in pos], torch.int32),
-            kernel=self.kernel,
-        )
-        return self._tensor(ids, torch.int64), batch
+        return parts[0], batch
 
     # ---- the broadcast of a step's composition (tp > 1) ----
-    def _send(self, prefill: bool, ids: torch.Tensor, batch: Batch) -> None:
-        n = batch.last.shape[0]
-        if prefill:
-            extra = [torch.tensor(batch.bounds, dtype=torch.int64, device=self.device)]
-            width = 0
-        else:
-            assert batch.tables is not None  # lengths follow from positions
-            width = batch.tables.shape[1]
-            extra = [batch.tables.long().flatten()]
-        self._bcast_header(OP_PREFILL if prefill else OP_DECODE, ids.shape[0], n, width)
-        dist.broadcast(torch.cat([ids, batch.positions, batch.slots, *extra]), src=0)
+    def _send(self, plan: Plan, ids: torch.Tensor, batch: Batch) -> None:
+        width = batch.tables.shape[1] if batch.tables is not None else 0
+        self._bcast_header(OP_STEP, ids.shape[0], len(plan.prefill), len(plan.decode), width)
+        parts = [ids, batch.positions, batch.slots]
+        parts.append(torch.tensor(batch.bounds, dtype=torch.int64, device=self.device))
+        if batch.tables is not None:
+            parts.append(batch.tables.flatten())
+        dist.broadcast(torch.cat(parts), src=0)
 
     def _receive(
-        self, prefill: bool, tokens: int, seqs: int, width: int
+        self, tokens: int, prompts: int, decodes: int, width: int
     ) -> tuple[torch.Tensor, Batch]:
-        size = 3 * tokens + (seqs + 1 if prefill else seqs * width)
-        flat = torch.empty(size, dtype=torch.int64, device=self.device)
+        flat = torch.empty(3 * tokens + prompts + 1 + decodes * width, dtype=torch.int64)
+        flat = flat.to(self.device)
         dist.broadcast(flat, src=0)
-        ids, pos, slots = flat[:tokens], flat[tokens : 2 * tokens], flat[2 * tokens : 3 * tokens]
-        rest = flat[3 * tokens :]
-        if prefill:
-            return self._prefill_batch(ids.tolist(), pos.tolist(), slots.tolist(), rest.tolist())
-        tables = rest.view(seqs, width).tolist()
-        return self._decode_batch(ids.tolist(), pos.tolist(), slots.tolist(), tables)
+        v = flat.tolist()
+        ids, pos, slots = v[:tokens], v[tokens : 2 * tokens], v[2 * tokens : 3 * tokens]
+        bounds = v[3 * tokens : 3 * tokens + prompts + 1]
+        rest = v[3 * tokens + prompts + 1 :]
+        tables = [rest[i * width : (i + 1) * width] for i in range(decodes)]
+        return self._batch(ids, pos, slots, bounds, tables)
 
-    def _bcast_header(self, op: int, tokens: int, seqs: int, width: int) -> list[int]:
-        t = torch.tensor([op, tokens, seqs, width], dtype=torch.int64, device=self.device)
+    def _bcast_header(self, *values: int) -> list[int]:
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
         dist.broadcast(t, src=0)
         return [int(v) for v in t.tolist()]

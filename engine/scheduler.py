@@ -1,7 +1,9 @@
 """Iteration-level scheduling: which requests run in the next model step.
 
-Plain Python, no torch. Each step is either a prefill (the prompts of newly admitted
-requests) or a decode (one token for every running request). Admission is first come,
+Plain Python, no torch. Each step decodes one token for every running request and, mixed
+into the same step, prefills the prompts of requests admitted since the last one, so new
+arrivals never stall the running batch (a prompt's first token comes out of the step that
+prefills it). Admission is first come,
 first served: the head of the waiting queue is admitted when its KV blocks are free and the
 batch has room; nothing behind it jumps the queue, so no request starves. A request gets
 the blocks for its whole length (prompt + max_tokens) when it is admitted, so a running
@@ -61,8 +63,15 @@ class Seq:
 
 
 class Plan(msgspec.Struct, frozen=True):
-    prefill: bool
-    seqs: tuple[Seq, ...]
+    """One step: prompts to prefill (newly admitted) and requests to decode (running)."""
+
+    prefill: tuple[Seq, ...] = ()
+    decode: tuple[Seq, ...] = ()
+
+    @property
+    def seqs(self) -> tuple[Seq, ...]:
+        """In the order of the step's outputs: prompts first."""
+        return self.prefill + self.decode
 
 
 class Scheduler:
@@ -102,6 +111,9 @@ class Scheduler:
             self._finish(seq, "cancelled", on_done)
 
     def plan(self) -> Plan | None:
+        """Every running request decodes; new prompts join as KV blocks and the prefill
+        budget allow, in arrival order."""
+        decode = tuple(self.running)
         admitted: list[Seq] = []
         budget = self.prefill_tokens
         while self.waiting and len(self.running) + len(admitted) < self.max_running:
@@ -113,12 +125,10 @@ class Scheduler:
             head.blocks = self.pool.take(need)
             admitted.append(head)
             budget -= len(head.prompt)
-        if admitted:
-            self.running.extend(admitted)
-            return Plan(True, tuple(admitted))
-        if self.running:
-            return Plan(False, tuple(self.running))
-        return None
+        self.running.extend(admitted)
+        if not admitted and not decode:
+            return None
+        return Plan(tuple(admitted), decode)
 
     def record(self, plan: Plan, sampled: list[Step], on_done: Callable[[Seq], None]) -> None:
         """Append each request's new token; end those that hit EOS or max_tokens."""

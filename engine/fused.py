@@ -1,0 +1,131 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator,misc,unused-ignore"
+"""Fused elementwise kernels for CUDA steps (Triton): fewer, larger kernels per layer.
+
+A decode step of an 8B model is about 3 ms of weight reads; each of the ~40 small kernels
+a layer launches eagerly costs ~2 us even inside a CUDA graph, ~2.5 ms over 32 layers. These
+three fuse what the eager path does in several kernels, with the same math in float32 and
+one rounding to the compute dtype at the end:
+- `add_rms_norm`: residual add (optional) + RMSNorm (HF numerics: normalise in float32,
+  round, multiply by the weight);
+- `rotary`: q and k rotated in place;
+- `silu_mul`: silu(gate) * up.
+Each has a torch twin (used on CPU and when a step asks for no kernels) with the eager math.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm_torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@functools.cache
+def _kernels() -> dict[str, Any]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_norm(
+        x_ptr, d_ptr, w_ptr, out_ptr, res_ptr, dim, eps, ADD: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        m = cols < dim
+        x = tl.load(x_ptr + row * dim + cols, mask=m, other=0.0)
+        if ADD:
+            d = tl.load(d_ptr + row * dim + cols, mask=m, other=0.0)
+            x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            tl.store(res_ptr + row * dim + cols, x, mask=m)
+        h = x.to(tl.float32)
+        var = tl.sum(h * h, axis=0) / dim
+        h = (h * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + cols, mask=m, other=0.0)
+        tl.store(
+            out_ptr + row * dim + cols, (w.to(tl.float32) * h.to(tl.float32)).to(w.dtype), mask=m
+        )
+
+    @triton.jit
+    def rope(x_ptr, cos_ptr, sin_ptr, heads, half, BLOCK: tl.constexpr, HEADS: tl.constexpr):
+        tok = tl.program_id(0).to(tl.int64)
+        hs = tl.arange(0, HEADS)
+        cols = tl.arange(0, BLOCK)
+        m = (hs[:, None] < heads) & (cols[None, :] < half)
+        base = x_ptr + tok * heads * 2 * half + hs[:, None] * 2 * half + cols[None, :]
+        a = tl.load(base, mask=m, other=0.0).to(tl.float32)
+        b = tl.load(base + half, mask=m, other=0.0).to(tl.float32)
+        cm = cols < half
+        c1 = tl.load(cos_ptr + tok * 2 * half + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+        s1 = tl.load(sin_ptr + tok * 2 * half + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+        c2 = tl.load(cos_ptr + tok * 2 * half + half + cols, mask=cm, other=0.0).to(tl.float32)[
+            None, :
+        ]
+        s2 = tl.load(sin_ptr + tok * 2 * half + half + cols, mask=cm, other=0.0).to(tl.float32)[
+            None, :
+        ]
+        ty = x_ptr.dtype.element_ty
+        tl.store(base, (a * c1 - b * s1).to(ty), mask=m)
+        tl.store(base + half, (b * c2 + a * s2).to(ty), mask=m)
+
+    @triton.jit
+    def silu_mul(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        g = tl.load(g_ptr + i, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + i, mask=m, other=0.0).to(tl.float32)
+        tl.store(out_ptr + i, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=m)
+
+    return {"add_norm": add_norm, "rope": rope, "silu_mul": silu_mul}
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + delta), x + delta); with delta None, (norm(x), x). x: (tokens, dim)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    res = torch.empty_like(x) if delta is not None else x
+    d = delta.contiguous() if delta is not None else x
+    dim = x.shape[-1]
+    _kernels()["add_norm"][(x.shape[0],)](
+        x, d, w, out, res, dim, eps, ADD=delta is not None, BLOCK=_pow2(dim)
+    )
+    return out, res
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (tokens, heads, dim), contiguous, in place; cos/sin (tokens, 1, dim)."""
+    n, heads, dim = x.shape
+    half = dim // 2
+    _kernels()["rope"][(n,)](
+        x, cos.contiguous(), sin.contiguous(), heads, half, BLOCK=_pow2(half), HEADS=_pow2(heads)
+    )
+    return x
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(g)
+    n = g.numel()
+    _kernels()["silu_mul"][(-(-n // 1024),)](g.contiguous(), u.contiguous(), out, n, BLOCK=1024)
+    return out
+
+
+def silu_mul_torch(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return F.silu(g) * u
