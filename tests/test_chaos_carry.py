@@ -35,12 +35,12 @@ def test_carried_mosquitto_serves_a_client(tmp_path: Path, monkeypatch: pytest.M
     assert shutil.which("mosquitto", path=os.environ["PATH"]) is None
 
     async def roundtrip() -> bytes:
-        async with OwnBroker(tmp_path) as broker:
-            async with aiomqtt.Client(broker.host, broker.port, timeout=5.0) as client:
-                await client.subscribe("holdfast-test/carry", qos=1)
-                await client.publish("holdfast-test/carry", b"over the carried broker", qos=1)
-                async for message in client.messages:
-                    return bytes(message.payload)  # type: ignore[arg-type]
+        broker = OwnBroker(tmp_path)
+        async with broker, aiomqtt.Client(broker.host, broker.port, timeout=5.0) as client:
+            await client.subscribe("holdfast-test/carry", qos=1)
+            await client.publish("holdfast-test/carry", b"over the carried broker", qos=1)
+            async for message in client.messages:
+                return bytes(message.payload)  # type: ignore[arg-type]
         return b""
 
     assert asyncio.run(asyncio.wait_for(roundtrip(), 30)) == b"over the carried broker"
