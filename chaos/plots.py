@@ -49,6 +49,7 @@ def timeline(
         right = top.twinx()
         right.plot(xs, tokens, color="tab:green", lw=0.8, alpha=0.7, label="output tokens/s")
         right.set_ylabel("output tokens/s")
+        right.set_ylim(bottom=0)
         right.legend(loc="lower left", bbox_to_anchor=(1.05, 0.0), fontsize=7)
     bottom.scatter(
         [r.start - t0 for r in rows],
