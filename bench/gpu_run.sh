@@ -2,8 +2,11 @@
 # Everything that needs the GPU machine, in one call. Writes logs and JSON under $OUT.
 #   bench/gpu_run.sh [env] [tests] [probe] [moe] [lifetime] [llama]   (default: all)
 # also: checksum-tests, llama-daemon, engine (the engine's GPU tests, then its startup bench),
-#   batching (the batching GPU tests, then bench/engine_throughput.py with the transformers baseline)
-# Wheels for packages the GPU image lacks travel in .whl/ (carry it).
+#   batching (the batching GPU tests, then bench/engine_throughput.py with the transformers baseline),
+#   checkpoint (write the llama-8b checkpoint to /tmp/models/llama-8b),
+#   chaos / chaos-tp2 (chaos/scenarios/gpu.yaml / gpu-tp2.yaml; results in $OUT/chaos-gpu*)
+# Wheels for packages the GPU image lacks travel in .whl/ (scripts/carry-wheels.sh; carry
+# it), the MQTT broker in .mqtt/ (scripts/carry-mosquitto.sh; carry it for the chaos stages).
 set -uo pipefail
 OUT=${OUT:-/tmp/holdfast-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -12,6 +15,30 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site
 fi
 stages=${*:-env tests probe moe lifetime llama}
+
+checkpoint() {  # the llama-8b checkpoint the GPU policies name (model.path)
+  [ -f /tmp/models/llama-8b/config.json ] || timeout 300 python3 -m cachedaemon \
+    make-checkpoint /tmp/models/llama-8b --preset llama-8b 2>&1 | tail -2
+}
+
+chaos_run() {  # SCENARIO: a carried broker on a free port, the chaos run, results to $OUT
+  local name=$1 out="$OUT/chaos-$1" port rc
+  [ -x .mqtt/mosquitto ] || { echo "no .mqtt/mosquitto: run scripts/carry-mosquitto.sh here and carry .mqtt"; return 2; }
+  checkpoint
+  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  printf 'listener %s 127.0.0.1\nallow_anonymous true\npersistence false\n' "$port" > /tmp/mosquitto-chaos.conf
+  .mqtt/mosquitto -c /tmp/mosquitto-chaos.conf > "$OUT/mosquitto-$name.log" 2>&1 &
+  local broker=$!
+  export HOLDFAST_MQTT_HOST=127.0.0.1 HOLDFAST_MQTT_PORT=$port HOLDFAST_MOSQUITTO=$PWD/.mqtt/mosquitto
+  mkdir -p "$out"
+  timeout 560 python3 -m chaos run "chaos/scenarios/$name.yaml" --out "$out" --no-progress -v \
+    > "$out/chaos.log" 2>&1
+  rc=$?
+  kill "$broker" 2>/dev/null; wait "$broker" 2>/dev/null
+  grep -E '^(pass|FAIL|note|report)' "$out/chaos.log"; tail -5 "$out/chaos.log"
+  echo "chaos $name: exit $rc"
+  sed -n '1,/^## Per fault/p' "$out/report.md" 2>/dev/null
+}
 for stage in $stages; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case $stage in
@@ -68,6 +95,9 @@ for stage in $stages; do
     nccl-tests)
       timeout 200 python3 -m pytest -q -p no:cacheprovider -rA tests/test_cuda_engine.py \
         -k nccl_group 2>&1 | tee "$OUT/nccl_tests.txt" ;;
+    checkpoint) checkpoint ;;
+    chaos) chaos_run gpu ;;
+    chaos-tp2) chaos_run gpu-tp2 ;;
     lifetime)
       timeout 120 python3 bench/cuda_lifetime.py --model /tmp/models/moe --out "$OUT/h200_lifetime.json" \
         2>&1 | tee "$OUT/lifetime.txt" ;;

@@ -4,6 +4,7 @@ machine's shared broker. Stopped and started again on the same port by `restart-
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import socket
 from pathlib import Path
@@ -25,13 +26,20 @@ def free_port() -> int:
 
 
 def mosquitto_binary() -> str:
+    """$HOLDFAST_MOSQUITTO (a carried broker, see scripts/carry-mosquitto.sh), else the
+    system's mosquitto."""
+    carried = os.environ.get("HOLDFAST_MOSQUITTO")
+    if carried:
+        if not os.access(carried, os.X_OK):
+            raise ChaosError(f"HOLDFAST_MOSQUITTO={carried} is not an executable file")
+        return carried
     for candidate in MOSQUITTO_CANDIDATES:
         found = shutil.which(candidate)
         if found:
             return found
     raise ChaosError(
-        "no mosquitto binary (looked for /usr/sbin/mosquitto and `mosquitto` on PATH); "
-        "install mosquitto, or use a scenario without restart-broker"
+        "no mosquitto binary (looked for $HOLDFAST_MOSQUITTO, /usr/sbin/mosquitto and "
+        "`mosquitto` on PATH); install mosquitto, or carry one (scripts/carry-mosquitto.sh)"
     )
 
 

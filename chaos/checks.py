@@ -23,17 +23,24 @@ TRIAL_METRICS: dict[str, str] = {
     "failed_requests": "requests that failed after every retry during the trial",
     "retried_requests": "requests that needed more than one attempt during the trial",
     "added_latency_ms": "slowest request of the trial minus the baseline median latency",
+    "shed_requests": "requests the engine shed (503 + Retry-After on every attempt)",
+    "fence_before_promote": "1 when the victim's `fenced` event came before `promoted`, else 0",
+    "checkpoint_bytes_read": "checkpoint bytes the daemon that took over read (daemon faults)",
 }
 RUN_METRICS: dict[str, str] = {
-    "availability": "successful requests / all requests, whole run",
+    "availability": "successful / (successful + failed) requests, whole run (shed excluded)",
+    "availability_excl_kill_supervisor": "availability of requests outside kill-supervisor trials",
     "requests": "requests sent, whole run",
     "failed_requests": "failed requests, whole run",
+    "shed_requests": "requests shed by an overloaded engine (503 + Retry-After), whole run",
     "retried_requests": "retried requests, whole run",
     "lingering_processes": "processes left behind by a killed or stopped supervisor",
     "faults": "faults injected",
+    "skipped_faults": "faults not injected because the policy runs no victim now",
+    "failed_trials": "trials never injected: the pool was not whole in time, or no victim",
 }
 STATS = ("p50", "p95", "p99", "max", "min", "mean", "count", "sum")
-COUNT_METRICS = frozenset({"failed_requests", "retried_requests"})
+COUNT_METRICS = frozenset({"failed_requests", "retried_requests", "shed_requests"})
 _OPS: dict[str, Callable[[float, float], bool]] = {
     "<=": operator.le,
     ">=": operator.ge,

@@ -13,10 +13,12 @@ from pathlib import Path
 import msgspec
 import structlog
 
+from chaos import report
 from chaos.checks import RUN_METRICS, STATS, TRIAL_METRICS
-from chaos.errors import ChaosError
+from chaos.errors import ChaosError, ScenarioError
+from chaos.preflight import preflight
 from chaos.report import Results
-from chaos.runner import RunOptions, preflight, run, write_report
+from chaos.runner import RunOptions, run, write_report
 from chaos.scenario import FAULT_KINDS, Plan, load_scenario
 
 EPILOG = """\
@@ -24,7 +26,7 @@ examples:
   chaos run chaos/scenarios/smoke.yaml --out /tmp/chaos-smoke
   chaos run chaos/scenarios/soak.yaml --max-faults 300 --out bench/results/soak
   chaos run my.yaml --policy policies/demo.yaml --attach     # a supervisor already running it
-  chaos validate chaos/scenarios/gpu.yaml
+  chaos validate chaos/scenarios/gpu.yaml --schema-only   # anywhere: model files not looked for
   chaos report /tmp/chaos-smoke        # report.md and plots again from its results.json
 
 exit status: 0 every check passed; 1 a check failed or the run stopped early;
@@ -54,6 +56,11 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _plan_arguments(val_p)
+    val_p.add_argument(
+        "--schema-only",
+        action="store_true",
+        help="check the scenario and its policies' shape and rules, not the model files",
+    )
     sub.add_parser("kinds", help="list fault kinds, metrics and statistics")
     rep_p = sub.add_parser("report", help="write report.md and the plots again from results.json")
     rep_p.add_argument("dir", type=Path, help="a run's --out dir (holds results.json)")
@@ -99,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             args.scenario, trials=args.trials, seed=args.seed, max_faults=args.max_faults
         )
         if args.command == "validate":
-            preflight(plan, RunOptions(out=Path("."), command="", policy=args.policy))
+            preflight(plan, args.policy, schema_only=args.schema_only)
             print(f"{args.scenario}: ok, {plan.total_faults} faults, {len(plan.checks)} checks")
             return 0
         opts = RunOptions(
@@ -109,7 +116,12 @@ def main(argv: list[str] | None = None) -> int:
             attach=args.attach,
             progress=not args.no_progress,
         )
-        preflight(plan, opts)
+        preflight(plan, opts.policy, attached=opts.attach)
+    except ScenarioError as exc:
+        count = len(exc.problems)
+        print(f"chaos: {count} problem{'s' if count > 1 else ''}:", file=sys.stderr)
+        print("\n".join(f"  {p}" for p in exc.problems), file=sys.stderr)
+        return 2
     except ChaosError as exc:
         print(f"chaos: {exc}", file=sys.stderr)
         return 2
@@ -139,7 +151,8 @@ async def _until_signalled(plan: Plan, opts: RunOptions) -> tuple[Results, bool]
 
 def _summary(results: Results, out: Path) -> None:
     for check in results.checks:
-        print(f"{'pass' if check.passed else 'FAIL'}  {check.check}  (value {check.value})")
+        value = report.num(check.value)
+        print(f"{'pass' if check.passed else 'FAIL'}  {check.check}  (value {value})")
     if results.meta.note:
         print(f"note: {results.meta.note}")
     print(f"report: {out / 'report.md'}")

@@ -40,6 +40,8 @@ class EngineView(msgspec.Struct, frozen=True):
     port: int | None = None
     restarts: int = 0
     heartbeat_age_ms: float | None = None
+    in_flight: int = 0
+    queued: int = 0  # read when /cluster lists it
     pids: list[int] = []
 
 
@@ -91,19 +93,6 @@ def write_policy(policy: Policy, path: Path) -> Path:
     data.pop("source", None)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
-
-
-def ready(view: ClusterView, policy: Policy) -> bool:
-    """The pool the policy asks for: one primary, every standby, every batch engine."""
-    engines = policy.engines
-    return (
-        view.primary is not None
-        and len(view.in_state("primary")) == 1
-        and len(view.in_state("standby")) >= engines.standby
-        and len(view.in_state("batch")) >= sum(b.count for b in engines.batch)
-        and len(view.daemons) == policy.model.tp_size
-        and all(d.state == "serving" and d.pid for d in view.daemons)
-    )
 
 
 class Supervisor:

@@ -10,7 +10,12 @@ class ChaosError(HoldfastError):
 
 
 class ScenarioError(ChaosError):
-    """The scenario file cannot be used as written (unknown key, fault kind, check, value)."""
+    """The scenario file cannot be used as written (unknown key, fault kind, check, value);
+    `problems` holds one line per problem."""
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems = problems if problems is not None else [message]
 
 
 class CheckSyntaxError(ScenarioError):
@@ -23,3 +28,11 @@ class ClusterError(ChaosError):
 
 class FaultError(ChaosError):
     """A fault could not be injected (no such process, nothing to target)."""
+
+
+class PoolTimeout(ClusterError):
+    """The pool was not whole within the scenario's ready_timeout_s (the run goes on)."""
+
+
+class VictimAbsent(FaultError):
+    """The fault's victim does not exist now, by the policy's own rule (the fault is skipped)."""

@@ -17,7 +17,8 @@ import structlog
 
 from chaos.broker import OwnBroker
 from chaos.cluster import ClusterView, Supervisor
-from chaos.errors import FaultError
+from chaos.errors import FaultError, VictimAbsent
+from chaos.pool import absent_batch
 from chaos.procs import ProcRef, wait_gone
 from chaos.scenario import FaultSpec
 from supervisor.policy import Policy
@@ -70,6 +71,10 @@ def _engine(ctx: FaultContext, state: str) -> Victim:
         found = [engine] if engine is not None and engine.pid else []
     else:
         found = ctx.view.in_state(state)
+    if not found and state == "batch":
+        why = absent_batch(ctx.view, ctx.sup.policy)
+        if why is not None:
+            raise VictimAbsent(why)
     if not found:
         raise FaultError(f"no {state} engine to target; the policy runs none ready right now")
     return _own(ctx, "engine", found[0].name, found[0].pid)

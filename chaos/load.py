@@ -1,8 +1,12 @@
 """The load generator: a steady stream of completions through the router, every one recorded.
 
-Open loop at `rate` requests/s, at most `concurrency` in flight, bounded in count and time,
-loopback only. A failed attempt (no answer, or 502/503/504) is retried after a short
-backoff, up to `retries` times; the row keeps the attempt count.
+`concurrency` requests in flight, each of `prompt_tokens` prompt tokens asking for
+`max_tokens` (with `ignore_eos`, exactly that many); back to back (closed loop) or, with
+`rate`, at most that many requests/s. Bounded in count and time, loopback only.
+A failed attempt (no answer, or 502/503/504) is retried after a short backoff, up to
+`retries` times; the row keeps the attempt count. A 503 with Retry-After is the engine
+shedding load: retried after the time it asks for, and counted as shed (not failed) when
+every attempt was shed.
 """
 
 from __future__ import annotations
@@ -35,14 +39,47 @@ class RequestRow(msgspec.Struct, frozen=True):
     engine: str  # X-Holdfast-Engine, or the primary the cluster named at the time
     epoch: int | None
     error: str = ""
+    tokens: int = 0  # output tokens of a successful answer (its usage.completion_tokens)
+    shed: bool = False  # the last attempt was a 503 with Retry-After (load shed, not a failure)
 
     @property
     def ok(self) -> bool:
         return 200 <= self.status < 300
 
     @property
+    def failed(self) -> bool:
+        return not self.ok and not self.shed
+
+    @property
     def latency_ms(self) -> float:
         return (self.end - self.start) * 1000.0
+
+
+def describe_load(spec: LoadSpec) -> str:
+    """The load in words, for the report."""
+    pace = "back to back" if not spec.rate else f"at most {spec.rate:g} requests/s in all"
+    eos = ", ignore_eos" if spec.ignore_eos else ""
+    return (
+        f"{spec.concurrency} concurrent clients, {pace}; {spec.prompt_tokens} prompt tokens, "
+        f"{spec.max_tokens} output tokens{eos}; {spec.retries} retries"
+    )
+
+
+class _Usage(msgspec.Struct):
+    completion_tokens: int = 0
+
+
+class _Answer(msgspec.Struct):
+    usage: _Usage = msgspec.field(default_factory=_Usage)
+
+
+class _Reply(msgspec.Struct, frozen=True):
+    status: int
+    engine: str = ""
+    epoch: int | None = None
+    error: str = ""
+    tokens: int = 0
+    retry_after: float | None = None  # seconds, from a 503's Retry-After
 
 
 class LoadGenerator:
@@ -76,7 +113,7 @@ class LoadGenerator:
             aiohttp.ClientSession(timeout=timeout, connector=connector) as session,
             asyncio.TaskGroup() as group,
         ):
-            interval = 1.0 / self.spec.rate
+            interval = 1.0 / self.spec.rate if self.spec.rate else 0.0
             next_at = time.monotonic()
             for _ in range(self.spec.max_requests):
                 if stop.is_set() or (deadline is not None and time.monotonic() >= deadline):
@@ -92,6 +129,7 @@ class LoadGenerator:
                 self._rng.randrange(1, 200) for _ in range(self.spec.prompt_tokens)
             ],
             "max_tokens": self.spec.max_tokens,
+            "ignore_eos": self.spec.ignore_eos,
         }
         start = time.time()
         try:
@@ -103,29 +141,60 @@ class LoadGenerator:
     async def _attempts(
         self, session: aiohttp.ClientSession, body: object, start: float
     ) -> RequestRow:
-        status, engine, epoch, error = 0, "", None, ""
-        attempt = 0
+        reply, attempt = _Reply(0), 0
         for attempt in range(1, self.spec.retries + 2):
-            status, engine, epoch, error = await self._post(session, body)
-            if status not in RETRY_STATUSES and status != 0:
+            reply = await self._post(session, body)
+            if reply.status not in RETRY_STATUSES and reply.status != 0:
                 break
             if attempt <= self.spec.retries:
-                await asyncio.sleep(self.spec.retry_backoff_ms / 1000.0)
-        if not engine:
-            engine, epoch = self.fallback
-        return RequestRow(start, time.time(), status, attempt, engine, epoch, error)
+                wait = self.spec.retry_backoff_ms / 1000.0
+                if reply.retry_after is not None:  # shed: come back when the engine asks
+                    wait = min(max(wait, reply.retry_after), self.spec.timeout_s)
+                await asyncio.sleep(wait)
+        engine, epoch = (reply.engine, reply.epoch) if reply.engine else self.fallback
+        return RequestRow(
+            start,
+            time.time(),
+            reply.status,
+            attempt,
+            engine,
+            epoch,
+            reply.error,
+            tokens=reply.tokens,
+            shed=reply.retry_after is not None,
+        )
 
-    async def _post(
-        self, session: aiohttp.ClientSession, body: object
-    ) -> tuple[int, str, int | None, str]:
+    async def _post(self, session: aiohttp.ClientSession, body: object) -> _Reply:
         try:
             async with session.post(self.url, json=body) as resp:
-                await resp.read()
+                raw = await resp.read()
                 epoch_text = resp.headers.get("X-Holdfast-Epoch", "")
-                epoch = int(epoch_text) if epoch_text.isdigit() else None
-                return resp.status, resp.headers.get("X-Holdfast-Engine", ""), epoch, ""
+                return _Reply(
+                    resp.status,
+                    resp.headers.get("X-Holdfast-Engine", ""),
+                    int(epoch_text) if epoch_text.isdigit() else None,
+                    tokens=_tokens(raw) if resp.status == 200 else 0,
+                    retry_after=_retry_after(resp.status, resp.headers.get("Retry-After")),
+                )
         except (aiohttp.ClientError, TimeoutError) as exc:
-            return 0, "", None, f"{type(exc).__name__}: {exc}"[:200]
+            return _Reply(0, error=f"{type(exc).__name__}: {exc}"[:200])
+
+
+def _tokens(raw: bytes) -> int:
+    try:
+        return msgspec.json.decode(raw, type=_Answer).usage.completion_tokens
+    except msgspec.DecodeError:
+        return 0
+
+
+def _retry_after(status: int, header: str | None) -> float | None:
+    """Seconds a 503 asks the client to wait (RFC 9110 delay-seconds); None otherwise."""
+    if status != 503 or header is None:
+        return None
+    try:
+        return max(0.0, float(header.strip()))
+    except ValueError:
+        return 0.0  # an HTTP date: retry after the usual backoff, still shed
 
 
 async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:

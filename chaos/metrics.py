@@ -14,8 +14,10 @@ from chaos.load import RequestRow
 PRIMARY_FAULTS = frozenset(
     {"kill-primary", "stop-primary", "kill-tp-rank", "kill-daemon-and-primary", "restart-broker"}
 )
+DAEMON_FAULTS = frozenset({"kill-daemon", "stop-daemon", "kill-daemon-and-primary"})
 MS_METRICS = ("detection_ms", "promotion_ms", "recovery_ms", "added_latency_ms")
-COUNTS = ("failed_requests", "retried_requests")
+COUNTS = ("failed_requests", "retried_requests", "shed_requests")
+EVIDENCE = ("fence_before_promote", "checkpoint_bytes_read")
 
 
 class TrialRow(msgspec.Struct, frozen=True):
@@ -34,6 +36,16 @@ class TrialRow(msgspec.Struct, frozen=True):
     added_latency_ms: float | None = None
     lingering: int = 0
     note: str = ""
+    outcome: str = "injected"  # injected | skipped (no victim, by the policy's rule) | failed
+    shed_requests: int = 0  # answered 503 + Retry-After on every attempt (overload, not failure)
+    fence_before_promote: float | None = None  # 1: the victim's fence came first in the events
+    checkpoint_bytes_read: float | None = None  # by the daemon that took over (its log)
+
+
+class StageSpan(msgspec.Struct, frozen=True):
+    name: str
+    start: float  # wall clock: the stage's load began
+    end: float  # ... and stopped
 
 
 class RunFigures(msgspec.Struct, frozen=True):
@@ -43,7 +55,11 @@ class RunFigures(msgspec.Struct, frozen=True):
     availability: float | None
     baseline_p50_ms: float | None
     lingering_processes: int
-    faults: int
+    faults: int  # injected
+    shed_requests: int = 0
+    availability_excl_kill_supervisor: float | None = None
+    skipped_faults: int = 0
+    failed_trials: int = 0  # never injected: the pool was not whole in time, or no victim
 
 
 class CheckResult(msgspec.Struct, frozen=True):
@@ -58,7 +74,11 @@ def expected(metric: str, fault: str) -> bool:
         return fault in PRIMARY_FAULTS
     if metric == "detection_ms":
         return fault not in {"restart-broker", "kill-supervisor"}
-    return metric in MS_METRICS
+    if metric == "checkpoint_bytes_read":
+        return fault in DAEMON_FAULTS
+    if metric == "fence_before_promote":
+        return fault == "stop-primary"
+    return metric == "recovery_ms"  # added latency needs a baseline: without one it is n/a
 
 
 def with_requests(
@@ -71,14 +91,28 @@ def with_requests(
     slowest = max((r.latency_ms for r in overlapping), default=None)
     added = None
     if slowest is not None and baseline_ms is not None:
-        added = max(0.0, slowest - baseline_ms)
+        added = round(max(0.0, slowest - baseline_ms), 2)
+    recovery = (first_ok - trial.injected) * 1000.0 if first_ok is not None else None
     return msgspec.structs.replace(
         trial,
-        recovery_ms=(first_ok - trial.injected) * 1000.0 if first_ok is not None else None,
-        failed_requests=sum(1 for r in inside if not r.ok),
+        recovery_ms=round(recovery, 2) if recovery is not None else None,
+        failed_requests=sum(1 for r in inside if r.failed),
         retried_requests=sum(1 for r in inside if r.attempts > 1),
+        shed_requests=sum(1 for r in inside if r.shed),
         added_latency_ms=added,
     )
+
+
+def trial_of(row: RequestRow, trials: Sequence[TrialRow]) -> TrialRow | None:
+    """The trial a request started in, if any."""
+    return next((t for t in trials if t.injected <= row.start < t.ended), None)
+
+
+def _availability(rows: Sequence[RequestRow]) -> float | None:
+    """Successful / (successful + failed); shed requests (overload) are in neither."""
+    ok = sum(1 for r in rows if r.ok)
+    failed = sum(1 for r in rows if r.failed)
+    return round(ok / (ok + failed), 6) if ok + failed else None
 
 
 def baseline_ms(rows: Sequence[RequestRow], before: float) -> float | None:
@@ -89,21 +123,28 @@ def baseline_ms(rows: Sequence[RequestRow], before: float) -> float | None:
 def run_figures(
     rows: Sequence[RequestRow], trials: Sequence[TrialRow], base: float | None
 ) -> RunFigures:
-    ok = sum(1 for r in rows if r.ok)
+    supervisor_kills = [t for t in trials if t.fault == "kill-supervisor"]
+    outside = [r for r in rows if trial_of(r, supervisor_kills) is None]
     return RunFigures(
         requests=len(rows),
-        failed_requests=len(rows) - ok,
+        failed_requests=sum(1 for r in rows if r.failed),
         retried_requests=sum(1 for r in rows if r.attempts > 1),
-        availability=ok / len(rows) if rows else None,
-        baseline_p50_ms=base,
+        availability=_availability(rows),
+        baseline_p50_ms=round(base, 2) if base is not None else None,
         lingering_processes=sum(t.lingering for t in trials),
-        faults=len(trials),
+        faults=sum(1 for t in trials if t.outcome == "injected"),
+        shed_requests=sum(1 for r in rows if r.shed),
+        availability_excl_kill_supervisor=_availability(outside),
+        skipped_faults=sum(1 for t in trials if t.outcome == "skipped"),
+        failed_trials=sum(1 for t in trials if t.outcome == "failed"),
     )
 
 
 def values(trials: Iterable[TrialRow], metric: str) -> list[float]:
     out: list[float] = []
     for trial in trials:
+        if trial.outcome == "skipped":  # nothing was injected, by the policy's rule
+            continue
         value = getattr(trial, metric)
         if value is None and expected(metric, trial.fault):
             out.append(math.inf)

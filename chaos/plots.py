@@ -16,58 +16,125 @@ from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 from chaos.load import RequestRow  # noqa: E402
-from chaos.metrics import TrialRow, expected  # noqa: E402
+from chaos.metrics import StageSpan, TrialRow, expected  # noqa: E402
 
-BIN_S = 1.0
-MANY_FAULTS = 40  # more than this: fault ticks instead of lines across the panels
+MANY_FAULTS = 40  # more than this: markers only, no line across the panel per fault
+TARGET_BINS = 300  # a run of any length gets about this many bins
+BIN_STEPS = (0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0)
+MARKERS = ("v", "^", "o", "s", "D", "P", "X", "*", "<", ">", "p", "h", "8", "d")
+STAGE_SHADES = ("#e8f0fb", "#f6efe3")
 
 
-def timeline(path: Path, rows: Sequence[RequestRow], trials: Sequence[TrialRow]) -> None:
-    t0 = min((r.start for r in rows), default=0.0)
+def bin_seconds(span: float) -> float:
+    """The smallest round bin that gives at most TARGET_BINS bins over `span` seconds."""
+    return next((b for b in BIN_STEPS if span / b <= TARGET_BINS), BIN_STEPS[-1])
+
+
+def timeline(
+    path: Path,
+    rows: Sequence[RequestRow],
+    trials: Sequence[TrialRow],
+    stages: Sequence[StageSpan] = (),
+) -> None:
+    """Requests/s and output tokens/s per bin (gaps between stages left blank), every
+    request's latency, stages as shaded spans, faults as markers by kind with a legend."""
+    t0 = min([r.start for r in rows] + [s.start for s in stages], default=0.0)
     span = max((r.end for r in rows), default=t0) - t0
-    bins = max(1, math.ceil(span / BIN_S))
-    ok, failed = [0.0] * bins, [0.0] * bins
-    for row in rows:
-        slot = min(bins - 1, int((row.end - t0) / BIN_S))
-        (ok if row.ok else failed)[slot] += 1 / BIN_S
-    xs = [i * BIN_S for i in range(bins)]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(14, 6), sharex=True, height_ratios=[2, 1])
+    step = bin_seconds(span)
+    xs, ok, failed, tokens = _rates(rows, stages, t0, span, step)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(14, 6.5), sharex=True, height_ratios=[2, 1])
     top.plot(xs, ok, color="tab:blue", lw=1, label="ok requests/s")
     top.plot(xs, failed, color="tab:red", lw=1.2, label="failed requests/s")
+    if any(v > 0 for v in tokens if not math.isnan(v)):
+        right = top.twinx()
+        right.plot(xs, tokens, color="tab:green", lw=0.8, alpha=0.7, label="output tokens/s")
+        right.set_ylabel("output tokens/s")
+        right.set_ylim(bottom=0)
+        right.legend(loc="lower left", bbox_to_anchor=(1.05, 0.0), fontsize=7)
     bottom.scatter(
         [r.start - t0 for r in rows],
         [max(r.latency_ms, 0.1) for r in rows],
         s=3,
-        c=["tab:blue" if r.ok else "tab:red" for r in rows],
+        c=["tab:blue" if r.ok else ("tab:orange" if r.shed else "tab:red") for r in rows],
         alpha=0.6,
         linewidths=0,
     )
     bottom.set_yscale("log")
     bottom.set_ylabel("latency ms")
-    bottom.set_xlabel("seconds since the first request")
-    _mark_faults(top, bottom, trials, t0)
+    bottom.set_xlabel(f"seconds since the first request ({step:g} s bins)")
+    _shade_stages((top, bottom), stages, t0)
+    _mark_faults(top, trials, t0)
     top.set_ylabel("requests/s")
-    top.set_title("load and errors; faults marked")
-    top.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+    top.set_ylim(bottom=0)
+    top.set_title("load and errors; stages shaded, faults marked by kind")
+    top.legend(loc="upper left", bbox_to_anchor=(1.05, 1.0), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def _mark_faults(top: Axes, bottom: Axes, trials: Sequence[TrialRow], t0: float) -> None:
-    """A dashed line per fault; past MANY_FAULTS, a tick along the top of the load panel."""
-    colors = _colors(trials)
-    many = len(trials) > MANY_FAULTS
-    seen: set[str] = set()
-    for trial in trials:
-        label = trial.fault if trial.fault not in seen else None
-        seen.add(trial.fault)
-        x, color, lw = trial.injected - t0, colors[trial.fault], 1.0 if many else 0.8
-        if many:
-            top.axvline(x, ymin=0.92, color=color, lw=lw, label=label)
-            continue
-        top.axvline(x, ls="--", color=color, lw=lw, label=label)
-        bottom.axvline(x, ls="--", color=color, lw=lw)
+def _rates(
+    rows: Sequence[RequestRow], stages: Sequence[StageSpan], t0: float, span: float, step: float
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per bin: ok/s, failed/s, tokens/s; NaN (a gap, not a zero) for bins outside every
+    stage, so the switch from one stage to the next does not read as an outage."""
+    bins = max(1, math.ceil(span / step))
+    ok, failed, tokens = [0.0] * bins, [0.0] * bins, [0.0] * bins
+    for row in rows:
+        slot = min(bins - 1, int((row.end - t0) / step))
+        if row.ok:
+            ok[slot] += 1 / step
+            tokens[slot] += row.tokens / step
+        elif row.failed:
+            failed[slot] += 1 / step
+    xs = [(i + 0.5) * step for i in range(bins)]
+    if stages:
+        for i, x in enumerate(xs):
+            if not any(s.start - t0 <= x + step / 2 and x - step / 2 <= s.end - t0 for s in stages):
+                ok[i] = failed[i] = tokens[i] = math.nan
+    return xs, ok, failed, tokens
+
+
+def _shade_stages(axes: Sequence[Axes], stages: Sequence[StageSpan], t0: float) -> None:
+    for i, stage in enumerate(stages):
+        for axis in axes:
+            axis.axvspan(
+                stage.start - t0, stage.end - t0, color=STAGE_SHADES[i % 2], zorder=0, lw=0
+            )
+        axes[0].annotate(
+            f"stage {stage.name}",
+            (stage.start - t0, 1.0),
+            xycoords=("data", "axes fraction"),
+            va="top",
+            fontsize=7,
+            color="0.35",
+        )
+
+
+def _mark_faults(top: Axes, trials: Sequence[TrialRow], t0: float) -> None:
+    """Each injected fault as a marker along the top of the load panel: one colour and
+    marker shape per kind, in the legend once; up to MANY_FAULTS also a thin line."""
+    kinds = sorted({t.fault for t in trials if t.outcome == "injected"})
+    palette = plt.get_cmap("tab20")
+    for i, kind in enumerate(kinds):
+        mine = [t.injected - t0 for t in trials if t.fault == kind and t.outcome == "injected"]
+        color, marker = palette(i % 20), MARKERS[i % len(MARKERS)]
+        top.scatter(
+            mine,
+            [1.02] * len(mine),
+            transform=top.get_xaxis_transform(),
+            marker=marker,
+            color=color,
+            edgecolors="black",
+            linewidths=0.4,
+            s=28,
+            clip_on=False,
+            zorder=4,
+            label=f"{kind} ({len(mine)})",
+        )
+        if len(trials) <= MANY_FAULTS:
+            for x in mine:
+                top.axvline(x, ls=":", color=color, lw=0.7, zorder=1)
 
 
 def recovery(path: Path, trials: Sequence[TrialRow]) -> None:
@@ -113,9 +180,3 @@ def _distribution(axis: Axes, y: int, data: list[float | None], rng: random.Rand
     axis.boxplot(points, positions=[y], orientation="horizontal", widths=0.5, showfliers=False)
     jitter = [y + rng.uniform(-0.15, 0.15) for _ in points]
     axis.scatter(points, jitter, s=10, alpha=0.7, color="tab:orange", zorder=3)
-
-
-def _colors(trials: Sequence[TrialRow]) -> dict[str, str]:
-    palette = plt.get_cmap("tab20")
-    faults = sorted({t.fault for t in trials})
-    return {fault: matplotlib.colors.to_hex(palette(i % 20)) for i, fault in enumerate(faults)}

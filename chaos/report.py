@@ -12,8 +12,20 @@ from pathlib import Path
 import msgspec
 
 from chaos.load import RequestRow
-from chaos.metrics import COUNTS, MS_METRICS, CheckResult, RunFigures, TrialRow, stat, values
+from chaos.metrics import (
+    COUNTS,
+    EVIDENCE,
+    MS_METRICS,
+    CheckResult,
+    RunFigures,
+    StageSpan,
+    TrialRow,
+    stat,
+    trial_of,
+    values,
+)
 from chaos.recorder import EventRow
+from chaos.throughput import Rate
 
 STATS = ("p50", "p95", "p99", "max")
 
@@ -26,6 +38,7 @@ class RunMeta(msgspec.Struct, frozen=True):
     machine: str
     complete: bool  # False when the run was interrupted or a stage failed to start
     note: str = ""
+    load: str = ""  # the load, in words
 
 
 class Results(msgspec.Struct, frozen=True):
@@ -35,6 +48,9 @@ class Results(msgspec.Struct, frozen=True):
     trials: list[TrialRow]
     requests: list[RequestRow]
     events: list[EventRow]
+    stages: list[StageSpan] = []
+    baseline: Rate | None = None
+    rates: list[Rate] = []  # per fault kind
 
 
 def machine() -> str:
@@ -60,62 +76,125 @@ def markdown(results: Results) -> str:
         f"- command: `{meta.command}`",
         f"- started {meta.started}, finished {meta.finished}",
         f"- machine: {meta.machine}",
+        *([f"- load: {meta.load}"] if meta.load else []),
         f"- complete: {'yes' if meta.complete else 'no (partial)'}"
         + (f" — {meta.note}" if meta.note else ""),
         "",
         "## Whole run",
         "",
-        "| faults | requests | failed | retried | availability | baseline p50 ms | lingering processes |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        f"| {run.faults} | {run.requests} | {run.failed_requests} | {run.retried_requests} "
-        f"| {_pct(run.availability)} | {_num(run.baseline_p50_ms)} | {run.lingering_processes} |",
+        "| faults injected | skipped | trials failed | requests | failed | shed | retried "
+        "| availability | excl. kill-supervisor | baseline p50 ms | lingering processes |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| {run.faults} | {run.skipped_faults} | {run.failed_trials} | {run.requests} "
+        f"| {run.failed_requests} | {run.shed_requests} | {run.retried_requests} "
+        f"| {_pct(run.availability)} | {_pct(run.availability_excl_kill_supervisor)} "
+        f"| {num(run.baseline_p50_ms)} | {run.lingering_processes} |",
+        "",
+        "Availability is successful / (successful + failed); shed requests (503 with "
+        "Retry-After: the engine refusing overload) count in neither.",
         "",
         "## Checks",
         "",
         "| check | value | result |",
         "| --- | ---: | --- |",
         *[
-            f"| `{c.check}` | {_num(c.value)} | {'pass' if c.passed else '**FAIL**'} |"
+            f"| `{c.check}` | {num(c.value)} | {'pass' if c.passed else '**FAIL**'} |"
             for c in results.checks
         ],
         "",
+        *_throughput(results),
         "## Per fault",
         "",
         "Times in ms from the moment the fault was injected; `timeout` means the trial ended "
-        "without it. Counts are requests per trial.",
+        "without it. Counts are requests per trial. Skipped trials (no victim by the policy's "
+        "own rule) measure nothing; failed ones count as timeouts.",
     ]
     for fault in sorted({t.fault for t in results.trials}):
         lines += ["", *_fault_table(fault, [t for t in results.trials if t.fault == fault])]
-    lines += ["", "## Plots", "", "![timeline](timeline.png)", "", "![recovery](recovery.png)", ""]
+    lines += ["", *_failed_requests(results)]
+    lines += ["## Plots", "", "![timeline](timeline.png)", "", "![recovery](recovery.png)", ""]
     return "\n".join(lines)
 
 
+def _throughput(results: Results) -> list[str]:
+    base = results.baseline
+    if base is None:
+        return []
+    rows = [base, *results.rates]
+    return [
+        "## Throughput",
+        "",
+        "Successful requests and output tokens per second before the first fault (the "
+        "baseline) and inside each fault kind's trials; the drop is of tokens/s.",
+        "",
+        "| when | seconds | requests/s | output tokens/s | drop |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        *[
+            f"| {r.label} | {num(r.seconds)} | {num(r.requests_per_s)} | {num(r.tokens_per_s)} "
+            f"| {'' if r.drop_pct is None else f'{r.drop_pct:.1f}%'} |"
+            for r in rows
+        ],
+        "",
+    ]
+
+
+def _failed_requests(results: Results) -> list[str]:
+    failed = [r for r in results.requests if r.failed]
+    lines = ["## Failed requests", ""]
+    if not failed:
+        return [*lines, "None.", ""]
+    t0 = min(r.start for r in results.requests)
+    lines += [
+        "| trial | fault | started s | status | attempts | engine | error |",
+        "| ---: | --- | ---: | ---: | ---: | --- | --- |",
+    ]
+    for row in failed:
+        trial = trial_of(row, results.trials)
+        where = (str(trial.index), trial.fault) if trial else ("", "between trials")
+        error = row.error.replace("|", "/")
+        lines.append(
+            f"| {where[0]} | {where[1]} | {row.start - t0:.2f} | {row.status} | {row.attempts} "
+            f"| {row.engine} | {error} |"
+        )
+    return [*lines, ""]
+
+
 def _fault_table(fault: str, trials: Sequence[TrialRow]) -> list[str]:
+    skipped = sum(1 for t in trials if t.outcome == "skipped")
+    failed = sum(1 for t in trials if t.outcome == "failed")
+    extra = "".join(
+        f", {n} {word}" for n, word in ((skipped, "skipped"), (failed, "not injected")) if n
+    )
     lines = [
-        f"### {fault} ({len(trials)} trials)",
+        f"### {fault} ({len(trials)} trials{extra})",
         "",
         "| metric | n | p50 | p95 | p99 | max |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for metric in (*MS_METRICS, *COUNTS):
+    for metric in (*MS_METRICS, *COUNTS, *EVIDENCE):
         data = values(trials, metric)
         if not data:
             continue
-        cells = " | ".join(_num(stat(data, name)) for name in STATS)
+        cells = " | ".join(num(stat(data, name)) for name in STATS)
         lines.append(f"| {metric} | {len(data)} | {cells} |")
+    if len(lines) == 4:  # nothing measured (every trial skipped): no empty table
+        lines = lines[:2]
     notes = sorted({t.note for t in trials if t.note})
     lines += [f"- note: {note}" for note in notes]
     return lines
 
 
-def _num(value: float | None) -> str:
-    if value is None:
+def num(value: float | None) -> str:
+    """A figure as people read it: 7.87043571472168 -> 7.9, 1234.5 -> 1234, 0.99912 -> 0.9991."""
+    if value is None or math.isnan(value):
         return "n/a"
     if math.isinf(value):
         return "timeout"
+    if value == int(value):
+        return str(int(value))
     if abs(value) >= 100:
         return f"{value:.0f}"
-    return f"{value:.1f}" if abs(value) >= 1 or value == 0 else f"{value:.4f}"
+    return f"{value:.1f}" if abs(value) >= 1 else f"{value:.4g}"
 
 
 def _pct(value: float | None) -> str:

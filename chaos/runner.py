@@ -8,25 +8,33 @@ import contextlib
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
 import msgspec
 import structlog
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
-from chaos import report
+from chaos import report, throughput
 from chaos.broker import OwnBroker
 from chaos.cluster import Supervisor, derive_policy, write_policy
-from chaos.errors import ChaosError, FaultError, ScenarioError
-from chaos.faults import requirement
-from chaos.load import LoadGenerator, RequestRow
-from chaos.metrics import TrialRow, baseline_ms, evaluate, run_figures, with_requests
+from chaos.errors import ChaosError, FaultError, VictimAbsent
+from chaos.evidence import DaemonLogs
+from chaos.load import LoadGenerator, RequestRow, describe_load
+from chaos.metrics import StageSpan, TrialRow, baseline_ms, evaluate, run_figures, with_requests
+from chaos.preflight import preflight
 from chaos.recorder import EventRecorder, EventRow, MqttTarget
 from chaos.scenario import FaultSpec, Plan, Stage
 from chaos.trial import Harness, not_injected, run_trial, wait_ready
-from supervisor.errors import PolicyError
-from supervisor.policy import MqttSpec, Policy, load_policy
+from supervisor.policy import MqttSpec, load_policy
 
 log = structlog.get_logger("chaos.runner")
 
@@ -43,31 +51,15 @@ class Collected(msgspec.Struct):
     trials: list[TrialRow] = []
     requests: list[RequestRow] = []
     events: list[EventRow] = []
+    stages: list[StageSpan] = []
     baseline_before: float | None = None
     lingering_after_stop: int = 0
     notes: list[str] = []
 
 
-def preflight(plan: Plan, opts: RunOptions) -> list[Policy]:
-    """Every stage's policy loads and suits its faults; checked before anything starts."""
-    policies = []
-    for stage in plan.scenario.stages:
-        path = opts.policy or plan.policy_path(stage)
-        try:
-            policy = load_policy(path)
-        except PolicyError as exc:
-            raise ScenarioError(f"stage {stage.name}: the policy cannot start: {exc}") from exc
-        for kind in sorted({f.kind for f in stage.faults}):
-            why = requirement(kind, policy, own_broker=not opts.attach, attached=opts.attach)
-            if why is not None:
-                raise ScenarioError(f"stage {stage.name}: {why}")
-        policies.append(policy)
-    return policies
-
-
 async def run(plan: Plan, opts: RunOptions) -> tuple[report.Results, bool]:
     """Returns the results and whether the run was interrupted (Ctrl-C)."""
-    preflight(plan, opts)
+    preflight(plan, opts.policy, attached=opts.attach)
     started = datetime.now(UTC)
     got = Collected()
     interrupted = False
@@ -159,24 +151,29 @@ async def _drive(
     target = MqttTarget(mqtt.host, mqtt.port, f"{mqtt.prefix}/events") if mqtt else None
     recorder = EventRecorder(sup.run_dir, target)
     load = LoadGenerator(sup.router, sc.load, seed=sc.seed)
-    h = Harness(sc, stage.name, sup, broker, recorder, load)
+    h = Harness(sc, stage.name, sup, broker, recorder, load, DaemonLogs(sup.run_dir))
     stop_recorder, stop_load = asyncio.Event(), asyncio.Event()
     began = time.time()
+    task = progress.add_task(f"{stage.name}: starting", total=len(faults))
+    h.status = _status(progress, task, f"{stage.name}: starting")
+    loaded = began
     try:
         async with asyncio.TaskGroup() as group:
             group.create_task(recorder.run(stop_recorder))
             try:
                 if not sup.attached:
                     await sup.start()
-                await wait_ready(h, sc.ready_timeout_s, began)
+                await wait_ready(h, sc.start_timeout_s or sc.ready_timeout_s, began)
+                loaded = time.time()
                 group.create_task(load.run(stop_load, duration_s=sc.load.max_duration_s))
                 await asyncio.sleep(sc.warmup_s)
                 got.baseline_before = got.baseline_before or time.time()
-                await _trials(h, faults, got, progress)
+                await _trials(h, faults, got, progress, task)
             finally:
                 stop_load.set()
                 stop_recorder.set()
     finally:
+        got.stages.append(StageSpan(stage.name, loaded, time.time()))
         base = baseline_ms(load.rows, got.baseline_before or time.time())
         mine = [t for t in got.trials if t.stage == stage.name]
         got.trials[len(got.trials) - len(mine) :] = [
@@ -186,14 +183,28 @@ async def _drive(
         got.events += recorder.rows
 
 
-async def _trials(h: Harness, faults: list[FaultSpec], got: Collected, progress: Progress) -> None:
-    task = progress.add_task(h.stage, total=len(faults))
+def _status(progress: Progress, task: TaskID, title: str) -> Callable[[str], None]:
+    """Shows what a stage waits for next to its title on the progress line."""
+
+    def show(text: str) -> None:
+        progress.update(task, description=f"{title} ({text})" if text else title)
+
+    show("")
+    return show
+
+
+async def _trials(
+    h: Harness, faults: list[FaultSpec], got: Collected, progress: Progress, task: TaskID
+) -> None:
     for fault in faults:
-        progress.update(task, description=f"{h.stage}: {fault.kind}")
+        h.status = _status(progress, task, f"{h.stage}: {fault.kind}")
+        index = len(got.trials)
         try:
-            got.trials.append(await run_trial(h, len(got.trials), fault))
+            got.trials.append(await run_trial(h, index, fault))
+        except VictimAbsent as exc:  # nothing to hit, by the policy's own rule: measured nothing
+            got.trials.append(not_injected(h, index, fault, str(exc), outcome="skipped"))
         except FaultError as exc:  # counted as a trial with nothing measured: checks see it
-            got.trials.append(not_injected(h, len(got.trials), fault, str(exc)))
+            got.trials.append(not_injected(h, index, fault, str(exc)))
         progress.advance(task)
 
 
@@ -206,6 +217,7 @@ def _results(
         figures, lingering_processes=figures.lingering_processes + got.lingering_after_stop
     )
     checks = [evaluate(check, got.trials, figures) for check in plan.checks]
+    before = throughput.baseline(got.requests, got.stages, got.baseline_before)
     meta = report.RunMeta(
         scenario=plan.scenario.name,
         command=opts.command,
@@ -214,8 +226,19 @@ def _results(
         machine=report.machine(),
         complete=complete,
         note="; ".join(got.notes),
+        load=describe_load(plan.scenario.load),
     )
-    return report.Results(meta, figures, checks, got.trials, got.requests, got.events)
+    return report.Results(
+        meta,
+        figures,
+        checks,
+        got.trials,
+        got.requests,
+        got.events,
+        got.stages,
+        before,
+        throughput.per_fault(got.requests, got.trials, before),
+    )
 
 
 def write_report(out: Path, results: report.Results) -> None:
@@ -223,7 +246,7 @@ def write_report(out: Path, results: report.Results) -> None:
     from chaos import plots  # matplotlib costs a second: only once there is something to plot
 
     report.write(out, results)
-    plots.timeline(out / "timeline.png", results.requests, results.trials)
+    plots.timeline(out / "timeline.png", results.requests, results.trials, results.stages)
     plots.recovery(out / "recovery.png", results.trials)
 
 

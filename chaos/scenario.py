@@ -8,13 +8,30 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import msgspec
 import yaml
 
 from chaos.checks import Check, parse_check
-from chaos.errors import ScenarioError
+from chaos.errors import CheckSyntaxError, ScenarioError
+from supervisor import schema
+
+T = TypeVar("T")
+LOAD_FLOORS = {  # key: (floor, whether the floor itself is out)
+    "concurrency": (1, False),
+    "rate": (0, True),
+    "retries": (0, False),
+    "max_tokens": (1, False),
+    "prompt_tokens": (1, False),
+}
+LOAD_RANGES = {
+    "concurrency": "at least 1",
+    "rate": "above 0, or null for back to back",
+    "retries": "0 or more",
+    "max_tokens": "at least 1",
+    "prompt_tokens": "at least 1",
+}
 
 FAULT_KINDS: dict[str, str] = {
     "kill-primary": "SIGKILL the primary engine",
@@ -38,10 +55,11 @@ class _Spec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class LoadSpec(_Spec, frozen=True):
-    concurrency: int = 4
-    rate: float = 40.0  # requests per second, all workers together
-    max_tokens: int = 2
+    concurrency: int = 4  # requests in flight
+    rate: float | None = 40.0  # at most this many requests/s in all; null: back to back
+    max_tokens: int = 2  # output tokens asked for per request
     prompt_tokens: int = 8
+    ignore_eos: bool = False  # true: every request generates exactly max_tokens
     timeout_s: float = 5.0  # one attempt
     retries: int = 2  # extra attempts after a failed one
     retry_backoff_ms: float = 20.0
@@ -75,7 +93,8 @@ class Scenario(_Spec, frozen=True):
     settle_s: float = 0.3
     trial_timeout_s: float = 20.0
     detect_timeout_s: float = 5.0  # how long a trial waits for the supervisor to notice
-    ready_timeout_s: float = 90.0
+    ready_timeout_s: float = 90.0  # per trial: the pool whole again, else the trial fails
+    start_timeout_s: float | None = None  # the first whole pool of a stage; null: ready_timeout_s
 
 
 class Plan(msgspec.Struct, frozen=True):
@@ -102,42 +121,66 @@ def load_scenario(
     seed: int | None = None,
     max_faults: int | None = None,
 ) -> Plan:
-    """Read, validate and plan a scenario; raises ScenarioError naming what to change."""
+    """Read, validate and plan a scenario; ScenarioError lists every problem, each with its
+    path in the file and what to change."""
     try:
         raw = yaml.safe_load(path.read_text())
     except OSError as exc:
         raise ScenarioError(f"cannot read scenario {path}: {exc.strerror}") from exc
     except yaml.YAMLError as exc:
         raise ScenarioError(f"{path} is not valid YAML: {exc}") from exc
-    try:
-        scenario = msgspec.convert(raw, Scenario)
-    except msgspec.ValidationError as exc:
-        raise ScenarioError(f"{path}: {exc}") from exc
+    problems = schema.check(raw, Scenario) if isinstance(raw, dict) else ["$: expected a mapping"]
+    problems += _fault_problems(raw) + _load_problems(raw)
+    checks: list[Check] = []
+    for text in _field(raw, "checks", list):
+        try:
+            checks.append(parse_check(str(text), fault_kinds=FAULT_KINDS))
+        except CheckSyntaxError as exc:
+            problems.append(f"$.checks: {exc}")
+    if problems:
+        raise ScenarioError(f"{path}: " + "\n  ".join(["", *problems]).lstrip(), problems)
+    scenario = msgspec.convert(raw, Scenario)
     if seed is not None:
         scenario = msgspec.structs.replace(scenario, seed=seed)
-    _validate(scenario, path)
-    checks = [parse_check(text, fault_kinds=FAULT_KINDS) for text in scenario.checks]
     order = _order(scenario, trials)
     if max_faults is not None:
         order = _truncate(order, max_faults)
     return Plan(scenario, path, checks, order)
 
 
-def _validate(scenario: Scenario, path: Path) -> None:
-    if not scenario.stages:
-        raise ScenarioError(f"{path}: $.stages is empty; list at least one stage with faults")
-    for i, stage in enumerate(scenario.stages):
-        for j, fault in enumerate(stage.faults):
-            if fault.kind not in FAULT_KINDS:
-                raise ScenarioError(
-                    f"{path}: $.stages[{i}].faults[{j}].kind: unknown fault kind "
-                    f"{fault.kind!r}; valid kinds: {', '.join(FAULT_KINDS)}"
+def _field(data: object, key: str, kind: type[T]) -> T:
+    """data[key] when data is a mapping and the value has the type; else an empty `kind`."""
+    value = data.get(key) if isinstance(data, dict) else None
+    return value if isinstance(value, kind) else kind()
+
+
+def _fault_problems(raw: object) -> list[str]:
+    stages = _field(raw, "stages", list)
+    if not stages:
+        return ["$.stages: empty or missing; list at least one stage with faults"]
+    problems = []
+    for i, stage in enumerate(stages):
+        for j, fault in enumerate(_field(stage, "faults", list)):
+            kind = _field(fault, "kind", str)
+            if kind and kind not in FAULT_KINDS:
+                problems.append(
+                    f"$.stages[{i}].faults[{j}].kind: unknown fault kind {kind!r}; "
+                    f"valid kinds: {', '.join(FAULT_KINDS)}"
                 )
-            if fault.trials is not None and fault.trials < 0:
-                raise ScenarioError(f"{path}: $.stages[{i}].faults[{j}].trials must be >= 0")
-    load = scenario.load
-    if load.concurrency < 1 or load.rate <= 0 or load.retries < 0:
-        raise ScenarioError(f"{path}: $.load needs concurrency >= 1, rate > 0 and retries >= 0")
+            trials = fault.get("trials") if isinstance(fault, dict) else None
+            if isinstance(trials, int) and trials < 0:
+                problems.append(f"$.stages[{i}].faults[{j}].trials: must be 0 or more")
+    return problems
+
+
+def _load_problems(raw: object) -> list[str]:
+    load = _field(raw, "load", dict)
+    problems = []
+    for key, (least, strict) in LOAD_FLOORS.items():
+        value = load.get(key)
+        if isinstance(value, int | float) and (value <= least if strict else value < least):
+            problems.append(f"$.load.{key}: {value!r} is out of range ({LOAD_RANGES[key]})")
+    return problems
 
 
 def _order(scenario: Scenario, trials: int | None) -> list[list[FaultSpec]]:

@@ -10,17 +10,27 @@ import msgspec
 import structlog
 
 from chaos.broker import OwnBroker
-from chaos.cluster import ClusterView, Supervisor, describe_exit, ready
-from chaos.errors import ClusterError
+from chaos.cluster import ClusterView, Supervisor, describe_exit
+from chaos.errors import ClusterError, PoolTimeout
+from chaos.evidence import DaemonLogs, fence_before_promote
 from chaos.faults import FaultContext, Injection, heal, inject
 from chaos.load import LoadGenerator
-from chaos.metrics import PRIMARY_FAULTS, TrialRow, expected
+from chaos.metrics import DAEMON_FAULTS, PRIMARY_FAULTS, TrialRow, expected
+from chaos.pool import missing
 from chaos.recorder import EventRecorder, EventRow
 from chaos.scenario import FaultSpec, Scenario
 
 log = structlog.get_logger("chaos.trial")
 
 WAKE_S = 0.25  # re-read /cluster at least this often while waiting for the pool
+QUIET_S = 5.0  # a wait longer than this is logged (and again every LOUD_EVERY_S)
+LOUD_EVERY_S = 10.0
+
+
+def _silent(_: str) -> None:
+    pass
+
+
 EVENT_GRACE_S = 1.0  # after recovery, how long events already emitted may take to arrive
 
 
@@ -33,36 +43,53 @@ class Harness(msgspec.Struct):
     broker: OwnBroker | None
     recorder: EventRecorder
     load: LoadGenerator
+    logs: DaemonLogs
+    status: Callable[[str], None] = _silent  # what the run waits for, "" when it waits no more
 
 
 async def wait_ready(h: Harness, timeout: float, since: float) -> ClusterView:
-    """The cluster view once the policy's pool is whole; ClusterError after `timeout`."""
-    deadline = time.monotonic() + timeout
-    view: ClusterView | None = None
+    """The cluster view once the pool is as whole as the policy wants it now.
+
+    While it waits, `h.status` says what for (and a long wait is logged); PoolTimeout after
+    `timeout`, ClusterError at once when the supervisor exits."""
+    began = time.monotonic()
+    deadline, loud_at = began + timeout, began + QUIET_S
+    lacking = ["an answer from the health API"]
     while time.monotonic() < deadline:
         view = await h.sup.cluster()
         if view is not None:
             h.load.fallback = (view.primary or "", view.epoch)
-            if ready(view, h.sup.policy):
+            lacking = missing(view, h.sup.policy)
+            if not lacking:
+                h.status("")
                 return view
         if h.sup.exited() is not None:
             raise ClusterError(describe_exit(h.sup, since))
+        waited = time.monotonic() - began
+        h.status(f"waiting {waited:.0f}s for {'; '.join(lacking)}")
+        if time.monotonic() >= loud_at:
+            loud_at += LOUD_EVERY_S
+            log.warning("waiting_for_pool", stage=h.stage, waited_s=round(waited), lacking=lacking)
         await h.recorder.changed(min(WAKE_S, max(0.0, deadline - time.monotonic())))
-    raise ClusterError(
-        f"the pool was not whole within {timeout:.0f}s (policy {h.sup.policy_file}); "
-        f"last /cluster: {view}; raise ready_timeout_s in the scenario, or check the log "
-        f"{h.sup.log_file}"
+    h.status("")
+    raise PoolTimeout(
+        f"the pool was not whole within ready_timeout_s={timeout:g}s; still lacking: "
+        f"{'; '.join(lacking)} (policy {h.sup.policy_file}, log {h.sup.log_file})"
     )
 
 
 async def run_trial(h: Harness, index: int, fault: FaultSpec) -> TrialRow:
     sc = h.scenario
-    await wait_ready(h, sc.ready_timeout_s, time.time())
+    try:
+        await wait_ready(h, sc.ready_timeout_s, time.time())
+    except PoolTimeout as exc:
+        return not_injected(h, index, fault, str(exc), outcome="failed")
     await asyncio.sleep(sc.settle_s)
     view = await h.sup.cluster()
     if view is None:
         raise ClusterError(f"the health API {h.sup.api} stopped answering")
     ctx = FaultContext(h.sup, h.broker, view, fault)
+    h.logs.set_mark()
     injection = await inject(fault.kind, ctx)
     log.info("fault", index=index, kind=fault.kind, victims=[v.name for v in injection.victims])
     deadline = time.monotonic() + sc.trial_timeout_s
@@ -97,10 +124,26 @@ async def run_trial(h: Harness, index: int, fault: FaultSpec) -> TrialRow:
         promotion_ms=_ms(promoted, injection) if fault.kind in PRIMARY_FAULTS else None,
         lingering=injection.lingering,
         note="; ".join(n for n in (injection.note, note) if n),
+        fence_before_promote=_fence_order(h, fault.kind, injection),
+        checkpoint_bytes_read=h.logs.bytes_read_since_mark()
+        if fault.kind in DAEMON_FAULTS
+        else None,
     )
 
 
-def not_injected(h: Harness, index: int, fault: FaultSpec, why: str) -> TrialRow:
+def _fence_order(h: Harness, kind: str, injection: Injection) -> float | None:
+    """Only a hang needs fencing: a killed primary is gone before anything is promoted."""
+    engines = [v.name for v in injection.victims if v.kind == "engine"]
+    if kind != "stop-primary" or not engines:
+        return None
+    return fence_before_promote(h.recorder.rows, engines[0], injection.injected)
+
+
+def not_injected(
+    h: Harness, index: int, fault: FaultSpec, why: str, *, outcome: str = "failed"
+) -> TrialRow:
+    """A trial whose fault was never injected: `failed` counts as a timeout in every check,
+    `skipped` (its victim does not exist now, by the policy's own rule) measures nothing."""
     now = time.time()
     return TrialRow(
         index=index,
@@ -112,6 +155,7 @@ def not_injected(h: Harness, index: int, fault: FaultSpec, why: str) -> TrialRow
         ended=now,
         detection_ms=None,
         promotion_ms=None,
+        outcome=outcome,
         note=f"not injected: {why}",
     )
 
@@ -155,4 +199,4 @@ def _ms(task: asyncio.Task[EventRow | None], injection: Injection) -> float | No
     if not task.done() or task.cancelled() or task.result() is None:
         return None
     row = task.result()
-    return (row.ts - injection.injected) * 1000.0 if row is not None else None
+    return round((row.ts - injection.injected) * 1000.0, 2) if row is not None else None

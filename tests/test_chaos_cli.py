@@ -144,3 +144,28 @@ def test_validate_plans_trials_and_max_faults(capsys: pytest.CaptureFixture[str]
 def test_report_needs_a_results_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["report", str(tmp_path)]) == 2
     assert "results.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "name", ["smoke.yaml", "soak.yaml", "primary.yaml", "gpu.yaml", "gpu-tp2.yaml"]
+)
+def test_every_shipped_scenario_passes_schema_only_validation(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["validate", str(SCENARIOS / name), "--schema-only"]) == 0
+    assert "ok," in capsys.readouterr().out
+
+
+def test_schema_only_still_finds_policy_errors_and_lists_all_of_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "p.yaml"
+    bad.write_text("model:\n  path: /nonexistent/model\nengines:\n  standby: many\n  stanby: 1\n")
+    assert main(["validate", str(_scenario(tmp_path, policy=str(bad))), "--schema-only"]) == 2
+    err = capsys.readouterr().err
+    assert "2 problems" in err and "$.engines.standby" in err and "$.engines.stanby" in err
+    assert "config.json" not in err  # the model's files are not looked for
+    bad.write_text("model:\n  path: /nonexistent/model\n")
+    assert main(["validate", str(_scenario(tmp_path, policy=str(bad))), "--schema-only"]) == 0
+    assert main(["validate", str(_scenario(tmp_path, policy=str(bad)))]) == 2
+    assert "config.json" in capsys.readouterr().err

@@ -77,7 +77,7 @@ def test_report_files(tmp_path: Path) -> None:
     recovery(tmp_path / "recovery.png", trials)
     text = (tmp_path / "report.md").read_text()
     assert "### kill-primary (2 trials)" in text and "### kill-batch (1 trials)" in text
-    assert "| promotion_ms | 2 | 12.0 | timeout | timeout | timeout |" in text
+    assert "| promotion_ms | 2 | 12 | timeout | timeout | timeout |" in text
     assert "**FAIL**" in text
     back = msgspec.json.decode((tmp_path / "results.json").read_bytes(), type=Results)
     assert back.trials == trials and len(back.requests) == len(rows)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
+import yaml
 
 from chaos.checks import parse_check
 from chaos.errors import CheckSyntaxError, ScenarioError
-from chaos.scenario import FAULT_KINDS, load_scenario
+from chaos.scenario import FAULT_KINDS, Scenario, load_scenario
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "chaos" / "scenarios"
 
@@ -54,7 +56,7 @@ def test_random_order_is_seeded(tmp_path: Path) -> None:
 
 def test_unknown_key_names_its_path(tmp_path: Path) -> None:
     text = GOOD.replace("trials: 2\n", "trials: 2\nload:\n  concurency: 3\n")
-    with pytest.raises(ScenarioError, match=r"concurency.*\$\.load"):
+    with pytest.raises(ScenarioError, match=r"\$\.load\.concurency: unknown key"):
         load_scenario(_write(tmp_path, text))
 
 
@@ -81,7 +83,7 @@ def test_bad_checks_are_refused_with_the_grammar(text: str, match: str) -> None:
 
 
 def test_bad_check_in_scenario_fails_at_load(tmp_path: Path) -> None:
-    with pytest.raises(CheckSyntaxError, match="unknown metric"):
+    with pytest.raises(ScenarioError, match=r"\$\.checks: check 'fails == 0': unknown metric"):
         load_scenario(_write(tmp_path, GOOD.replace("failed_requests == 0", "fails == 0")))
 
 
@@ -100,7 +102,9 @@ def test_check_parts_and_defaults() -> None:
     assert per_fault.stat == "sum"
 
 
-@pytest.mark.parametrize("name", ["smoke.yaml", "soak.yaml", "gpu.yaml"])
+@pytest.mark.parametrize(
+    "name", ["smoke.yaml", "soak.yaml", "gpu.yaml", "gpu-tp2.yaml", "primary.yaml"]
+)
 def test_shipped_scenarios_validate(name: str) -> None:
     plan = load_scenario(SCENARIOS / name)
     assert plan.total_faults > 0 and plan.checks
@@ -113,3 +117,34 @@ def test_max_faults_runs_a_prefix_of_the_same_order(tmp_path: Path) -> None:
     full = [f.kind for f in load_scenario(path, trials=10).order[0]]
     short = [f.kind for f in load_scenario(path, trials=10, max_faults=7).order[0]]
     assert short == full[:7]
+
+
+def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
+    text = (
+        GOOD.replace("kind: kill-batch", "kind: kill-bach")
+        .replace("failed_requests == 0", "fails == 0")
+        .replace("seed: 3", "seed: 3\nload:\n  concurency: 3\n  rate: 0")
+    )
+    with pytest.raises(ScenarioError) as caught:
+        load_scenario(_write(tmp_path, text))
+    problems = caught.value.problems
+    assert len(problems) == 4, problems
+    assert any(p.startswith("$.load.concurency: unknown key") for p in problems)
+    assert any(p.startswith("$.load.rate: 0 is out of range") for p in problems)
+    assert any("'kill-bach'" in p for p in problems)
+    assert any("unknown metric 'fails'" in p for p in problems)
+
+
+def test_every_key_an_error_lists_as_allowed_is_accepted(tmp_path: Path) -> None:
+    with pytest.raises(ScenarioError) as caught:
+        load_scenario(_write(tmp_path, GOOD + "sead: 1\n"))
+    (problem,) = caught.value.problems
+    allowed = problem.split("allowed here: ")[1].split(", ")
+    assert "stages" in allowed and "checks" in allowed
+    values = {"stages": None, "checks": None, "name": None}  # already in GOOD
+    for key in allowed:
+        if key in values:
+            continue
+        default = msgspec.to_builtins(getattr(Scenario(name="t", stages=[]), key))
+        plan = load_scenario(_write(tmp_path, GOOD + yaml.safe_dump({key: default})))
+        assert plan.total_faults == 5, key

@@ -1,0 +1,69 @@
+"""Before anything starts: every stage's policy loads and can host the stage's faults.
+
+Every problem of every stage is reported at once. `schema_only` checks the policies'
+shape and cross-field rules but not what lives on this machine (the model's files), so a
+GPU scenario can be checked anywhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import yaml
+
+from chaos.errors import ScenarioError
+from chaos.faults import requirement
+from chaos.scenario import Plan
+from supervisor import schema
+from supervisor.errors import PolicyError
+from supervisor.policy import Policy, load_policy, semantic_errors
+
+
+def preflight(
+    plan: Plan, override: Path | None, *, attached: bool = False, schema_only: bool = False
+) -> list[Policy]:
+    """The policy of every stage; ScenarioError listing every problem found."""
+    policies: list[Policy] = []
+    problems: list[str] = []
+    for stage in plan.scenario.stages:
+        path = override or plan.policy_path(stage)
+        try:
+            policy = schema_policy(path) if schema_only else load_policy(path)
+        except PolicyError as exc:
+            problems += [f"stage {stage.name}: policy {path}: {e}" for e in exc.errors]
+            continue
+        for kind in sorted({f.kind for f in stage.faults}):
+            why = requirement(kind, policy, own_broker=not attached, attached=attached)
+            if why is not None:
+                problems.append(f"stage {stage.name}: {why}")
+        policies.append(policy)
+    if problems:
+        raise ScenarioError("\n  ".join(["", *problems]).lstrip(), problems)
+    return policies
+
+
+def schema_policy(path: Path) -> Policy:
+    """A policy checked for shape and cross-field rules only: its model files are not
+    looked for (model.path is taken as given)."""
+    try:
+        data: Any = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise PolicyError([f"cannot read {path}: {exc.strerror}"], str(path)) from exc
+    except yaml.YAMLError as exc:
+        raise PolicyError([f"$: not valid YAML: {exc}"], str(path)) from exc
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise PolicyError(["$: expected a mapping at the top"], str(path))
+    errors = schema.check(data, Policy)
+    if errors:
+        raise PolicyError(errors, str(path))
+    policy = msgspec.convert({**data, "source": str(path)}, Policy)
+    model = policy.model
+    if model.path is not None:  # stands in for the checkpoint: its files are not checked
+        model = msgspec.structs.replace(model, path=None, preset=model.preset or "tiny")
+    errors = semantic_errors(msgspec.structs.replace(policy, model=model))
+    if errors:
+        raise PolicyError(errors, str(path))
+    return policy

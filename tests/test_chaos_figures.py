@@ -1,0 +1,115 @@
+"""Report figures a reader relies on: no false timeouts, rounded numbers, every failed
+request listed with its trial, availability without kill-supervisor trials, shed load,
+throughput against the baseline, and a timeline that marks stages instead of showing gaps."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from chaos.checks import parse_check
+from chaos.load import RequestRow
+from chaos.metrics import StageSpan, TrialRow, evaluate, run_figures, with_requests
+from chaos.plots import _rates, bin_seconds, timeline
+from chaos.report import Results, RunMeta, markdown, num
+from chaos.scenario import FAULT_KINDS
+from chaos.throughput import baseline, per_fault
+
+META = RunMeta("t", "chaos run t.yaml", "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", "m", True)
+
+
+def _ok(start: float, tokens: int = 16) -> RequestRow:
+    return RequestRow(start, start + 0.05, 200, 1, "e1", 1, tokens=tokens)
+
+
+def _steady(t0: float, t1: float, step: float = 0.1) -> list[RequestRow]:
+    return [_ok(t0 + i * step) for i in range(round((t1 - t0) / step))]
+
+
+def test_a_passed_trial_without_a_baseline_reports_no_added_latency_timeout() -> None:
+    rows = _steady(100.0, 102.0)
+    trial = with_requests(
+        TrialRow(0, "main", "kill-standby", "s", 1, 101.0, 101.5, 3.0, None), rows, None
+    )
+    assert trial.added_latency_ms is None and trial.failed_requests == 0
+    run = run_figures(rows, [trial], None)
+    text = markdown(Results(META, run, [], [trial], rows, []))
+    assert "| timeout |" not in text and "| added_latency_ms |" not in text
+    check = parse_check("kill-standby.added_latency_ms.max < 100", fault_kinds=FAULT_KINDS)
+    assert evaluate(check, [trial], run).value is None  # no data: n/a, and the check fails
+
+
+def test_numbers_are_rounded_for_people() -> None:
+    assert num(7.87043571472168) == "7.9"
+    assert num(1234.5678) == "1235"
+    assert num(0.000123456) == "0.0001235"
+    assert num(12.0) == "12" and num(math.inf) == "timeout" and num(None) == "n/a"
+    rows = [RequestRow(100.0, 100.0078704357, 200, 1, "e", 1)] + _steady(100.1, 101.0)
+    trial = with_requests(
+        TrialRow(0, "main", "kill-primary", "e", 1, 100.5, 100.9, 3.0, 7.87043571472168),
+        rows,
+        7.87043571472168,
+    )
+    text = markdown(
+        Results(META, run_figures(rows, [trial], 7.87043571472168), [], [trial], rows, [])
+    )
+    assert not re.search(r"\d\.\d{5,}", text), text
+
+
+def test_failed_requests_are_listed_with_their_trial_and_kill_supervisor_is_set_apart() -> None:
+    rows = _steady(100.0, 110.0)
+    rows.append(RequestRow(102.2, 102.5, 502, 3, "e1", 1, "bad gateway"))
+    rows.append(RequestRow(106.1, 106.9, 0, 3, "", None, "ClientConnectorError: refused"))
+    rows.append(RequestRow(106.2, 106.3, 503, 3, "e1", 1, shed=True))
+    trials = [
+        TrialRow(0, "main", "kill-primary", "e1", 1, 102.0, 103.0, 2.0, 9.0),
+        TrialRow(1, "main", "kill-supervisor", "main", 2, 106.0, 108.0, None, None),
+    ]
+    trials = [with_requests(t, rows, 10.0) for t in trials]
+    run = run_figures(rows, trials, 10.0)
+    assert run.failed_requests == 2 and run.shed_requests == 1
+    assert trials[1].shed_requests == 1 and trials[1].failed_requests == 1
+    total = len(rows) - 1  # the shed one counts in neither
+    assert run.availability == pytest.approx((total - 2) / total, abs=1e-6)
+    outside = [r for r in rows if not 106.0 <= r.start < 108.0]
+    assert run.availability_excl_kill_supervisor == pytest.approx(
+        (len(outside) - 1) / len(outside), abs=1e-6
+    )
+    text = markdown(Results(META, run, [], trials, rows, []))
+    assert "| 0 | kill-primary | 2.20 | 502 | 3 | e1 | bad gateway |" in text
+    assert "| 1 | kill-supervisor | 6.10 | 0 | 3 |  | ClientConnectorError: refused |" in text
+
+
+def test_throughput_before_the_first_fault_and_its_drop_per_fault_kind() -> None:
+    rows = _steady(100.0, 105.0) + [_ok(105.3), _ok(105.6)] + _steady(106.0, 110.0)  # a dip
+    stages = [StageSpan("main", 100.0, 110.0)]
+    trials = [TrialRow(0, "main", "kill-primary", "e1", 1, 105.0, 106.0, 2.0, 9.0)]
+    base = baseline(rows, stages, before=104.0)
+    assert base is not None
+    assert (base.requests_per_s, base.tokens_per_s) == (10.0, 160.0)
+    (during,) = per_fault(rows, trials, base)
+    assert during.label == "kill-primary" and during.tokens_per_s == 16.0 * 2
+    assert during.drop_pct == 80.0
+    text = markdown(
+        Results(META, run_figures(rows, trials, 10.0), [], trials, rows, [], stages, base, [during])
+    )
+    assert "| before the first fault | 4 | 10 | 160 |" in text and "| 80.0% |" in text
+
+
+def test_bins_follow_the_run_length_and_stage_gaps_are_not_zero(tmp_path: Path) -> None:
+    assert bin_seconds(60) == 0.5 and bin_seconds(600) == 2.0 and bin_seconds(3600) == 15.0
+    rows = _steady(100.0, 110.0) + _steady(120.0, 130.0)
+    stages = [StageSpan("main", 100.0, 110.2), StageSpan("tp2", 120.0, 130.2)]
+    xs, ok, failed, tokens = _rates(rows, stages, 100.0, 30.2, 1.0)
+    gap = [v for x, v in zip(xs, ok, strict=True) if 12 <= x <= 18]
+    assert gap and all(math.isnan(v) for v in gap)  # blank, not an outage
+    assert all(v > 0 for x, v in zip(xs, ok, strict=True) if 1 <= x <= 9)
+    trials = [
+        TrialRow(i, "main", kind, "e", 1, 102.0 + i, 102.5 + i, 1.0, None)
+        for i, kind in enumerate(FAULT_KINDS)
+    ]
+    timeline(tmp_path / "t.png", rows, trials, stages)
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
