@@ -198,9 +198,16 @@ def test_scheduler_admits_first_come_first_served() -> None:
     running.blocks = pool.take(1)  # one block held: big no longer fits
     s.running.append(running)
     plan = s.plan()
-    assert plan is not None and not plan.prefill  # small may not jump ahead of big
+    assert plan is not None and plan.prefill == ()  # small may not jump ahead of big
+    assert plan.decode == (running,)
     assert list(s.waiting) == [big, small]
     s.drop(running)
     plan = s.plan()
-    assert plan is not None and plan.prefill and plan.seqs == (big,)
+    assert plan is not None and (plan.prefill, plan.decode) == ((big,), ())
     assert blocks_for(big.kv_tokens) == 6 and pool.free == 0
+    running.out.append(Step(5, -1.0))
+    s.running.append(running)  # a new prompt is prefilled in the step that decodes the rest
+    s.drop(big)
+    s.add(Seq((1, 2), 3))
+    plan = s.plan()
+    assert plan is not None and len(plan.prefill) == 2 and plan.decode == (running,)

@@ -39,12 +39,11 @@ class Stream:
         n, start = ids.shape[0], self.pos
         positions = torch.arange(start, start + n)
         if start == 0:
-            batch = Batch(True, positions, positions, torch.tensor([n - 1]), bounds=(0, n))
+            batch = Batch(positions, positions, torch.tensor([n - 1]), bounds=(0, n))
         else:
             assert n == 1
             blocks = torch.arange(start // self.cache.block_size + 1, dtype=torch.int32)
             batch = Batch(
-                False,
                 positions,
                 positions,
                 torch.tensor([0]),
