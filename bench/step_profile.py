@@ -1,0 +1,114 @@
+"""Where a model step's time goes, in-process (no HTTP): per batch size, the wall time of a
+whole decode step through the runner (inputs, graph replay, reading the tokens), the graph
+replay alone and the eager forward alone (CUDA events), and one mixed prefill step.
+
+    PYTHONPATH=. python bench/step_profile.py --model-dir /tmp/models/llama-8b --device cuda:0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from cachedaemon.client import assign  # noqa: E402
+from cachedaemon.loader import load_state_dict  # noqa: E402
+from engine.kvcache import KVCache  # noqa: E402
+from engine.model import LlamaForCausalLM, TPGroup  # noqa: E402
+from engine.modelargs import read_model_args  # noqa: E402
+from engine.runner import Runner  # noqa: E402
+from engine.scheduler import Plan, Seq  # noqa: E402
+
+
+def cuda_ms(fn, reps: int = 20) -> float:  # type: ignore[no-untyped-def]
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--sizes", default="1,8,32,128")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    device = torch.device(args.device)
+    a = read_model_args(args.model_dir)
+    model = LlamaForCausalLM(a, TPGroup(), torch.bfloat16, device=args.device)
+    t0 = time.perf_counter()
+    assign(model, load_state_dict(args.model_dir, dtype="bfloat16", device=args.device))
+    print(f"loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+    cache = KVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, 8192, torch.bfloat16, device)
+    runner = Runner(model, device, cache, max_batch=128, max_len=2048, cuda_graphs=True)
+    runner.warmup()
+    while runner.capture_next():
+        pass
+    rows = []
+    next_block = 0
+    for size in [int(s) for s in args.sizes.split(",")]:
+        seqs = []
+        for i in range(size):
+            s = Seq(tuple((i * 7 + j) % 1000 + 3 for j in range(64)), 200, ignore_eos=True)
+            s.blocks = list(range(next_block, next_block + 17))
+            next_block = (next_block + 17) % (cache.blocks - 17)
+            seqs.append(s)
+        plan = Plan(prefill=tuple(seqs))
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        steps = runner.step(plan)
+        prefill_ms = (time.perf_counter() - t) * 1e3
+        for s, st in zip(seqs, steps, strict=True):
+            s.out.append(st)
+        walls = []
+        for _ in range(30):
+            plan = Plan(decode=tuple(seqs))
+            t = time.perf_counter()
+            steps = runner.step(plan)
+            walls.append((time.perf_counter() - t) * 1e3)
+            for s, st in zip(seqs, steps, strict=True):
+                s.out.append(st)
+        ids, batch = runner._inputs(Plan(decode=tuple(seqs)))
+        graphs = runner.graphs
+        assert graphs is not None
+        replay = cuda_ms(lambda: graphs.replay(ids, batch))
+        eager = cuda_ms(lambda: runner._decode_and_sample(ids, batch), reps=5)
+        t = time.perf_counter()
+        for _ in range(20):
+            runner._inputs(Plan(decode=tuple(seqs)))
+        inputs_ms = (time.perf_counter() - t) * 1e3 / 20
+        row = {
+            "batch": size,
+            "prefill_step_ms": round(prefill_ms, 2),
+            "decode_step_wall_ms": round(statistics.median(walls), 3),
+            "graph_replay_ms": round(replay, 3),
+            "eager_forward_ms": round(eager, 3),
+            "host_inputs_ms": round(inputs_ms, 3),
+        }
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    logits = torch.randn(128, a.vocab_size, device=device)
+    from engine.runner import sample
+
+    print(json.dumps({"sample_128_ms": round(cuda_ms(lambda: sample(logits)), 3)}))
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
