@@ -53,7 +53,9 @@ def main() -> int:
     t0 = time.perf_counter()
     assign(model, load_state_dict(args.model_dir, dtype="bfloat16", device=args.device))
     print(f"loaded in {time.perf_counter() - t0:.1f} s", flush=True)
-    cache = KVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, 8192, torch.bfloat16, device)
+    cache = KVCache(
+        a.num_hidden_layers, a.num_key_value_heads, a.head_dim, 8192, torch.bfloat16, device
+    )
     runner = Runner(model, device, cache, max_batch=128, max_len=2048, cuda_graphs=True)
     runner.warmup()
     while runner.capture_next():
@@ -85,8 +87,8 @@ def main() -> int:
         ids, batch = runner._inputs(Plan(decode=tuple(seqs)))
         graphs = runner.graphs
         assert graphs is not None
-        replay = cuda_ms(lambda: graphs.replay(ids, batch))
-        eager = cuda_ms(lambda: runner._decode_and_sample(ids, batch), reps=5)
+        replay = cuda_ms(lambda g=graphs, i=ids, b=batch: g.replay(i, b))
+        eager = cuda_ms(lambda i=ids, b=batch: runner._decode_and_sample(i, b), reps=5)
         t = time.perf_counter()
         for _ in range(20):
             runner._inputs(Plan(decode=tuple(seqs)))
