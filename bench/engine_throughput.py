@@ -11,8 +11,9 @@ from it and attached to the daemon's pool. Measured, in this order:
 - start: fork request to "ready", and to the last CUDA graph captured (after ready);
 - single stream: one streamed request of --single-tokens tokens; ms per token is the time
   from its first token to its last over the tokens in between (median of 3);
-- concurrency C: C clients, each sending --rounds requests of --prompt-tokens random ids and
-  --output-tokens output tokens (ignore_eos) back to back; output tokens/s over the wall time.
+- concurrency C: C clients, each sending one unmeasured warm-up request, then --rounds
+  requests of --prompt-tokens random ids and --output-tokens output tokens (ignore_eos)
+  back to back; output tokens/s over the wall time of those rounds.
 With --baseline, transformers' own `generate` of the same checkpoint in the same run: a
 static batch of 32 (and one stream) of the same shapes, greedy, after one warm-up.
 """
@@ -111,6 +112,12 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
         print(f"single stream: {out['single_ms_per_token']} ms/token", flush=True)
         for c in args.concurrency:
             rng = random.Random(c)
+            await asyncio.gather(  # warm-up: the shapes this concurrency brings, unmeasured
+                *(
+                    client(session, url, 1, args.prompt_tokens, args.output_tokens, rng)
+                    for _ in range(c)
+                )
+            )
             t0 = time.perf_counter()
             counts = await asyncio.gather(
                 *(
@@ -167,7 +174,7 @@ def main() -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--concurrency", default="1,8", help="comma-separated client counts")
-    p.add_argument("--rounds", type=int, default=2, help="requests per client")
+    p.add_argument("--rounds", type=int, default=3, help="requests per client, after one warm-up")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--single-tokens", type=int, default=128)

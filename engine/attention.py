@@ -14,9 +14,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.paged_decode import paged_decode, triton_ready
 
@@ -42,6 +44,11 @@ class Batch:
         return self.bounds[-1]
 
 
+# Not cuDNN: it builds a plan for every new shape (0.1-0.7 s seen on an H200 for a new
+# prompt length or batch), which a server with ever-changing batches pays again and again.
+BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
     """Write x (tokens, kv_heads, head_dim) into one layer's cache at `slots`."""
     flat = cache.view(-1, cache.shape[-2], cache.shape[-1])
@@ -56,9 +63,11 @@ def attend(
     v_cache: torch.Tensor,
     batch: Batch,
 ) -> torch.Tensor:
-    """q (tokens, heads, dim), k/v (tokens, kv_heads, dim) -> (tokens, heads, dim)."""
-    store(k_cache, batch.slots, k)
-    store(v_cache, batch.slots, v)
+    """q (tokens, heads, dim), k/v (tokens, kv_heads, dim) -> (tokens, heads, dim). With
+    `batch.triton` the keys and values are already in the cache (`fused.rope_store`)."""
+    if not batch.triton:
+        store(k_cache, batch.slots, k)
+        store(v_cache, batch.slots, v)
     split = batch.prefill_tokens
     if split == q.shape[0]:
         return _prefill(q, k, v, batch.bounds, batch.triton)
@@ -88,20 +97,30 @@ def _prefill(
     return out
 
 
+@functools.lru_cache(maxsize=4)
+def _pad_index(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Where each prompt token sits in the (prompts x longest) padded layout: computed once a
+    step, shared by every layer."""
+    lens = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    width = max(lens)
+    return torch.tensor(
+        [i * width + t for i, m in enumerate(lens) for t in range(m)], device=device
+    )
+
+
 def _prefill_padded(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: tuple[int, ...], lens: list[int]
 ) -> torch.Tensor:
     n, width = len(lens), max(lens)
-    where = torch.tensor(
-        [i * width + t for i, m in enumerate(lens) for t in range(m)], device=q.device
-    )
+    where = _pad_index(bounds, q.device)
 
     def pad(x: torch.Tensor) -> torch.Tensor:
         out = x.new_zeros(n * width, *x.shape[1:])
         out.index_copy_(0, where, x)
         return out.view(n, width, *x.shape[1:]).transpose(1, 2)
 
-    o = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True, enable_gqa=True)
+    with sdpa_kernel(BACKENDS):
+        o = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True, enable_gqa=True)
     return o.transpose(1, 2).reshape(n * width, *q.shape[1:]).index_select(0, where)
 
 
@@ -124,9 +143,14 @@ def _decode_gather(
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
     """(n, heads, dim) x (m, kv_heads, dim): grouped-query attention, heads first inside."""
-    o = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=causal, enable_gqa=True
-    )
+    with sdpa_kernel(BACKENDS):
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            is_causal=causal,
+            enable_gqa=True,
+        )
     return o.transpose(0, 1)
 
 

@@ -14,6 +14,7 @@ Callbacks for one step's tokens go out together through `post` (the server passe
 from __future__ import annotations
 
 import concurrent.futures
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from engine.scheduler import Plan, Scheduler, Seq
 
 log = structlog.get_logger("engine.batcher")
 Post = Callable[[Callable[[], None]], object]
+SWITCH_INTERVAL_S = 0.0002
 CAPTURE_EVERY = 64  # steps: under non-stop load, still capture a graph now and then
 
 
@@ -50,6 +52,9 @@ class BatchEngine:
         self._thread = threading.Thread(target=self._loop, name="model", daemon=True)
 
     def start(self) -> None:
+        # The model thread needs the GIL back at once after each step's device sync; the
+        # default 5 ms switch interval would let the HTTP thread hold the GPU idle.
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._thread.start()
 
     def submit(

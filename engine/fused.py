@@ -7,7 +7,8 @@ three fuse what the eager path does in several kernels, with the same math in fl
 one rounding to the compute dtype at the end:
 - `add_rms_norm`: residual add (optional) + RMSNorm (HF numerics: normalise in float32,
   round, multiply by the weight);
-- `rotary`: q and k rotated in place;
+- `rotary`: q and k rotated in place; `rope_store`: that and the keys and values written to
+  the cache, in one kernel;
 - `silu_mul`: silu(gate) * up.
 Each has a torch twin (used on CPU and when a step asks for no kernels) with the eager math.
 """
@@ -81,6 +82,45 @@ def _kernels() -> dict[str, Any]:
         tl.store(base + half, (b * c2 + a * s2).to(ty), mask=m)
 
     @triton.jit
+    def rope_store(
+        q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slots_ptr,
+        heads, kv_heads, half,
+        BLOCK: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+    ):  # fmt: skip
+        tok = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        cm = cols < half
+        dim = 2 * half
+        c1 = tl.load(cos_ptr + tok * dim + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+        s1 = tl.load(sin_ptr + tok * dim + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+        c2 = tl.load(cos_ptr + tok * dim + half + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+        s2 = tl.load(sin_ptr + tok * dim + half + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+        ty = q_ptr.dtype.element_ty
+        hs = tl.arange(0, HEADS)
+        m = (hs[:, None] < heads) & cm[None, :]
+        base = q_ptr + tok * heads * dim + hs[:, None] * dim + cols[None, :]
+        a = tl.load(base, mask=m, other=0.0).to(tl.float32)
+        b = tl.load(base + half, mask=m, other=0.0).to(tl.float32)
+        tl.store(base, (a * c1 - b * s1).to(ty), mask=m)
+        tl.store(base + half, (b * c2 + a * s2).to(ty), mask=m)
+        ks = tl.arange(0, KV_HEADS)
+        km = (ks[:, None] < kv_heads) & cm[None, :]
+        inner = ks[:, None] * dim + cols[None, :]
+        slot = tl.load(slots_ptr + tok).to(tl.int64)
+        kb = k_ptr + tok * kv_heads * dim + inner
+        a = tl.load(kb, mask=km, other=0.0).to(tl.float32)
+        b = tl.load(kb + half, mask=km, other=0.0).to(tl.float32)
+        ka, kb2 = (a * c1 - b * s1).to(ty), (b * c2 + a * s2).to(ty)
+        tl.store(kb, ka, mask=km)
+        tl.store(kb + half, kb2, mask=km)
+        cache = slot * kv_heads * dim + inner
+        tl.store(kc_ptr + cache, ka, mask=km)
+        tl.store(kc_ptr + cache + half, kb2, mask=km)
+        vb = v_ptr + tok * kv_heads * dim + inner
+        tl.store(vc_ptr + cache, tl.load(vb, mask=km, other=0.0), mask=km)
+        tl.store(vc_ptr + cache + half, tl.load(vb + half, mask=km, other=0.0), mask=km)
+
+    @triton.jit
     def silu_mul(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = i < n
@@ -88,7 +128,7 @@ def _kernels() -> dict[str, Any]:
         u = tl.load(u_ptr + i, mask=m, other=0.0).to(tl.float32)
         tl.store(out_ptr + i, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=m)
 
-    return {"add_norm": add_norm, "rope": rope, "silu_mul": silu_mul}
+    return {"add_norm": add_norm, "rope": rope, "rope_store": rope_store, "silu_mul": silu_mul}
 
 
 def _pow2(n: int) -> int:
@@ -118,6 +158,27 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
         x, cos.contiguous(), sin.contiguous(), heads, half, BLOCK=_pow2(half), HEADS=_pow2(heads)
     )
     return x
+
+
+def rope_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Rotate q and k (tokens, heads, dim) in place, and write k and v to the cache (one
+    layer's (blocks, block, kv_heads, dim)) at each token's slot: one kernel, not four."""
+    n, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    _kernels()["rope_store"][(n,)](
+        q, k, v.contiguous(), cos.contiguous(), sin.contiguous(), k_cache, v_cache, slots,
+        heads, kv_heads, dim // 2,
+        BLOCK=_pow2(dim // 2), HEADS=_pow2(heads), KV_HEADS=_pow2(kv_heads),
+    )  # fmt: skip
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

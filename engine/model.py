@@ -134,10 +134,13 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch, kv: KVPair
     ) -> torch.Tensor:
         n = x.shape[0]
-        rotate = fused.rotary_ if batch.triton else fused.rotate_torch
-        q = rotate(self.q_proj(x).view(n, self.heads, self.head_dim), cos, sin)
-        k = rotate(self.k_proj(x).view(n, self.kv_heads, self.head_dim), cos, sin)
+        q = self.q_proj(x).view(n, self.heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        if batch.triton:
+            fused.rope_store(q, k, v, cos, sin, kv[0], kv[1], batch.slots)
+        else:
+            q, k = fused.rotate_torch(q, cos, sin), fused.rotate_torch(k, cos, sin)
         out = attend(q, k, v, kv[0], kv[1], batch)
         return self.tp.all_reduce(self.o_proj(out.reshape(n, -1)))
 
@@ -165,13 +168,20 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(a, tp, dtype, fp8)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch, kv: KVPair
-    ) -> torch.Tensor:
-        h, _ = self.input_layernorm.add_forward(x, None, batch.triton)
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: Batch,
+        kv: KVPair,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream, this layer's MLP output): the next layer adds the second to the
+        first in the kernel that normalises it."""
+        h, x = self.input_layernorm.add_forward(x, delta, batch.triton)
         attn = self.self_attn(h, cos, sin, batch, kv)
         h, x = self.post_attention_layernorm.add_forward(x, attn, batch.triton)
-        out: torch.Tensor = x + self.mlp(h, batch.triton)
-        return out
+        return x, self.mlp(h, batch.triton)
 
 
 class Embedding(nn.Module):
@@ -231,8 +241,11 @@ class LlamaForCausalLM(nn.Module):
         (its last token). Keys and values of every token go to the cache on the way."""
         cos, sin = self._rotary(batch.positions)
         x = self.model.embed_tokens(ids)
+        delta: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, batch, (cache.k[i], cache.v[i]))
-        h, _ = self.model.norm.add_forward(x.index_select(0, batch.last), None, batch.triton)
+            x, delta = layer(x, delta, cos, sin, batch, (cache.k[i], cache.v[i]))
+        last = batch.last
+        tail = delta.index_select(0, last) if delta is not None else None
+        h, _ = self.model.norm.add_forward(x.index_select(0, last), tail, batch.triton)
         head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         return self.tp.all_gather_last(F.linear(h, head)).float()
