@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import socket
 import time
@@ -269,3 +270,65 @@ def test_a_tp_group_stops_together(tiny_model: Path) -> None:
         for pair in pairs:
             for p in pair:
                 p.stop()
+
+
+def metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    [line] = [x for x in text.splitlines() if x.startswith(f"holdfast_engine_{name} ")]
+    return float(line.split()[1])
+
+
+def test_concurrent_requests_on_tp2_equal_each_alone_on_tp1(
+    engines: dict[str, EngineProcess],
+) -> None:
+    """Batched across two gloo ranks: every request's tokens are those it gets alone."""
+    prompts = [[(5 * i + j) % 250 + 1 for j in range(1 + 3 * i)] for i in range(8)]
+    alone = [complete(engines["disk"].url, p, ignore_eos=True)["token_ids"] for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        batched = list(
+            pool.map(lambda p: complete(engines["tp0"].url, p, ignore_eos=True), prompts)
+        )
+    assert [c["token_ids"] for c in batched] == alone
+    assert metric(engines["tp0"].url, "steps_total") > 0
+
+
+def test_a_stream_client_that_leaves_frees_its_slot_and_blocks(
+    engines: dict[str, EngineProcess],
+) -> None:
+    url = engines["attached"].url
+    assert_leaving_stops(engines["attached"], leave_a_stream)
+    assert metric(url, "running") == 0
+    assert metric(url, 'kv_blocks{state="used"}') == 0
+
+
+def test_a_full_engine_answers_503_with_retry_after(tiny_model: Path) -> None:
+    """One request runs, one waits; the next is shed with 503 + Retry-After, not queued
+    forever, and the two accepted ones complete with their own tokens."""
+    flags = ["--model", str(tiny_model), "--dtype", "float32", "--allow-disk-fallback"]
+    proc = EngineProcess([*flags, "--max-batch", "1", "--max-waiting", "1"])
+    try:
+        proc.wait_ready()
+        url = proc.url
+        long_body = {"prompt_token_ids": [7], "max_tokens": 480, "ignore_eos": True}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            running = pool.submit(post, url, {**long_body, "stream": True})
+            deadline = time.monotonic() + 30
+            while metric(url, "running") < 1:
+                assert time.monotonic() < deadline, "the first request never ran"
+            waiting = pool.submit(complete, url, [3, 4, 5], ignore_eos=True)
+            while metric(url, "waiting") < 1:
+                assert time.monotonic() < deadline, "the second request never queued"
+            status, headers, body = post(url, {"prompt_token_ids": [9], "max_tokens": 4})
+            assert status == 503, body
+            assert headers["Retry-After"] == "1"
+            assert (
+                body["error"]["type"] == "overloaded"
+                and "--max-waiting" in body["error"]["message"]
+            )
+            assert running.result(60)[0] == 200
+            queued = waiting.result(60)["token_ids"]
+        assert queued == complete(url, [3, 4, 5], ignore_eos=True)["token_ids"]
+        assert metric(url, "waiting") == 0 and metric(url, "running") == 0
+    finally:
+        proc.stop()
