@@ -46,12 +46,11 @@ class EventBus:
         self._prefix = spec.mqtt.prefix if spec.mqtt is not None else ""
         self._qos = spec.mqtt.qos if spec.mqtt is not None else 0
         self._subscribers: list[asyncio.Queue[Event]] = []
-        self._task: asyncio.Task[None] | None = None
         self.count = 0
 
     def start(self) -> None:
         if self.mqtt is not None:
-            self._task = asyncio.get_running_loop().create_task(self.mqtt.run(), name="mqtt")
+            self.mqtt.start()
 
     def emit(self, kind: str, name: str, event: str, epoch: int, **data: Any) -> Event:
         ev = Event(ts=time.time(), kind=kind, name=name, event=event, epoch=epoch, data=data)
@@ -83,10 +82,7 @@ class EventBus:
         return self.mqtt.dropped if self.mqtt is not None else 0
 
     async def close(self) -> None:
+        """Publish what is queued (the offline status last) and disconnect."""
         if self.mqtt is not None:
-            await self.mqtt.flush(timeout=1.0)
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await self.mqtt.close(timeout=1.0)
         self._pub.close(linger=500)  # let the last events (stopping, stopped) out
