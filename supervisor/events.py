@@ -35,6 +35,10 @@ class UnitState(msgspec.Struct, frozen=True):
     pid: int = 0
 
 
+# events a person should notice; every other event is logged at info
+LEVELS = {"died": "warning", "fenced": "warning", "dead": "warning", "quarantined": "error"}
+
+
 class EventBus:
     def __init__(self, endpoint: str, spec: EventsSpec) -> None:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -46,6 +50,7 @@ class EventBus:
         self._prefix = spec.mqtt.prefix if spec.mqtt is not None else ""
         self._qos = spec.mqtt.qos if spec.mqtt is not None else 0
         self._subscribers: list[asyncio.Queue[Event]] = []
+        self._states: dict[str, UnitState] = {}
         self.count = 0
 
     def start(self) -> None:
@@ -55,7 +60,7 @@ class EventBus:
     def emit(self, kind: str, name: str, event: str, epoch: int, **data: Any) -> Event:
         ev = Event(ts=time.time(), kind=kind, name=name, event=event, epoch=epoch, data=data)
         self.count += 1
-        log.info(ev.topic, epoch=epoch, **data)
+        getattr(log, LEVELS.get(event, "info"))(ev.topic, epoch=epoch, **data)
         body = encode_event(ev)
         with contextlib.suppress(zmq.Again):
             self._pub.send_multipart([ev.topic.encode(), body], zmq.NOBLOCK)
@@ -70,6 +75,7 @@ class EventBus:
         """Publish a unit's retained state (MQTT only; the event carries it elsewhere)."""
         if self.mqtt is not None:
             topic = f"{self._prefix}/{st.kind}/{st.name}/state"
+            self._states[topic] = st
             self.mqtt.offer(topic, msgspec.json.encode(st), qos=self._qos, retain=True)
 
     def subscribe(self, size: int = 1000) -> asyncio.Queue[Event]:
@@ -82,7 +88,10 @@ class EventBus:
         return self.mqtt.dropped if self.mqtt is not None else 0
 
     async def close(self) -> None:
-        """Publish what is queued (the offline status last) and disconnect."""
+        """Mark every retained unit state offline, publish what is queued, disconnect."""
         if self.mqtt is not None:
+            for topic, st in self._states.items():
+                gone = msgspec.structs.replace(st, ts=time.time(), state="offline", pid=0)
+                self.mqtt.offer(topic, msgspec.json.encode(gone), qos=self._qos, retain=True)
             await self.mqtt.close(timeout=1.0)
         self._pub.close(linger=500)  # let the last events (stopping, stopped) out
