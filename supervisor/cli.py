@@ -174,7 +174,8 @@ def _command(args: argparse.Namespace) -> int:
 def _validate(paths: list[str], schema_only: bool) -> int:
     """Check each policy; 2 if any is invalid (each error printed with its path)."""
     code = 0
-    for path in paths or [None]:
+    todo: list[str | None] = [*paths] if paths else [None]  # none given: the demo policy
+    for path in todo:
         try:
             policy = load_policy(path, schema_only=schema_only)
         except PolicyError as e:
