@@ -98,41 +98,45 @@ def test_roles_tails_and_offline_states_after_a_clean_stop(
     prefix = f"hf-test/{uuid.uuid4().hex}"
     sup = Supervisor(policy_for(tmp_path, tiny_model, prefix))
     try:
-        first = sup.wait_pair(timeout=120)
+        p = sup.wait_pair(timeout=120).name  # whichever got ready first
+        other = {"e1": "e2", "e2": "e1"}[p]
         primary_pid = get(f"{sup.api}/primary")[1]["pid"]
-        assert first.name == "e1"
         complete(sup.router, "early", warn="disk almost full")
         for i in range(60):  # far more request lines than fit in a tail
             assert complete(sup.router, f"req-{i:02d}")[0] == 200
         mark = sup.tap.mark()
         os.kill(primary_pid, signal.SIGKILL)
-        died = sup.wait(lambda e: e.topic == "engine.e1.died", timeout=10, after=mark)
+        died = sup.wait(lambda e: e.topic == f"engine.{p}.died", timeout=10, after=mark)
         assert died.data["role"] == "primary", died.data
         tail = died.data["tail"]
         lines = tail.splitlines()
         assert len(tail.encode()) <= TAIL_MAX, tail
         assert lines[0] == f"WARNING echo pid={primary_pid}: disk almost full", tail
         assert lines[-1] == f"echo pid={primary_pid}: request 'req-59'", tail
-        # e1 comes back as a standby, a new incarnation writing to the same log
-        ready = sup.wait(lambda e: e.topic == "engine.e1.ready", timeout=60, after=mark)
+        # it comes back as a standby, a new incarnation writing to the same log
+        ready = sup.wait(lambda e: e.topic == f"engine.{p}.ready", timeout=60, after=mark)
         assert ready.data["role"] == "standby"
         second_pid = ready.data["pid"]
-        sup.cli("promote", "e1")  # fences the primary e2
-        fenced = sup.wait(lambda e: e.topic == "engine.e2.fenced", timeout=10, after=mark)
+        sup.cli("promote", p)  # fences the primary, `other`
+        fenced = sup.wait(lambda e: e.topic == f"engine.{other}.fenced", timeout=10, after=mark)
         assert fenced.data["role"] == "primary", fenced.data
         mark = sup.tap.mark()
-        sup.cli("restart", "e1")
-        died = sup.wait(lambda e: e.topic == "engine.e1.died", timeout=10, after=mark)
+        sup.cli("restart", p)
+        died = sup.wait(lambda e: e.topic == f"engine.{p}.died", timeout=10, after=mark)
         assert died.data["role"] == "primary"
         assert died.data["tail"] == f"echo pid={second_pid}: started", died.data["tail"]
-        assert "[warning  ] engine.e1.died" in sup.output()
+        assert f"[warning  ] engine.{p}.died" in sup.output()
         assert sup.stop(signal.SIGINT) == 0
     finally:
         if sup.proc.poll() is None:
             sup.stop(signal.SIGKILL)
     after = retained(prefix)
     assert after.pop(f"{prefix}/status") == b"offline"
-    assert {t.split("/", 2)[2] for t in after} >= {"engine/e1/state", "daemon/0/state"}
+    assert {t.split("/", 2)[2] for t in after} >= {
+        "engine/e1/state",
+        "engine/e2/state",
+        "daemon/0/state",
+    }
     for topic, payload in after.items():
         state = msgspec.json.decode(payload)
         assert state["state"] == "offline" and state["pid"] == 0, (topic, state)
