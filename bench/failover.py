@@ -186,6 +186,11 @@ def summary(xs: list[float]) -> dict[str, float | int | None]:
     }
 
 
+def loadavg() -> list[float]:
+    """The 1, 5 and 15 minute load averages, as measured now."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def machine() -> dict[str, Any]:
     cpu = ""
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
@@ -216,6 +221,7 @@ def main() -> int:
     base = Path(tempfile.mkdtemp(prefix="hf-bench-"))
     sup = Supervisor(policy(base, args.standby))
     results: dict[str, list[dict[str, Any]]] = {"kill": [], "hang": [], "daemon": []}
+    load = {"start": loadavg(), "max_1min": 0.0}
     try:
         sup.wait(lambda e: e.event == "promoted", timeout=180)
         while get(f"{sup.api}/standby")[0] != 200:
@@ -228,15 +234,17 @@ def main() -> int:
         ):
             for i in range(n):
                 results[kind].append(trial(sup, clients, sig))
+                load["max_1min"] = max(load["max_1min"], os.getloadavg()[0])
                 print(kind, i, json.dumps(results[kind][-1]), flush=True)
         spare_mark = 0  # the first spare may stand by since the start
         for i in range(args.daemon_kills):
             results["daemon"].append(daemon_trial(sup, spare_mark))
+            load["max_1min"] = max(load["max_1min"], os.getloadavg()[0])
             spare_mark = results["daemon"][-1].pop("mark")
             print("daemon", i, json.dumps(results["daemon"][-1]), flush=True)
         time.sleep(0.5)
         clients.close()
-        report(args, results, clients, sup)
+        report(args, results, clients, sup, {**load, "end": loadavg()})
     finally:
         sup.stop(signal.SIGTERM)
     return 0
@@ -247,6 +255,7 @@ def report(
     results: dict[str, list[dict[str, Any]]],
     clients: Clients,
     sup: Supervisor,
+    load: dict[str, Any],
 ) -> None:
     def col(kind: str, key: str) -> list[float]:
         return [float(r[key]) for r in results[kind] if r.get(key) is not None]
@@ -256,7 +265,9 @@ def report(
         "benchmark": "failover",
         "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine(),
+        # load averages measured during the run (1/5/15 min), against `cores`: how busy
+        # the machine was while these figures were taken
+        "machine": {**machine(), "loadavg": {**load, "max_1min": round(load["max_1min"], 2)}},
         "engine": "tests/engines/echo.py (aiohttp + agent SDK, no torch)",
         "policy": {
             "standby": args.standby,
@@ -300,7 +311,6 @@ def report(
     }
     out["bars"] = bars
     out["notes"] = [
-        "2-core shared VM; other test suites were running on it at the same time.",
         "a daemon kill is taken over by the rank's hot spare (`cachedaemon serve --spare`, "
         "already started and imported, waiting on the serving daemon's pidfd), which "
         "reclaims the pool from the keeper (daemon_reclaim_ms, zero checkpoint bytes read) "

@@ -211,8 +211,13 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
     import math
 
     total = sum(math.prod(s) * 2 for _, s in tensor_shapes(PRESETS[args.preset]))
-    with ByteProgress(f"writing {args.preset}", total) as progress:
-        out = make_checkpoint(args.out, args.preset, args.seed, progress.advance)
+    try:
+        with ByteProgress(f"writing {args.preset}", total) as progress:
+            out = make_checkpoint(args.out, args.preset, args.seed, progress.advance)
+    except OSError as e:
+        raise HoldfastError(
+            f"cannot write {args.out}: {e.strerror or e}; pass an OUT dir you can create"
+        ) from e
     print(out)
     return 0
 

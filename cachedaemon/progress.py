@@ -64,7 +64,10 @@ class ByteProgress:
     def rate(self) -> float:
         return round(self.done / 1e9 / max(time.perf_counter() - self._t0, 1e-9), 3)
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         if self._bar is not None:
             self._bar.stop()
-        log.info(f"{self.label}: done", gb=round(self.done / 1e9, 3), gb_per_s=self.rate())
+        if exc_type is None:
+            log.info(f"{self.label}: done", gb=round(self.done / 1e9, 3), gb_per_s=self.rate())
+        else:  # the caller reports the error; say only how far it got
+            log.warning(f"{self.label}: stopped", gb=round(self.done / 1e9, 3))

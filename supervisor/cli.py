@@ -23,12 +23,13 @@ from supervisor.control import (
     request,
 )
 from supervisor.errors import PolicyError
-from supervisor.policy import Policy, load_policy
+from supervisor.policy import load_policy
 
 EXAMPLES = """examples:
   supervisor run                          # the demo policy: tiny CPU model, 1+1+1 engines
   supervisor run policies/h200.yaml
   supervisor validate policies/tp2.yaml
+  supervisor validate --schema-only policies/*.yaml   # written for another machine
   supervisor status --json
   supervisor promote e2 --policy policies/h200.yaml
   supervisor evict batch-1 --runtime-dir /tmp/holdfast-demo
@@ -74,10 +75,16 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("policy", nargs="?", help="policy YAML (default: the demo policy)")
     val = sub.add_parser(
         "validate",
-        help="check a policy; print every error with its path",
-        epilog="example: supervisor validate policies/h200.yaml",
+        help="check policies; print every error with its path",
+        epilog="example: supervisor validate --schema-only policies/*.yaml",
     )
-    val.add_argument("policy", nargs="?", help="policy YAML (default: the demo policy)")
+    val.add_argument("policy", nargs="*", help="policy YAML files (default: the demo policy)")
+    val.add_argument(
+        "--schema-only",
+        action="store_true",
+        help="check keys, types and rules between them, not this machine "
+        "(skips whether model.path holds a checkpoint)",
+    )
     for name, text in (
         ("status", "show the cluster: epoch, primary, engines, daemons"),
         ("promote", "make a ready standby the primary (fences the old one)"),
@@ -164,32 +171,47 @@ def _command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _validate(policy: Policy) -> int:
-    print(
-        f"{policy.source}: ok (model {policy.model.path or policy.model.preset}, "
-        f"1 primary + {policy.engines.standby} standby + "
-        f"{sum(b.count for b in policy.engines.batch)} batch, runtime dir "
-        f"{policy.cache.runtime_dir})"
-    )
-    return 0
+def _validate(paths: list[str], schema_only: bool) -> int:
+    """Check each policy; 2 if any is invalid (each error printed with its path)."""
+    code = 0
+    todo: list[str | None] = [*paths] if paths else [None]  # none given: the demo policy
+    for path in todo:
+        try:
+            policy = load_policy(path, schema_only=schema_only)
+        except PolicyError as e:
+            _print_policy_error(e)
+            code = 2
+            continue
+        print(
+            f"{policy.source}: ok{', schema only' if schema_only else ''} (model "
+            f"{policy.model.path or policy.model.preset}, 1 primary + "
+            f"{policy.engines.standby} standby + "
+            f"{sum(b.count for b in policy.engines.batch)} batch, runtime dir "
+            f"{policy.cache.runtime_dir})"
+        )
+    return code
+
+
+def _print_policy_error(e: PolicyError) -> None:
+    print(f"{e.source}: invalid policy", file=sys.stderr)
+    for line in e.errors:
+        print(f"  {line}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        if args.cmd in ("run", "validate"):
+        if args.cmd == "validate":
+            return _validate(args.policy, args.schema_only)
+        if args.cmd == "run":
             policy = load_policy(args.policy)
-            if args.cmd == "validate":
-                return _validate(policy)
             configure_logging(policy.log.format, policy.log.level)
             from supervisor.service import Service
 
             return asyncio.run(Service(policy).run())
         return _command(args)
     except PolicyError as e:
-        print(f"{e.source}: invalid policy", file=sys.stderr)
-        for line in e.errors:
-            print(f"  {line}", file=sys.stderr)
+        _print_policy_error(e)
         return 2
     except HoldfastError as e:
         print(f"supervisor: {e}", file=sys.stderr)

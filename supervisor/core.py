@@ -206,9 +206,8 @@ class Cluster:
             self.view.set(None)
             silent_ms = round((t_detect - e.last_beat) * 1000, 1) if e.last_beat else None
             self._promote_best(t_detect, cause=cause, old=e.name, silent_ms=silent_ms)
-        e.role = "batch" if e.group != "serving" else "standby"
         quarantine = counted and e.book.record()
-        tail = inc.tail()[-1500:]
+        tail = inc.tail()
         if quarantine:
             e.state = "quarantined"
             self.publish(
@@ -223,6 +222,7 @@ class Cluster:
         else:
             e.next_start = time.monotonic() + (e.book.delay() if counted else 0.0)
             self.publish(e, "died", cause=cause, detail=detail, tail=tail, pid=inc.pid)
+        e.role = "batch" if e.group != "serving" else "standby"  # published as it died
         self.wake.set()
 
     async def fence(self, e: Engine, *, cause: str, detail: str, counted: bool = True) -> None:

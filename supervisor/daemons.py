@@ -89,7 +89,7 @@ class DaemonPool:
             while d.state != "serving":
                 left = deadline - time.monotonic()
                 if d.state in ("quarantined", "dead") or left <= 0:
-                    tail = d.inc.tail() if d.inc else ""
+                    tail = d.inc.tail(2000) if d.inc else ""
                     raise StartupError(
                         f"cache daemon rank {d.rank} did not serve ({d.state}) "
                         f"within cache.ready_timeout_s; it printed:\n{tail}"
@@ -251,7 +251,7 @@ class DaemonPool:
         if d.spare is not inc:
             return  # it took over: `_watch` follows it as the serving daemon now
         d.spare = None
-        log.warning("spare daemon exited", rank=d.rank, exit_code=code, tail=inc.tail()[-300:])
+        log.warning("spare daemon exited", rank=d.rank, exit_code=code, tail=inc.tail(300))
         if d.state == "serving" and not inc.handled:
             await asyncio.sleep(d.book.delay())
             if d.state == "serving" and d.spare is None:
@@ -266,7 +266,7 @@ class DaemonPool:
         quarantine = d.book.record()
         d.state = "quarantined" if quarantine else "dead"
         d.next_start = time.monotonic() + d.book.delay()
-        self._publish(d, d.state, exit_code=code, tail=inc.tail()[-500:])
+        self._publish(d, d.state, exit_code=code, tail=inc.tail())
         spare = d.spare
         if d.state == "dead" and spare is not None and spare.procs[0].alive:
             d.spare = None  # the spare is taking over already: follow it

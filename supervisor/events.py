@@ -35,6 +35,10 @@ class UnitState(msgspec.Struct, frozen=True):
     pid: int = 0
 
 
+# events a person should notice; every other event is logged at info
+LEVELS = {"died": "warning", "fenced": "warning", "dead": "warning", "quarantined": "error"}
+
+
 class EventBus:
     def __init__(self, endpoint: str, spec: EventsSpec) -> None:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -46,17 +50,17 @@ class EventBus:
         self._prefix = spec.mqtt.prefix if spec.mqtt is not None else ""
         self._qos = spec.mqtt.qos if spec.mqtt is not None else 0
         self._subscribers: list[asyncio.Queue[Event]] = []
-        self._task: asyncio.Task[None] | None = None
+        self._states: dict[str, UnitState] = {}
         self.count = 0
 
     def start(self) -> None:
         if self.mqtt is not None:
-            self._task = asyncio.get_running_loop().create_task(self.mqtt.run(), name="mqtt")
+            self.mqtt.start()
 
     def emit(self, kind: str, name: str, event: str, epoch: int, **data: Any) -> Event:
         ev = Event(ts=time.time(), kind=kind, name=name, event=event, epoch=epoch, data=data)
         self.count += 1
-        log.info(ev.topic, epoch=epoch, **data)
+        getattr(log, LEVELS.get(event, "info"))(ev.topic, epoch=epoch, **data)
         body = encode_event(ev)
         with contextlib.suppress(zmq.Again):
             self._pub.send_multipart([ev.topic.encode(), body], zmq.NOBLOCK)
@@ -71,6 +75,7 @@ class EventBus:
         """Publish a unit's retained state (MQTT only; the event carries it elsewhere)."""
         if self.mqtt is not None:
             topic = f"{self._prefix}/{st.kind}/{st.name}/state"
+            self._states[topic] = st
             self.mqtt.offer(topic, msgspec.json.encode(st), qos=self._qos, retain=True)
 
     def subscribe(self, size: int = 1000) -> asyncio.Queue[Event]:
@@ -83,10 +88,10 @@ class EventBus:
         return self.mqtt.dropped if self.mqtt is not None else 0
 
     async def close(self) -> None:
+        """Mark every retained unit state offline, publish what is queued, disconnect."""
         if self.mqtt is not None:
-            await self.mqtt.flush(timeout=1.0)
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            for topic, st in self._states.items():
+                gone = msgspec.structs.replace(st, ts=time.time(), state="offline", pid=0)
+                self.mqtt.offer(topic, msgspec.json.encode(gone), qos=self._qos, retain=True)
+            await self.mqtt.close(timeout=1.0)
         self._pub.close(linger=500)  # let the last events (stopping, stopped) out

@@ -3,6 +3,12 @@
 Nothing here may delay supervision. `offer()` is synchronous and only appends to a bounded
 queue (the oldest message is dropped, and counted, when full); one task owns the broker
 connection, reconnects with backoff, and republishes retained states after each reconnect.
+
+Stopping is cooperative: `close()` asks the task to publish what is queued (the offline
+status last) and leave, and only cancels it if that takes too long. It never relies on one
+`cancel()`: Python 3.11's `asyncio.wait_for`, which aiomqtt uses for CONNACK and PUBACK,
+swallows a cancellation that arrives as the awaited reply does (CPython gh-86296), and a
+task that lost its cancellation would keep the process alive for good.
 """
 
 from __future__ import annotations
@@ -15,10 +21,14 @@ from typing import NamedTuple
 import aiomqtt
 import structlog
 
+from supervisor.aio import finish
 from supervisor.backoff import backoff_wait, delay_for
 from supervisor.policy import MqttSpec
 
 log = structlog.get_logger("supervisor.mqtt")
+
+# TCP connect, CONNACK and each PUBACK: bounds how long a stop can wait on the broker
+BROKER_TIMEOUT_S = 1.0
 
 
 class Outgoing(NamedTuple):
@@ -29,7 +39,7 @@ class Outgoing(NamedTuple):
 
 
 class MqttPublisher:
-    """Owns one broker connection; `run()` is its task, `offer()` never blocks."""
+    """Owns one broker connection; `start()` runs its task, `offer()` never blocks."""
 
     def __init__(self, spec: MqttSpec, queue_size: int) -> None:
         self.spec = spec
@@ -37,7 +47,8 @@ class MqttPublisher:
         self._queue: collections.deque[Outgoing] = collections.deque(maxlen=queue_size)
         self._retained: dict[str, Outgoing] = {}
         self._wake = asyncio.Event()
-        self._idle = asyncio.Event()
+        self._closing = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
         self.dropped = 0
         self.published = 0
         self.connected = False
@@ -52,9 +63,16 @@ class MqttPublisher:
         self._queue.append(msg)
         self._wake.set()
 
-    async def run(self) -> None:
+    def retained(self) -> list[str]:
+        """The retained topics offered so far."""
+        return list(self._retained)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="mqtt")
+
+    async def _run(self) -> None:
         attempt = 0
-        while True:
+        while not self._closing.is_set():
             try:
                 await self._session()
             except (aiomqtt.MqttError, OSError) as e:
@@ -69,43 +87,60 @@ class MqttPublisher:
                         attempt=attempt,
                         queued=len(self._queue),
                     )
-                await asyncio.sleep(delay_for(self._wait, attempt))
-            else:
-                return
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay_for(self._wait, attempt)):
+                        await self._closing.wait()
+
+    def _client(self) -> aiomqtt.Client:
+        will = aiomqtt.Will(self.status_topic, b"offline", qos=1, retain=True)
+        client = aiomqtt.Client(
+            self.spec.host,
+            self.spec.port,
+            will=will,
+            keepalive=self.spec.keepalive_s,
+            timeout=BROKER_TIMEOUT_S,
+        )
+        # aiomqtt has no argument for paho's TCP connect timeout (5 s by default)
+        client._client.connect_timeout = BROKER_TIMEOUT_S
+        return client
 
     async def _session(self) -> None:
-        will = aiomqtt.Will(self.status_topic, b"offline", qos=1, retain=True)
-        async with aiomqtt.Client(
-            self.spec.host, self.spec.port, will=will, keepalive=self.spec.keepalive_s, timeout=2.0
-        ) as client:
-            await client.publish(self.status_topic, b"online", qos=1, retain=True, timeout=2.0)
-            self.connected = True
-            log.info("mqtt_connected", host=self.spec.host, port=self.spec.port)
-            retained = set(self._retained)
-            for msg in list(self._retained.values()):
-                await self._publish(client, msg)
-            while True:
-                while self._queue:
-                    msg = self._queue[0]
-                    if not (msg.retain and msg.topic in retained):
-                        await self._publish(client, msg)
-                    if self._queue and self._queue[0] is msg:
-                        self._queue.popleft()
-                retained.clear()
-                self._wake.clear()
-                self._idle.set()
-                await self._wake.wait()
+        async with self._client() as client:
+            try:
+                await client.publish(self.status_topic, b"online", qos=1, retain=True)
+                self.connected = True
+                log.info("mqtt_connected", host=self.spec.host, port=self.spec.port)
+                await self._drain(client)
+            finally:
+                self.connected = False
+
+    async def _drain(self, client: aiomqtt.Client) -> None:
+        """Publish the retained states, then the queue as it fills, until closing."""
+        retained = set(self._retained)
+        for msg in list(self._retained.values()):
+            await self._publish(client, msg)
+        while True:
+            while self._queue:
+                msg = self._queue[0]
+                if not (msg.retain and msg.topic in retained):
+                    await self._publish(client, msg)
+                if self._queue and self._queue[0] is msg:
+                    self._queue.popleft()
+            retained.clear()
+            if self._closing.is_set():
+                return
+            self._wake.clear()
+            await self._wake.wait()
 
     async def _publish(self, client: aiomqtt.Client, msg: Outgoing) -> None:
-        await client.publish(msg.topic, msg.payload, qos=msg.qos, retain=msg.retain, timeout=2.0)
+        await client.publish(msg.topic, msg.payload, qos=msg.qos, retain=msg.retain)
         self.published += 1
 
-    async def flush(self, timeout: float) -> None:
-        """Publish the retained offline status and wait (bounded) for the queue to empty."""
+    async def close(self, timeout: float) -> None:
+        """Publish the offline status and what is queued, disconnect, end the task: all
+        within about `timeout` (then the task is cancelled, as often as it takes)."""
         self.offer(self.status_topic, b"offline", qos=1, retain=True)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):
-                if self.connected:
-                    self._idle.clear()
-                    self._wake.set()
-                    await self._idle.wait()
+        self._closing.set()
+        self._wake.set()
+        if self._task is not None and not await finish(self._task, timeout):
+            log.warning("mqtt_close_timeout", queued=len(self._queue), timeout_s=timeout)

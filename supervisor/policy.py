@@ -3,6 +3,8 @@
 `load_policy(path)` returns a frozen `Policy` or raises `PolicyError` listing every problem
 with its path in the file (`$.engines.standby: expected int, got str`). Unknown keys are
 errors. `load_policy(None)` reads the embedded demo policy (`policies/demo.yaml`).
+`schema_only=True` skips what depends on this machine (whether model.path holds a
+checkpoint), for policies written for another one.
 """
 
 from __future__ import annotations
@@ -150,7 +152,7 @@ class Policy(_Spec, frozen=True):
     api: ApiSpec = msgspec.field(default_factory=ApiSpec)
     events: EventsSpec = msgspec.field(default_factory=EventsSpec)
     log: LogSpec = msgspec.field(default_factory=LogSpec)
-    source: str = ""  # the file it came from; set by load_policy
+    source: str = ""  # the file it came from; set by load_policy (a value in the file is ignored)
 
 
 def demo_path() -> Path:
@@ -162,7 +164,7 @@ def demo_path() -> Path:
     return next((c for c in candidates if c.is_file()), candidates[0])
 
 
-def load_policy(path: str | os.PathLike[str] | None = None) -> Policy:
+def load_policy(path: str | os.PathLike[str] | None = None, *, schema_only: bool = False) -> Policy:
     """Read, validate and resolve a policy file; None reads the demo policy."""
     src = Path(path) if path is not None else demo_path()
     try:
@@ -171,10 +173,10 @@ def load_policy(path: str | os.PathLike[str] | None = None) -> Policy:
         raise PolicyError(
             [f"cannot read {src}: {e.strerror}; pass an existing policy file"], str(src)
         ) from e
-    return parse_policy(text, src)
+    return parse_policy(text, src, schema_only=schema_only)
 
 
-def parse_policy(text: str, src: Path) -> Policy:
+def parse_policy(text: str, src: Path, *, schema_only: bool = False) -> Policy:
     try:
         data: Any = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -184,14 +186,12 @@ def parse_policy(text: str, src: Path) -> Policy:
         raise PolicyError(
             [f"$: expected a mapping at the top, got {type(data).__name__}"], str(src)
         )
-    if "source" in data:
-        raise PolicyError(["$.source: unknown key; it is set from the file name"], str(src))
     errors = schema.check(data, Policy)
     if errors:
         raise PolicyError(errors, str(src))
     policy = msgspec.convert({**data, "source": str(src)}, Policy)
     policy = _resolve(policy, src.parent)
-    errors = semantic_errors(policy)
+    errors = semantic_errors(policy, schema_only=schema_only)
     if errors:
         raise PolicyError(errors, str(src))
     return policy
@@ -206,9 +206,10 @@ def _resolve(policy: Policy, base: Path) -> Policy:
     return msgspec.structs.replace(policy, model=model, cache=cache)
 
 
-def semantic_errors(p: Policy) -> list[str]:
-    """Cross-field rules msgspec cannot express, each naming the key to change."""
-    errors = _model_errors(p) + _engine_errors(p.engines)
+def semantic_errors(p: Policy, *, schema_only: bool = False) -> list[str]:
+    """Cross-field rules msgspec cannot express, each naming the key to change; with
+    `schema_only`, none that look at this machine's files."""
+    errors = _model_errors(p, schema_only) + _engine_errors(p.engines)
     for path, value in (("$.router.listen", p.router.listen), ("$.api.listen", p.api.listen)):
         errors += _listen_errors(path, value)
     if p.router.listen == p.api.listen:
@@ -226,14 +227,14 @@ def semantic_errors(p: Policy) -> list[str]:
     return errors
 
 
-def _model_errors(p: Policy) -> list[str]:
+def _model_errors(p: Policy, schema_only: bool) -> list[str]:
     m = p.model
     errors: list[str] = []
     if m.path is None and m.preset is None:
         errors.append(
             "$.model: set model.path to a checkpoint dir, or model.preset to generate one"
         )
-    if m.path is not None and not (Path(m.path) / "config.json").is_file():
+    if m.path is not None and not schema_only and not (Path(m.path) / "config.json").is_file():
         errors.append(
             f"$.model.path: {m.path} holds no config.json; point it at a Hugging Face "
             "checkpoint dir (config.json + *.safetensors)"

@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import os
+import re
 import signal
 import socket
 import time
@@ -24,18 +25,57 @@ from engine import forkserver
 from engine.errors import EngineError
 from supervisor.errors import StartupError
 
+# log lines that say something went wrong: structlog console and JSON, logging, Python
+NOTABLE = re.compile(
+    r"\[(warning|error|critical)\s*\]|\"level\": ?\"(warning|error|critical)\"|"
+    r"\b(WARNING|ERROR|CRITICAL)\b|^Traceback |^\w+(Error|Exception|Exit)\b|Warning:"
+)
+
+
+def notable_tail(text: str, limit: int = 1024, line_max: int = 240) -> str:
+    """The last lines of `text` within about `limit` bytes: first the most recent warnings
+    and errors (in up to two thirds of it), then the last lines, each part in order."""
+    lines = [ln[:line_max] for ln in text.splitlines() if ln.strip()]
+    marked = [i for i, ln in enumerate(lines) if NOTABLE.search(ln)]
+    picked: set[int] = set()
+    room = limit * 2 // 3
+    for i in reversed(marked):
+        room -= len(lines[i].encode()) + 1
+        if room < 0:
+            break
+        picked.add(i)
+    room = limit - sum(len(lines[i].encode()) + 1 for i in picked)
+    last: list[int] = []
+    for i in reversed(range(len(lines))):
+        if i in picked:
+            continue
+        room -= len(lines[i].encode()) + 1
+        if room < 0:
+            break
+        last.append(i)
+    return "\n".join([lines[i] for i in sorted(picked)] + [lines[i] for i in sorted(last)])
+
 
 class Proc:
-    def __init__(self, pid: int, argv: list[str], log: Path, exited: Awaitable[int | None]) -> None:
+    def __init__(
+        self,
+        pid: int,
+        argv: list[str],
+        log: Path,
+        exited: Awaitable[int | None],
+        log_start: int = 0,
+    ) -> None:
         self.pid = pid
         self.argv = argv
         self.log = log
+        self.log_start = log_start  # where this process's output begins in `log`
         self.started = time.monotonic()
         self._exit = asyncio.ensure_future(exited)
 
     @classmethod
     async def spawn(cls, argv: list[str], env: dict[str, str], log: Path) -> Proc:
         with open(log, "ab") as out:
+            start = out.tell()
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *argv,
@@ -51,7 +91,7 @@ class Proc:
                     f"cannot start {argv[0]!r}: {e.strerror}; fix the command "
                     "in the policy (engines.command)"
                 ) from e
-        return cls(proc.pid, argv, log, proc.wait())
+        return cls(proc.pid, argv, log, proc.wait(), start)
 
     @classmethod
     async def fork(cls, server: Path, argv: list[str], env: dict[str, str], log: Path) -> Proc:
@@ -59,6 +99,7 @@ class Proc:
         (only the flags travel). StartupError if the server does not answer."""
         request = forkserver.Spawn(argv=argv[3:], env=env, cwd=os.getcwd(), owner=os.getpid())
         with open(log, "ab") as out, open(os.devnull, "rb") as null:
+            start = out.tell()
             fds = [null.fileno(), out.fileno(), out.fileno()]
             try:
                 sock, pid = await asyncio.to_thread(forkserver.request, server, request, fds)
@@ -68,7 +109,7 @@ class Proc:
             pidfd: int | None = os.pidfd_open(pid)
         except ProcessLookupError:  # already gone: the server's Exited says how
             pidfd = None
-        return cls(pid, argv, log, _forked_exit(sock, pidfd))
+        return cls(pid, argv, log, _forked_exit(sock, pidfd), start)
 
     @property
     def alive(self) -> bool:
@@ -111,14 +152,21 @@ class Proc:
             pass
         await self.fence()
 
-    def tail(self, limit: int = 2000) -> str:
-        """The last `limit` bytes the process wrote (stdout and stderr)."""
+    def tail(self, limit: int = 1024, window: int = 64 * 1024) -> str:
+        """What this process wrote (stdout and stderr; not earlier processes that wrote to
+        the same log), in at most `limit` bytes: warnings and errors first, then its last
+        lines. Only the last `window` bytes are read."""
         try:
             with open(self.log, "rb") as f:
-                f.seek(max(0, f.seek(0, os.SEEK_END) - limit))
-                return f.read().decode(errors="replace")
+                end = f.seek(0, os.SEEK_END)
+                begin = max(self.log_start, end - window)
+                f.seek(begin)
+                data = f.read()
         except OSError:
             return ""
+        if begin > self.log_start:  # cut inside a line: drop the part
+            data = data.partition(b"\n")[2]
+        return notable_tail(data.decode(errors="replace"), limit)
 
 
 async def _forked_exit(sock: socket.socket, pidfd: int | None) -> int | None:

@@ -148,9 +148,10 @@ async def _promote(c: Cluster, e: Engine) -> ControlReply:
             inc.handled = True
             for p in inc.procs:
                 await p.fence()
-            old.state, old.role, c.primary = "dead", "standby", None
+            old.state, c.primary = "dead", None
             old.next_start = time.monotonic()
-            c.publish(old, "fenced", cause="operator-promote")
+            c.publish(old, "fenced", cause="operator-promote", pid=inc.pid)
+            old.role = "standby"  # it restarts as one; `fenced` says what it was
     c.promote(e, t0, cause="operator", old=old.name if old else None)
     c.wake.set()
     return ControlReply(ok=True, message=f"{e.name} is primary at epoch {c.epoch}")

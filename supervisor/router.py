@@ -3,6 +3,8 @@
 Requests go only to the primary of the current epoch. A request whose upstream fails before
 the first response byte is retried once on the next primary, within the retry deadline; a
 request that arrives while no primary serves waits for one within the same deadline.
+The router's own errors (413, 502) have the OpenAI error shape the engines use:
+`{"error": {"message": ..., "type": ...}}`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ HOP_BY_HOP = frozenset(
     }
 )
 UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError)
+MAX_BODY = 64 * 1024 * 1024  # bytes of one request body
+
+
+def error(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind}}, status=status)
 
 
 @dataclass(frozen=True)
@@ -101,7 +108,7 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=MAX_BODY)
         app.router.add_route("*", "/{tail:.*}", self.handle)
         app.on_cleanup.append(self._close)
         return app
@@ -121,11 +128,19 @@ class Router:
         return self._session
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            size = f" of {request.content_length} bytes" if request.content_length else ""
+            return error(
+                413,
+                f"request body{size} is over the router's limit of {MAX_BODY} bytes",
+                "invalid_request_error",
+            )
         deadline = time.monotonic() + self.spec.retry_deadline_s
         target = self.view.target or await self.view.next_after(-1, deadline)
         attempts = 2 if self.spec.retry else 1
-        error = "no primary is serving"
+        reason = "no primary is serving"
         for attempt in range(attempts):
             if target is None:
                 break
@@ -134,13 +149,13 @@ class Router:
             try:
                 return await self._forward(request, body, target)
             except UPSTREAM_ERRORS as e:
-                error = f"primary {target.name} failed before answering: {type(e).__name__}"
+                reason = f"primary {target.name} failed before answering: {type(e).__name__}"
                 if attempt + 1 < attempts:
                     self.retried += 1
                     target = await self.view.next_after(target.epoch, deadline)
         self.failed += 1
-        log.warning("route_failed", path=request.path, error=error)
-        return web.json_response({"error": error}, status=502)
+        log.warning("route_failed", path=request.path, error=reason)
+        return error(502, reason, "upstream_error")
 
     async def _forward(
         self, request: web.Request, body: bytes, target: Target

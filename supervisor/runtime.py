@@ -3,7 +3,8 @@
 `RuntimeDir.acquire(path)` takes an exclusive flock on `<run>/supervisor.lock`; a second
 supervisor on the same dir is refused while the first lives (the kernel drops the lock when
 the holder dies, however it dies). Only while holding the lock are our own stale sockets
-removed.
+removed, and only when nothing listens on them any more: a live listener on one of our
+socket paths (or anything that is not a socket there) refuses the start instead.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import socket
 import stat
 from pathlib import Path
 
@@ -63,26 +65,66 @@ class RuntimeDir:
                 f"another supervisor (pid {holder}) runs on {run}; stop it "
                 f"(`supervisor stop --runtime-dir {run}`) or set cache.runtime_dir"
             ) from None
+        try:
+            clear_stale_sockets(run)
+        except RuntimeDirError:
+            os.close(fd)
+            raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
-        rd = cls(run, fd)
-        rd.remove_own_sockets()
         (run / "logs").mkdir(mode=0o700, exist_ok=True)
-        return rd
+        return cls(run, fd)
 
     def endpoint(self, name: str) -> str:
         return f"ipc://{self.path / name}"
 
     def remove_own_sockets(self) -> None:
         for name in OWN_SOCKETS:
+            path = self.path / name
             with contextlib.suppress(FileNotFoundError):
-                (self.path / name).unlink()
+                if stat.S_ISSOCK(path.lstat().st_mode):
+                    path.unlink()
 
     def release(self) -> None:
         self.remove_own_sockets()
         with contextlib.suppress(OSError):
             os.ftruncate(self._lock_fd, 0)
         os.close(self._lock_fd)
+
+
+def clear_stale_sockets(run: Path) -> None:
+    """Remove our socket files that a dead supervisor left; refuse any that something still
+    listens on, or that are not sockets at all."""
+    for name in OWN_SOCKETS:
+        path = run / name
+        try:
+            mode = path.lstat().st_mode
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISSOCK(mode):
+            raise RuntimeDirError(
+                f"cannot listen on ipc://{path}: something that is not a socket is in the "
+                f"way; remove {path} or set cache.runtime_dir"
+            )
+        if _listening(path):
+            raise RuntimeDirError(
+                f"cannot listen on ipc://{path}: another process listens there; stop it "
+                "or set cache.runtime_dir"
+            )
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def _listening(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):  # its owner is gone
+            return False
+        except OSError:  # busy or slow: someone is there
+            return True
+    return True
 
 
 def holder_pid(path: str | os.PathLike[str]) -> int | None:

@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+import zmq
 from aiohttp import web
 
 from supervisor import reconcile
 from supervisor.agents import AgentHub
+from supervisor.aio import cancel_all
 from supervisor.api import HealthApi
 from supervisor.control import ControlReply, ControlServer, Request
 from supervisor.core import Cluster
@@ -93,7 +95,13 @@ class Service:
             loop.add_signal_handler(sig, self.stop.set)
         os.umask(0o077)  # every socket and file we create is ours alone
         rd = RuntimeDir.acquire(self.policy.cache.runtime_dir)
-        bus = EventBus(rd.endpoint("events"), self.policy.events)
+        try:
+            bus = EventBus(rd.endpoint("events"), self.policy.events)
+        except zmq.ZMQError as e:
+            rd.release()
+            raise StartupError(
+                f"cannot listen on {rd.endpoint('events')}: {e}; set cache.runtime_dir"
+            ) from e
         bus.start()
         c = Cluster(self.policy, bus, self.view)
         try:
@@ -134,21 +142,7 @@ class Service:
             run=str(rd.path),
         )
         model_dir = await ensure_model(self.policy)
-        c.hub = AgentHub(
-            rd.endpoint("agents"),
-            on_hello=c.on_hello,
-            on_heartbeat=c.on_heartbeat,
-            on_state=c.on_state,
-            on_ack=c.on_ack,
-        )
-        self._own(c.hub.serve(), "agents")
-        control = ControlServer(rd.endpoint("control"), lambda r: self._control(c, r))
-        self._own(control.serve(), "control")
-        self._control_server = control
-        router = Router(self.policy.router, self.view)
-        # a client that hangs up cancels its routed request, so the engine stops generating
-        await self._serve_http(router.app(), self.policy.router.listen, cancel_on_hangup=True)
-        await self._serve_http(HealthApi(c.snapshot).app(), self.policy.api.listen)
+        await self._listen(c, rd)
         if wants_forkserver(self.policy):
             self.forks = ForkServer(rd.path, {**os.environ, **self.policy.engines.env})
             await self.forks.start()  # imports while the daemons load
@@ -180,12 +174,37 @@ class Service:
             api=self.policy.api.listen,
         )
 
+    async def _listen(self, c: Cluster, rd: RuntimeDir) -> None:
+        """Bind the agents and control sockets, the router and the health API."""
+        try:
+            c.hub = AgentHub(
+                rd.endpoint("agents"),
+                on_hello=c.on_hello,
+                on_heartbeat=c.on_heartbeat,
+                on_state=c.on_state,
+                on_ack=c.on_ack,
+            )
+            self._own(c.hub.serve(), "agents")
+            control = ControlServer(rd.endpoint("control"), lambda r: self._control(c, r))
+        except zmq.ZMQError as e:
+            raise StartupError(
+                f"cannot listen in {rd.path}: {e}; set cache.runtime_dir to another dir"
+            ) from e
+        self._own(control.serve(), "control")
+        self._control_server = control
+        router = Router(self.policy.router, self.view)
+        # a client that hangs up cancels its routed request, so the engine stops generating
+        await self._serve_http(router.app(), "router.listen", cancel_on_hangup=True)
+        await self._serve_http(HealthApi(c.snapshot).app(), "api.listen")
+
     async def _control(self, c: Cluster, req: Request) -> ControlReply:
         return await reconcile.handle(c, req, self.stop)
 
     async def _serve_http(
-        self, app: web.Application, listen: str, cancel_on_hangup: bool = False
+        self, app: web.Application, key: str, cancel_on_hangup: bool = False
     ) -> None:
+        """Serve `app` on the policy's `key` (router.listen or api.listen)."""
+        listen = self.policy.router.listen if key == "router.listen" else self.policy.api.listen
         host, port = split_listen(listen)
         runner = web.AppRunner(app, access_log=None, handler_cancellation=cancel_on_hangup)
         await runner.setup()
@@ -193,9 +212,9 @@ class Service:
         try:
             await web.TCPSite(runner, host, port, reuse_address=True).start()
         except OSError as e:
+            why = os.strerror(e.errno) if e.errno else str(e)
             raise StartupError(
-                f"cannot listen on {listen}: {e.strerror}; change router.listen "
-                "or api.listen in the policy"
+                f"cannot listen on {listen} ({key}): {why.lower()}; change {key} in the policy"
             ) from e
 
     async def _loop(self, c: Cluster) -> None:
@@ -228,9 +247,7 @@ class Service:
             await c.daemons.stop()
         for runner in self._runners:
             await runner.cleanup()
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_all(self._tasks)
         if c.hub is not None:
             c.hub.close()
         control = getattr(self, "_control_server", None)

@@ -30,8 +30,9 @@ class Incarnation:
     def pid(self) -> int:
         return self.procs[0].pid if self.procs else 0
 
-    def tail(self) -> str:
-        return self.procs[0].tail() if self.procs else ""
+    def tail(self, limit: int = 1024) -> str:
+        """Rank 0's last output lines, warnings and errors first (see `Proc.tail`)."""
+        return self.procs[0].tail(limit) if self.procs else ""
 
 
 @dataclass

@@ -80,3 +80,26 @@ def test_every_command_has_help_with_an_example() -> None:
         assert (
             out.returncode == 0 and "example:" in out.stdout and f"cachedaemon {cmd}" in out.stdout
         )
+
+
+def test_failures_are_not_logged_as_done(tiny_model: Path, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    made = cli("make-checkpoint", str(tmp_path / "file" / "out"), "--preset", "tiny")
+    assert made.returncode == 2, made.stderr
+    assert ": done" not in made.stderr and "Traceback" not in made.stderr, made.stderr
+    assert made.stderr.splitlines()[-1] == (
+        f"cachedaemon make-checkpoint: error: cannot write {tmp_path / 'file' / 'out'}: "
+        "Not a directory; pass an OUT dir you can create"
+    )
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in tiny_model.iterdir():
+        data = f.read_bytes()
+        (broken / f.name).write_bytes(
+            data[: len(data) // 2] if f.suffix == ".safetensors" else data
+        )
+    served = cli("serve", "--model", str(broken), "--runtime-dir", str(tmp_path / "r"))
+    assert served.returncode == 2, served.stderr
+    assert ": done" not in served.stderr, served.stderr
+    assert "loading broken: stopped" in served.stderr
+    assert "the file is truncated" in served.stderr.splitlines()[-1]

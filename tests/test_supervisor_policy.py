@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import typing
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
 
 from supervisor.errors import PolicyError
@@ -79,17 +83,47 @@ def test_relative_model_path_is_resolved_against_the_policy(tmp_path: Path) -> N
     assert p.model.path == str(tmp_path / "m")
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "h200.yaml", "tp2.yaml"])
-def test_shipped_policies_are_valid(name: str) -> None:
-    path = REPO / "policies" / name
-    if name != "demo.yaml":
-        # Real deployments name real checkpoints; check everything except that path.
-        text = path.read_text()
-        policy = parse_policy(text.replace("path:", "preset: tiny\n  # path:"), path)
-    else:
-        policy = load_policy(None)
+SHIPPED = sorted(
+    [*(REPO / "policies").glob("*.yaml"), *(REPO / "chaos" / "scenarios").glob("policy-*.yaml")]
+)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_policies_are_valid(path: Path) -> None:
+    # Real deployments name real checkpoints: check everything but whether they exist here.
+    policy = load_policy(path, schema_only=True)
     assert isinstance(policy, Policy)
     assert len(policy.devices.ids) == policy.model.tp_size
+
+
+def test_schema_only_validate_passes_every_shipped_policy_and_still_finds_errors(
+    tmp_path: Path,
+) -> None:
+    cp = supervisor_cli("validate", "--schema-only", *map(str, SHIPPED))
+    assert cp.returncode == 0, cp.stderr
+    assert cp.stdout.count(": ok, schema only") == len(SHIPPED) >= 7
+    elsewhere = tmp_path / "elsewhere.yaml"
+    elsewhere.write_text("model: {path: /no/such/model}\n")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engines: {standby: x}\n")
+    cp = supervisor_cli("validate", "--schema-only", str(bad), str(elsewhere))
+    assert cp.returncode == 2
+    assert cp.stderr.splitlines() == [
+        f"{bad}: invalid policy",
+        "  $.engines.standby: expected int, got str",
+    ]
+    assert f"{elsewhere}: ok, schema only" in cp.stdout
+    full = supervisor_cli("validate", str(elsewhere))
+    assert full.returncode == 2
+    assert "$.model.path: /no/such/model holds no config.json" in full.stderr
+
+
+def test_a_source_key_is_accepted_and_the_file_name_wins(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text("source: written-by-a-tool.yaml\nmodel: {preset: tiny}\n")
+    assert load_policy(path).source == str(path)
+    unknown = errors_of("bogus: 1\n", tmp_path)
+    assert len(unknown) == 1 and "source" in unknown[0]  # listed as allowed, and it is
 
 
 def test_validate_cli_prints_every_error_and_exits_2(tmp_path: Path) -> None:
@@ -113,3 +147,25 @@ def test_help_has_examples_and_no_torch() -> None:
     )
     subprocess.run([sys.executable, "-c", code], env=env(), check=True, timeout=30)
     assert os.path.exists(REPO / "supervisor" / "__main__.py")
+
+
+def keys_of(struct: Any) -> set[str]:
+    """Every key a struct takes, nested structs (also in lists and unions) included."""
+    out: set[str] = set()
+    for name, tp in typing.get_type_hints(struct).items():
+        out.add(name)
+        for inner in (tp, *typing.get_args(tp)):
+            if isinstance(inner, type) and issubclass(inner, msgspec.Struct):
+                out |= keys_of(inner)
+    return out
+
+
+def test_every_policy_key_is_in_the_docs_policy_table() -> None:
+    text = (REPO / "docs" / "supervisor.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| (.*) \|$", text, re.M))
+    hints = typing.get_type_hints(Policy)
+    for section, tp in hints.items():
+        assert section in rows, f"docs/supervisor.md: no row for {section}"
+        nested = keys_of(tp) if isinstance(tp, type) and issubclass(tp, msgspec.Struct) else set()
+        missing = sorted(k for k in nested if f"`{k}`" not in rows[section])
+        assert not missing, f"docs/supervisor.md, row {section}: no {missing}"

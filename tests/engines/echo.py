@@ -1,7 +1,9 @@
 """A small torch-free engine for supervisor tests: aiohttp + the agent SDK.
 
 POST /v1/completions answers `{"engine", "epoch", "role", "text"}`; `"sleep_s"` holds the
-request that long (load), `"stream": true` sends the text in chunks. GET /health answers 200.
+request that long (load), `"stream": true` sends the text in chunks, `"warn"` is printed as
+a WARNING line on stderr. Each start and each request prints a line with the engine's pid.
+GET /health answers 200.
 `--no-agent` serves without the agent (the supervisor then checks GET /health).
 `--fail-after S` exits with status 3 after S seconds; `--exit-now` exits at once with a
 message on stderr (for quarantine tests); `--refuse-promote` fails every promotion.
@@ -32,6 +34,9 @@ class Echo:
 
     async def complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        if body.get("warn"):
+            print(f"WARNING echo pid={os.getpid()}: {body['warn']}", file=sys.stderr, flush=True)
+        print(f"echo pid={os.getpid()}: request {body.get('prompt', '')!r}", file=sys.stderr)
         self.in_flight += 1
         try:
             await asyncio.sleep(float(body.get("sleep_s", 0)))
@@ -70,6 +75,7 @@ async def serve(args: argparse.Namespace) -> None:
         await follower()
         return
     echo = Echo(os.environ.get("HOLDFAST_NAME", "echo"))
+    print(f"echo pid={os.getpid()}: started", file=sys.stderr, flush=True)
     app = web.Application()
     app.router.add_post("/v1/completions", echo.complete)
     app.router.add_get("/health", echo.health)
