@@ -54,6 +54,7 @@ class EngineStatus(msgspec.Struct, frozen=True):
     restarts: int
     heartbeat_age_ms: float | None
     in_flight: int = 0
+    queued: int = 0  # accepted, waiting for the engine's KV cache (from heartbeats)
     pids: list[int] = []  # one per tensor-parallel rank; pid is rank 0's
 
 

@@ -235,6 +235,8 @@ class Cluster:
         confirmed = all([await p.fence() for p in inc.procs])
         if not confirmed:
             log.error("fence_unconfirmed", engine=e.name, pids=[p.pid for p in inc.procs])
+        # before any promotion `down` makes: the event order shows the fence came first
+        self.publish(e, "fenced", cause=cause, detail=detail, pid=inc.pid, confirmed=confirmed)
         self.down(e, inc, cause=cause, detail=detail, t_detect=t_detect, counted=counted)
 
     # ---- promotion ----
@@ -324,6 +326,7 @@ class Cluster:
                 restarts=e.book.total,
                 heartbeat_age_ms=e.beat_age_ms(now) if e.running else None,
                 in_flight=e.in_flight,
+                queued=e.queued,
                 pids=[p.pid for p in e.inc.procs] if e.inc else [],
             )
             for e in self.engines.values()

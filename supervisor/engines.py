@@ -133,6 +133,8 @@ class EngineLauncher:
                 "HOLDFAST_QUANTIZATION": p.model.quantization,
             }
         )
+        if e.memory_mb > 0:  # the engine's budget, less a fifth for activations and graphs
+            env.setdefault("HOLDFAST_KV_CACHE_MB", str(e.memory_mb * 4 // 5))
         env.pop("HOLDFAST_AGENT", None)
         if rank == 0 and p.engines.health == "agent":
             env["HOLDFAST_AGENT"] = f"ipc://{self.run / 'agents'}"
