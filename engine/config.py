@@ -87,12 +87,29 @@ _ENV: dict[str, tuple[str, type]] = {
 }
 
 
+# flag-only settings: field -> (type, help); the flag is --field-with-dashes
+_FLAGS: dict[str, tuple[type, str]] = {
+    "max_tokens_cap": (int, "largest max_tokens a request may ask for"),
+    "max_model_len": (int, "context length (prompt + generated); 0 = the checkpoint's"),
+    "max_batch": (int, "most requests decoded together in one step"),
+    "max_waiting": (int, "requests that may wait for KV space; past it the engine answers 503"),
+    "prefill_tokens": (int, "prompt tokens one step prefills (a longer prompt runs alone)"),
+    "grace_s": (float, "on SIGTERM, seconds to let in-flight requests finish"),
+    "attach_timeout_s": (float, "seconds to wait for each daemon socket"),
+    "peer_stale_s": (
+        float,
+        "tensor parallel: exit 3 when a peer rank has been silent this many seconds",
+    ),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m engine",
         description="holdfast reference engine: attach weights from the cache daemon(s), "
-        "warm up, serve /v1/completions, /health and /metrics. Every flag also reads "
-        "the HOLDFAST_* variable named in its help.",
+        "warm up, serve many requests at once (continuous batching over a paged KV cache) "
+        "on /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models, /health and "
+        "/metrics. Every flag also reads the HOLDFAST_* variable named in its help.",
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -108,59 +125,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="load from the checkpoint dir when no daemon answers or it mismatches",
     )
-    p.add_argument(
-        "--max-tokens-cap",
-        type=int,
-        default=_DEFAULTS.max_tokens_cap,
-        help="largest max_tokens a request may ask for",
-    )
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=_DEFAULTS.max_model_len,
-        help="context length (prompt + generated); 0 = the checkpoint's",
-    )
-    p.add_argument(
-        "--max-batch",
-        type=int,
-        default=_DEFAULTS.max_batch,
-        help="most requests decoded together in one step",
-    )
-    p.add_argument(
-        "--max-waiting",
-        type=int,
-        default=_DEFAULTS.max_waiting,
-        help="requests that may wait for KV space; past it the engine answers 503",
-    )
-    p.add_argument(
-        "--prefill-tokens",
-        type=int,
-        default=_DEFAULTS.prefill_tokens,
-        help="prompt tokens one prefill step takes (a longer prompt runs alone)",
-    )
+    for field, (kind, help_) in _FLAGS.items():
+        p.add_argument(
+            "--" + field.replace("_", "-"),
+            type=kind,
+            default=getattr(_DEFAULTS, field),
+            help=help_,
+        )
     p.add_argument(
         "--no-cuda-graphs",
         dest="cuda_graphs",
         action="store_false",
         help="decode eagerly on CUDA (graphs are captured after ready by default)",
-    )
-    p.add_argument(
-        "--grace-s",
-        type=float,
-        default=_DEFAULTS.grace_s,
-        help="on SIGTERM, seconds to let in-flight requests finish",
-    )
-    p.add_argument(
-        "--attach-timeout-s",
-        type=float,
-        default=_DEFAULTS.attach_timeout_s,
-        help="seconds to wait for each daemon socket",
-    )
-    p.add_argument(
-        "--peer-stale-s",
-        type=float,
-        default=_DEFAULTS.peer_stale_s,
-        help="tensor parallel: exit 3 when a peer rank has been silent this many seconds",
     )
     p.add_argument(
         "--log-format",
@@ -189,19 +165,7 @@ def from_args(
             values[field] = raw
     if isinstance(values.get("daemons"), str):
         values["daemons"] = tuple(s for s in str(values["daemons"]).split(",") if s)
-    for field in (
-        "allow_disk_fallback",
-        "max_tokens_cap",
-        "max_model_len",
-        "grace_s",
-        "attach_timeout_s",
-        "peer_stale_s",
-        "log_format",
-        "max_batch",
-        "max_waiting",
-        "prefill_tokens",
-        "cuda_graphs",
-    ):
+    for field in ("allow_disk_fallback", "log_format", "cuda_graphs", *_FLAGS):
         values[field] = getattr(ns, field)
     if not values.get("model"):
         raise EngineError("no checkpoint dir: pass --model DIR or set HOLDFAST_MODEL")
