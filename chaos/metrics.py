@@ -80,8 +80,6 @@ def expected(metric: str, fault: str) -> bool:
         return fault not in {"restart-broker", "kill-supervisor"}
     if metric == "checkpoint_bytes_read":
         return fault in DAEMON_FAULTS
-    if metric == "group_left":
-        return fault in ENGINE_KILLS
     if metric == "fence_before_promote":
         return fault == "stop-primary"
     return metric == "recovery_ms"  # added latency needs a baseline: without one it is n/a
