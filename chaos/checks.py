@@ -26,6 +26,7 @@ TRIAL_METRICS: dict[str, str] = {
     "shed_requests": "requests the engine shed (503 + Retry-After on every attempt)",
     "fence_before_promote": "1 when the victim's `fenced` event came before `promoted`, else 0",
     "checkpoint_bytes_read": "checkpoint bytes the daemon that took over read (daemon faults)",
+    "group_left": "processes of the killed engine's group (every rank) alive once recovered",
 }
 RUN_METRICS: dict[str, str] = {
     "availability": "successful / (successful + failed) requests, whole run (shed excluded)",

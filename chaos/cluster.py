@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -21,8 +22,9 @@ import yaml
 from chaos.broker import free_port
 from chaos.errors import ClusterError
 from chaos.procs import ProcRef, descendants, wait_gone
+from chaos.stagepolicy import load_stage_policy
 from supervisor.errors import PolicyError
-from supervisor.policy import MqttSpec, Policy, load_policy, split_listen
+from supervisor.policy import MqttSpec, Policy, split_listen
 
 log = structlog.get_logger("chaos.cluster")
 
@@ -67,10 +69,13 @@ class ClusterView(msgspec.Struct, frozen=True):
         return next((e for e in self.engines if e.name == name), None)
 
 
-def derive_policy(source: Path, run_dir: Path, mqtt: MqttSpec | None) -> Policy:
-    """The scenario's policy with this run's runtime dir, free ports and broker."""
+def derive_policy(
+    source: Path, run_dir: Path, mqtt: MqttSpec | None, overrides: dict[str, Any] | None = None
+) -> Policy:
+    """The scenario's policy (with the stage's overrides) with this run's runtime dir, free
+    ports and broker."""
     try:
-        policy = load_policy(source)
+        policy = load_stage_policy(source, overrides or {})
     except PolicyError as exc:
         raise ClusterError(f"the scenario's policy cannot start: {exc}") from exc
     events = policy.events

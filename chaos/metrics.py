@@ -15,9 +15,12 @@ PRIMARY_FAULTS = frozenset(
     {"kill-primary", "stop-primary", "kill-tp-rank", "kill-daemon-and-primary", "restart-broker"}
 )
 DAEMON_FAULTS = frozenset({"kill-daemon", "stop-daemon", "kill-daemon-and-primary"})
+ENGINE_KILLS = frozenset(
+    {"kill-primary", "kill-standby", "kill-batch", "kill-tp-rank", "kill-daemon-and-primary"}
+)
 MS_METRICS = ("detection_ms", "promotion_ms", "recovery_ms", "added_latency_ms")
 COUNTS = ("failed_requests", "retried_requests", "shed_requests")
-EVIDENCE = ("fence_before_promote", "checkpoint_bytes_read")
+EVIDENCE = ("fence_before_promote", "checkpoint_bytes_read", "group_left")
 
 
 class TrialRow(msgspec.Struct, frozen=True):
@@ -40,6 +43,7 @@ class TrialRow(msgspec.Struct, frozen=True):
     shed_requests: int = 0  # answered 503 + Retry-After on every attempt (overload, not failure)
     fence_before_promote: float | None = None  # 1: the victim's fence came first in the events
     checkpoint_bytes_read: float | None = None  # by the daemon that took over (its log)
+    group_left: int | None = None  # the killed engine's rank processes alive once recovered
 
 
 class StageSpan(msgspec.Struct, frozen=True):

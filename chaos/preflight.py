@@ -11,14 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import yaml
 
 from chaos.errors import ScenarioError
 from chaos.faults import requirement
 from chaos.scenario import Plan
+from chaos.stagepolicy import load_stage_policy, policy_data
 from supervisor import schema
 from supervisor.errors import PolicyError
-from supervisor.policy import Policy, load_policy, semantic_errors
+from supervisor.policy import Policy, semantic_errors
 
 
 def preflight(
@@ -29,8 +29,19 @@ def preflight(
     problems: list[str] = []
     for stage in plan.scenario.stages:
         path = override or plan.policy_path(stage)
+        overrides = stage.policy_overrides
+        if attached and overrides:
+            problems.append(
+                f"stage {stage.name}: policy_overrides cannot change a supervisor already "
+                "running; drop --attach, or the stage's policy_overrides"
+            )
+            continue
         try:
-            policy = schema_policy(path) if schema_only else load_policy(path)
+            policy = (
+                schema_policy(path, overrides)
+                if schema_only
+                else load_stage_policy(path, overrides)
+            )
         except PolicyError as exc:
             problems += [f"stage {stage.name}: policy {path}: {e}" for e in exc.errors]
             continue
@@ -44,16 +55,10 @@ def preflight(
     return policies
 
 
-def schema_policy(path: Path) -> Policy:
-    """A policy checked for shape and cross-field rules only: its model files are not
-    looked for (model.path is taken as given)."""
-    try:
-        data: Any = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise PolicyError([f"cannot read {path}: {exc.strerror}"], str(path)) from exc
-    except yaml.YAMLError as exc:
-        raise PolicyError([f"$: not valid YAML: {exc}"], str(path)) from exc
-    data = {} if data is None else data
+def schema_policy(path: Path, overrides: dict[str, Any] | None = None) -> Policy:
+    """A policy (with a stage's overrides) checked for shape and cross-field rules only: its
+    model files are not looked for (model.path is taken as given)."""
+    data = policy_data(path, overrides or {})
     if not isinstance(data, dict):
         raise PolicyError(["$: expected a mapping at the top"], str(path))
     errors = schema.check(data, Policy)

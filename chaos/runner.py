@@ -132,7 +132,7 @@ def _supervisor(
         policy = load_policy(source)
         return Supervisor(policy, source, workdir / "supervisor.log", attached=True)
     mqtt = MqttSpec(host=broker.host, port=broker.port) if broker is not None else None
-    policy = derive_policy(source, workdir / "run", mqtt)
+    policy = derive_policy(source, workdir / "run", mqtt, stage.policy_overrides)
     policy_file = write_policy(policy, opts.out / stage.name / "policy.yaml")
     return Supervisor(policy, policy_file, workdir / "supervisor.log")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 import yaml
@@ -79,6 +79,7 @@ class Stage(_Spec, frozen=True):
     name: str
     policy: str  # relative to the scenario file
     faults: list[FaultSpec]
+    policy_overrides: dict[str, Any] = {}  # merged onto the policy's keys (mappings by key)
 
 
 class Scenario(_Spec, frozen=True):

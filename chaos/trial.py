@@ -15,8 +15,9 @@ from chaos.errors import ClusterError, PoolTimeout
 from chaos.evidence import DaemonLogs, fence_before_promote
 from chaos.faults import FaultContext, Injection, heal, inject
 from chaos.load import LoadGenerator
-from chaos.metrics import DAEMON_FAULTS, PRIMARY_FAULTS, TrialRow, expected
+from chaos.metrics import DAEMON_FAULTS, ENGINE_KILLS, PRIMARY_FAULTS, TrialRow, expected
 from chaos.pool import missing
+from chaos.procs import ProcRef
 from chaos.recorder import EventRecorder, EventRow
 from chaos.scenario import FaultSpec, Scenario
 
@@ -91,6 +92,7 @@ async def run_trial(h: Harness, index: int, fault: FaultSpec) -> TrialRow:
     ctx = FaultContext(h.sup, h.broker, view, fault)
     h.logs.set_mark()
     injection = await inject(fault.kind, ctx)
+    ranks = _ranks(view, injection) if fault.kind in ENGINE_KILLS else None
     log.info("fault", index=index, kind=fault.kind, victims=[v.name for v in injection.victims])
     deadline = time.monotonic() + sc.trial_timeout_s
     async with asyncio.TaskGroup() as group:
@@ -128,7 +130,19 @@ async def run_trial(h: Harness, index: int, fault: FaultSpec) -> TrialRow:
         checkpoint_bytes_read=h.logs.bytes_read_since_mark()
         if fault.kind in DAEMON_FAULTS
         else None,
+        group_left=sum(ref.alive() for ref in ranks) if ranks is not None else None,
     )
+
+
+def _ranks(view: ClusterView, injection: Injection) -> list[ProcRef]:
+    """Every rank process of the killed engines, as /cluster listed them before the fault:
+    one_for_all means none may outlive the trial."""
+    refs = []
+    for victim in injection.victims:
+        engine = view.engine(victim.name) if victim.kind == "engine" else None
+        pids = (engine.pids or ([engine.pid] if engine.pid else [])) if engine else []
+        refs += [ref for ref in map(ProcRef.of, pids) if ref is not None]
+    return refs
 
 
 def _fence_order(h: Harness, kind: str, injection: Injection) -> float | None:
