@@ -7,8 +7,8 @@
   requests together (prompts first in the token axis).
 - Decode: one query per request against its cached keys. On CUDA a Triton kernel reads the
   blocks in place (no gather, no host sync, so the step can be captured in a CUDA graph);
-  elsewhere each request's blocks are gathered and fed to SDPA. Both compute the same
-  function; the GPU test compares them.
+  elsewhere the requests' blocks are gathered into one padded batch for one masked SDPA
+  call. Both compute the same function; the GPU test compares them.
 """
 
 from __future__ import annotations
@@ -70,26 +70,25 @@ def attend(
         store(v_cache, batch.slots, v)
     split = batch.prefill_tokens
     if split == q.shape[0]:
-        return _prefill(q, k, v, batch.bounds, batch.triton)
+        return _prefill(q, k, v, batch.bounds)
     assert batch.tables is not None and batch.lengths is not None
     decode = paged_decode if batch.triton else _decode_gather
     if split == 0:
         return decode(q, k_cache, v_cache, batch.tables, batch.lengths)
     out = torch.empty_like(q)
-    out[:split] = _prefill(q[:split], k[:split], v[:split], batch.bounds, batch.triton)
+    out[:split] = _prefill(q[:split], k[:split], v[:split], batch.bounds)
     out[split:] = decode(q[split:], k_cache, v_cache, batch.tables, batch.lengths)
     return out
 
 
 def _prefill(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: tuple[int, ...], padded: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: tuple[int, ...]
 ) -> torch.Tensor:
-    """Each prompt attends causally to itself. On CUDA (`padded`) the prompts go through one
-    SDPA call, padded to the longest (padding sits after each prompt, so the causal mask
-    keeps real tokens off it); on CPU one call per prompt, so a request gets the same bits
-    whatever it is batched with."""
+    """Each prompt attends causally to itself: the prompts go through one SDPA call, padded
+    to the longest (padding sits after each prompt, so the causal mask keeps real tokens
+    off it)."""
     lens = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-    if padded and len(lens) > 1:
+    if len(lens) > 1:
         return _prefill_padded(q, k, v, bounds, lens)
     out = torch.empty_like(q)
     for a, b in zip(bounds[:-1], bounds[1:], strict=True):
@@ -131,14 +130,18 @@ def _decode_gather(
     tables: torch.Tensor,
     lengths: torch.Tensor,
 ) -> torch.Tensor:
-    out = torch.empty_like(q)
+    """Every request's blocks gathered into one padded batch, one masked SDPA call."""
     block = k_cache.shape[1]
-    for i, n in enumerate(lengths.tolist()):
-        blocks = tables[i, : -(-n // block)].long()
-        k = k_cache[blocks].flatten(0, 1)[:n]
-        v = v_cache[blocks].flatten(0, 1)[:n]
-        out[i : i + 1] = _sdpa(q[i : i + 1], k, v, causal=False)
-    return out
+    width = -(-int(lengths.max()) // block)
+    blocks = tables[:, :width].long()
+    k = k_cache[blocks].flatten(1, 2).transpose(1, 2)  # (requests, kv_heads, positions, dim)
+    v = v_cache[blocks].flatten(1, 2).transpose(1, 2)
+    mask = torch.arange(width * block, device=q.device)[None, :] < lengths[:, None]
+    with sdpa_kernel(BACKENDS):
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], enable_gqa=True
+        )
+    return o.squeeze(2)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
