@@ -1,8 +1,13 @@
 """A small threaded server of protocol frames on a unix socket, shared by daemon and keeper.
 
-One thread accepts; each connection gets a thread that checks the peer's uid, then answers
-frames until the peer closes or goes quiet past the read timeout. A bad frame closes only
-its own connection; everyone else is still served.
+One thread accepts and checks each peer's uid; a connection of this uid gets a thread that
+answers frames until the peer closes or goes quiet past the read timeout. A bad frame closes
+only its own connection; everyone else is still served.
+
+A peer of another uid is refused: its thread reads and drops its request (one frame, bounded
+in bytes and seconds) before it sends the refusal and closes, so the peer reads the
+explanation instead of a broken pipe on a request still being written. Refused peers have
+their own few slots: they can neither hold the server nor take the slots of its users.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ log = structlog.get_logger("cachedaemon.server")
 
 Reply = tuple[protocol._Msg, list[int]]
 Handler = Callable[[protocol._Msg, list[int]], Reply]
+REFUSED_SLOTS = 8  # refusals in progress at once; a peer past them is closed unanswered
 
 
 class FrameServer:
@@ -34,12 +40,15 @@ class FrameServer:
         read_timeout: float = 5.0,
         max_fds: int = 0,
         max_connections: int = 256,
+        refused_read_timeout: float = 1.0,
     ) -> None:
         self._sock = sock
         self._handler = handler
         self._timeout = read_timeout
         self._max_fds = max_fds
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._refused_slots = threading.BoundedSemaphore(REFUSED_SLOTS)
+        self._refused_timeout = refused_read_timeout
         self._wake_r, self._wake_w = os.pipe()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -59,11 +68,26 @@ class FrameServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 continue
-            if not self._slots.acquire(blocking=False):
-                log.warning("connection refused: too many clients")
+            if not self._dispatch(conn):
                 conn.close()
-                continue
-            threading.Thread(target=self._serve_conn, args=(conn,), daemon=True).start()
+
+    def _dispatch(self, conn: socket.socket) -> bool:
+        """Give `conn` a thread: a user's or a refusal's; False when no slot is free."""
+        try:
+            uid = protocol.peer_uid(conn)
+        except OSError:
+            return False
+        if uid != os.getuid():
+            if not self._refused_slots.acquire(blocking=False):
+                log.warning("peer refused unanswered: too many refusals", peer_uid=uid)
+                return False
+            threading.Thread(target=self._refuse, args=(conn, uid), daemon=True).start()
+            return True
+        if not self._slots.acquire(blocking=False):
+            log.warning("connection refused: too many clients")
+            return False
+        threading.Thread(target=self._serve_conn, args=(conn,), daemon=True).start()
+        return True
 
     def close(self) -> None:
         self._stopping.set()
@@ -79,12 +103,6 @@ class FrameServer:
             self.connected += 1
         try:
             conn.settimeout(self._timeout)
-            uid = protocol.peer_uid(conn)
-            if uid != os.getuid():
-                log.warning("peer refused", peer_uid=uid)
-                msg = f"peer uid {uid} is not this server's uid {os.getuid()}; connect as that user"
-                protocol.send(conn, protocol.ErrorReply(msg))
-                return
             self._answer(conn)
         except (OSError, ProtocolError) as exc:
             log.debug("connection dropped", error=str(exc))
@@ -93,6 +111,19 @@ class FrameServer:
                 self.connected -= 1
             conn.close()
             self._slots.release()
+
+    def _refuse(self, conn: socket.socket, uid: int) -> None:
+        log.warning("peer refused", peer_uid=uid)
+        msg = f"peer uid {uid} is not this server's uid {os.getuid()}; connect as that user"
+        try:
+            protocol.drop_frame(conn, within=self._refused_timeout)
+            conn.settimeout(self._refused_timeout)
+            protocol.send(conn, protocol.ErrorReply(msg))
+        except (OSError, ProtocolError) as exc:
+            log.debug("refused peer gone", peer_uid=uid, error=str(exc))
+        finally:
+            conn.close()
+            self._refused_slots.release()
 
     def _answer(self, conn: socket.socket) -> None:
         while not self._stopping.is_set():

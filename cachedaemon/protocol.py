@@ -12,6 +12,7 @@ import contextlib
 import os
 import socket
 import struct
+import time
 from typing import Any
 
 import msgspec
@@ -226,6 +227,40 @@ def recv_frame(
     except BaseException:
         close_fds(fds)
         raise
+
+
+def drop_frame(sock: socket.socket, *, max_frame: int = MAX_FRAME, within: float = 1.0) -> None:
+    """Read one frame of a peer that will be refused and drop it, so the refusal that follows
+    reaches a peer that has finished sending. Gives up at EOF, at a header over `max_frame`
+    or once `within` seconds have passed. Plain reads: fds sent with it are never installed."""
+    deadline = time.monotonic() + within
+    head = _read_until(sock, _HEADER.size, deadline)
+    if len(head) < _HEADER.size or _HEADER.unpack(head)[0] > max_frame:
+        return
+    left = _HEADER.unpack(head)[0]
+    while left > 0:
+        got = len(_read_until(sock, min(left, 1 << 16), deadline))
+        if got == 0:
+            return
+        left -= got
+
+
+def _read_until(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """Up to `n` bytes read before `deadline`; fewer at EOF, timeout or a socket error."""
+    buf = bytearray()
+    while len(buf) < n:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            sock.settimeout(remaining)
+            part = sock.recv(n - len(buf))
+        except OSError:  # TimeoutError among them
+            break
+        if not part:
+            break
+        buf += part
+    return bytes(buf)
 
 
 def close_fds(fds: list[int] | tuple[int, ...]) -> None:
