@@ -237,6 +237,11 @@ def preload() -> float:
                 raise EngineError(f"cannot preload {name}: {e}") from e
     import torch
 
+    from engine import fused, paged_decode
+
+    if paged_decode.triton_ready():  # loading Triton's library holds the GIL 0.1-0.3 s: here,
+        paged_decode._kernel()  # not in an engine whose heartbeats would stall; defining
+        fused._kernels()  # kernels touches no GPU
     if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         raise EngineError("CUDA was initialized while preloading; forks could not use it")
     return time.perf_counter() - t0

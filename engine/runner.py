@@ -87,6 +87,8 @@ class Runner:
                 raise
             log.critical("tensor-parallel group broken; exiting", error=str(e))
             os._exit(3)
+        if self.device.type == "cuda":  # wait with the GIL released: heartbeats go on
+            torch.cuda.current_stream(self.device).synchronize()
         rows = packed.tolist()
         return [unpack(row, seq.top_logprobs) for row, seq in zip(rows, plan.seqs, strict=True)]
 
