@@ -4,7 +4,8 @@ A decode step of a batch of n requests replays the graph of the smallest capture
 >= n, its static inputs filled with the n requests and the rest padded: padded rows write
 their keys to the cache's scratch block and attend to one position there. Graphs are
 captured one at a time by the engine loop after the engine is ready, between steps, so a
-start is not held up by capture; a step whose size has no graph yet runs eagerly.
+start is not held up by capture; a step whose size has no graph yet runs eagerly. (The
+Triton kernels inside were compiled by the warm-up, before ready.)
 """
 
 from __future__ import annotations

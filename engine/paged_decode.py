@@ -36,7 +36,8 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # the block table's width changes with every batch: one compiled kernel for all widths
+    @triton.jit(do_not_specialize=["table_stride"])
     def kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lengths_ptr,
         scale, group, head_dim, table_stride,

@@ -94,13 +94,14 @@ class Runner:
 
     def warmup(self) -> None:
         """A prefill and a decode of one request on every rank (no broadcast: all call it).
-        Eager torch ops only: Triton kernels compile when the first graph is captured,
-        after ready."""
+        On CUDA this compiles the Triton kernels (or loads them from Triton's disk cache),
+        before ready, while the supervisor allows a starting engine to be silent: a
+        compile holds the GIL, and so the heartbeat thread, for a second or more."""
         seq = Seq((0,), 2, ignore_eos=True)
         seq.blocks = [self.cache.blocks]  # the scratch block: no request's keys are touched
-        ids, batch = self._inputs(Plan(prefill=(seq,)), triton=False)
+        ids, batch = self._inputs(Plan(prefill=(seq,)))
         seq.out.append(unpack(self._decode_and_sample(ids, batch).tolist()[0], 0))
-        self._decode_and_sample(*self._inputs(Plan(decode=(seq,)), triton=False))
+        self._decode_and_sample(*self._inputs(Plan(decode=(seq,))))
 
     def capture_next(self) -> bool:
         """Capture one more decode graph, if any is left; True if one was captured."""

@@ -86,6 +86,14 @@ class Cluster:
         hb = self.policy.heartbeat
         return hb.interval_ms * hb.miss_limit / 1000.0
 
+    def silence_s(self, ready: bool) -> float:
+        """How long an engine may go without a heartbeat before it is fenced as hung: the
+        miss window once it is ready; while it starts (creating a CUDA context holds the
+        GIL for a few hundred ms on a busy GPU) heartbeat.starting_silence_ms."""
+        if ready:
+            return self.hang_s
+        return max(self.hang_s, self.policy.heartbeat.starting_silence_ms / 1000.0)
+
     # ---- publishing ----
     def publish(self, e: Engine, event: str, **data: Any) -> None:
         data.setdefault("pid", e.pid)

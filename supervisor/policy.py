@@ -101,6 +101,8 @@ class EnginesSpec(_Spec, frozen=True):
 class HeartbeatSpec(_Spec, frozen=True):
     interval_ms: int = 50
     miss_limit: int = 4
+    # an engine still starting (CUDA context, kernels compiled) may be silent this long
+    starting_silence_ms: int = 5000
 
 
 class RestartSpec(_Spec, frozen=True):
@@ -214,7 +216,7 @@ def semantic_errors(p: Policy, *, schema_only: bool = False) -> list[str]:
         errors += _listen_errors(path, value)
     if p.router.listen == p.api.listen:
         errors.append("$.api.listen: same address as router.listen; give each its own port")
-    for key in ("interval_ms", "miss_limit"):
+    for key in ("interval_ms", "miss_limit", "starting_silence_ms"):
         if getattr(p.heartbeat, key) < 1:
             errors.append(f"$.heartbeat.{key}: must be at least 1")
     r = p.restart

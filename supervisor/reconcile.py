@@ -57,11 +57,11 @@ async def _check_liveness(c: Cluster, now: float) -> float | None:
             await c.fence(
                 e, cause="not-ready", detail=f"not ready within engines.ready_timeout_s={timeout}"
             )
-        elif inc.hello and now - e.last_beat > c.hang_s:
+        elif inc.hello and now - e.last_beat > c.silence_s(inc.ready):
             silent = round((now - e.last_beat) * 1000, 1)
             await c.fence(e, cause="hang", detail=f"no heartbeat for {silent} ms")
         elif inc.hello:
-            due = _earliest(due, e.last_beat + c.hang_s + 0.001)
+            due = _earliest(due, e.last_beat + c.silence_s(inc.ready) + 0.001)
     return due
 
 
