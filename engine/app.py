@@ -112,6 +112,8 @@ def build_llama(
         module, device, cache, max_batch=cfg.max_batch, max_len=max_len, cuda_graphs=cfg.cuda_graphs
     )
     runner.warmup()
+    while runner.capture_next():  # CUDA graphs, before ready (see engine.graphs)
+        pass
     phases.warmup = clock.lap()
     log.info(
         "kv cache",

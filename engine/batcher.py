@@ -4,8 +4,7 @@
 scheduler for the next step, runs it on every rank through the runner, and hands each
 request its new token. Between steps requests join (admitted as KV blocks free up) and
 leave (EOS, max_tokens, or their client left), so the batch changes at every step.
-When there is no work the loop captures the next CUDA graph, if one is left, or sleeps
-until a request arrives.
+When there is no work the loop sleeps until a request arrives.
 
 Callbacks for one step's tokens go out together through `post` (the server passes
 `loop.call_soon_threadsafe`), so a step of 128 requests costs the event loop one wakeup.
@@ -29,7 +28,6 @@ from engine.scheduler import Plan, Scheduler, Seq
 log = structlog.get_logger("engine.batcher")
 Post = Callable[[Callable[[], None]], object]
 SWITCH_INTERVAL_S = 0.0002
-CAPTURE_EVERY = 64  # steps: under non-stop load, still capture a graph now and then
 
 
 class Request:
@@ -131,13 +129,10 @@ class BatchEngine:
                 self.scheduler.reap(self._done_now)
                 plan = self.scheduler.plan()
             if plan is None:
-                if not self.runner.capture_next():
-                    self._wake.wait()
+                self._wake.wait()
                 self._wake.clear()
                 continue
             self._step(plan)
-            if self._steps % CAPTURE_EVERY == 0:
-                self.runner.capture_next()
 
     def _step(self, plan: Plan) -> None:
         t0 = time.perf_counter()

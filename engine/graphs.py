@@ -3,9 +3,12 @@
 A decode step of a batch of n requests replays the graph of the smallest captured size
 >= n, its static inputs filled with the n requests and the rest padded: padded rows write
 their keys to the cache's scratch block and attend to one position there. Graphs are
-captured one at a time by the engine loop after the engine is ready, between steps, so a
-start is not held up by capture; a step whose size has no graph yet runs eagerly. (The
-Triton kernels inside were compiled by the warm-up, before ready.)
+captured during start-up, after the warm-up and before ready: under a supervisor a
+starting engine may be silent for a while (`heartbeat.starting_silence_ms`), a ready one
+only for its heartbeat window, and capturing holds the heartbeat thread now and then.
+Capture uses the graph's own begin/end rather than `torch.cuda.graph`, which collects
+Python garbage (a pause with the GIL held) before every capture. A batch larger than the
+largest size runs eagerly.
 """
 
 from __future__ import annotations
@@ -67,8 +70,13 @@ class DecodeGraphs:
             self.fn(self.ids[:size], self._batch(size))  # warm-up outside the capture
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self.fn(self.ids[:size], self._batch(size))
+        side.synchronize()
+        with torch.cuda.stream(side):
+            graph.capture_begin(pool=self.pool)
+            try:
+                out = self.fn(self.ids[:size], self._batch(size))
+            finally:
+                graph.capture_end()
         self.pool = graph.pool()
         self.graphs[size] = (graph, out)
         ms = (time.perf_counter() - t0) * 1e3
