@@ -137,6 +137,10 @@ def _decode_gather(
     k = k_cache[blocks].flatten(1, 2).transpose(1, 2)  # (requests, kv_heads, positions, dim)
     v = v_cache[blocks].flatten(1, 2).transpose(1, 2)
     mask = torch.arange(width * block, device=q.device)[None, :] < lengths[:, None]
+    # positions past a request's length hold whatever was there (never-written memory can
+    # be NaN, and a masked NaN score is still NaN): zero them before they meet the query
+    keep = mask[:, None, :, None]
+    k, v = torch.where(keep, k, 0.0), torch.where(keep, v, 0.0)
     with sdpa_kernel(BACKENDS):
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], enable_gqa=True

@@ -211,3 +211,22 @@ def test_scheduler_admits_first_come_first_served() -> None:
     s.add(Seq((1, 2), 3))
     plan = s.plan()
     assert plan is not None and len(plan.prefill) == 2 and plan.decode == (running,)
+
+
+def test_garbage_in_unwritten_cache_memory_never_reaches_a_request(tiny_model: Path) -> None:
+    """The cache is allocated, not cleared: positions a request has not written (or blocks
+    of other requests padding its table) may hold NaN. They must not leak into it."""
+    clean = build_engine(tiny_model)
+    poisoned = build_engine(tiny_model)
+    poisoned.runner.cache.k.fill_(float("nan"))
+    poisoned.runner.cache.v.fill_(float("nan"))
+    jobs = mixed_jobs(6)
+    for e in (clean, poisoned):
+        e.start()
+    try:
+        want = [clean.run(job).tokens for job in jobs]
+        got = [f.result(120).tokens for f in [poisoned.submit(job) for job in jobs]]
+    finally:
+        clean.stop_followers()
+        poisoned.stop_followers()
+    assert got == want
