@@ -72,7 +72,9 @@ class FaultSpec(_Spec, frozen=True):
     trials: int | None = None  # default: the scenario's `trials`
     hold_s: float = 1.0  # SIGSTOP length, broker outage, memory-pressure burst length
     burst: int = 0  # memory-pressure: requests in the burst (0: engines.load.evict_above + 2)
-    burst_tokens: int = 16  # memory-pressure: max_tokens of each burst request
+    # memory-pressure: max_tokens of each burst request; long enough that a batching
+    # engine is still busy with the burst when hold_s ends, however fast its steps are
+    burst_tokens: int = 400
 
 
 class Stage(_Spec, frozen=True):
