@@ -4,7 +4,8 @@
 # also: checksum-tests, llama-daemon, engine (the engine's GPU tests, then its startup bench),
 #   batching (the batching GPU tests, then bench/engine_throughput.py with the transformers baseline),
 #   checkpoint (write the llama-8b checkpoint to /tmp/models/llama-8b),
-#   chaos / chaos-tp2 (chaos/scenarios/gpu.yaml / gpu-tp2.yaml; results in $OUT/chaos-gpu*)
+#   chaos / chaos-tp2 (chaos/scenarios/gpu.yaml / gpu-tp2.yaml; results in $OUT/chaos-gpu*),
+#   scenario=FILE (any chaos scenario file; results in $OUT/chaos-NAME)
 # Wheels for packages the GPU image lacks travel in .whl/ (scripts/carry-wheels.sh; carry
 # it), the MQTT broker in .mqtt/ (scripts/carry-mosquitto.sh; carry it for the chaos stages).
 set -uo pipefail
@@ -21,8 +22,8 @@ checkpoint() {  # the llama-8b checkpoint the GPU policies name (model.path)
     make-checkpoint /tmp/models/llama-8b --preset llama-8b 2>&1 | tail -2
 }
 
-chaos_run() {  # SCENARIO: a carried broker on a free port, the chaos run, results to $OUT
-  local name=$1 out="$OUT/chaos-$1" port rc
+chaos_run() {  # NAME [FILE]: a carried broker on a free port, the chaos run, results to $OUT
+  local name=$1 file=${2:-chaos/scenarios/$1.yaml} out="$OUT/chaos-$1" port rc
   [ -x .mqtt/mosquitto ] || { echo "no .mqtt/mosquitto: run scripts/carry-mosquitto.sh here and carry .mqtt"; return 2; }
   checkpoint
   port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
@@ -31,7 +32,7 @@ chaos_run() {  # SCENARIO: a carried broker on a free port, the chaos run, resul
   local broker=$!
   export HOLDFAST_MQTT_HOST=127.0.0.1 HOLDFAST_MQTT_PORT=$port HOLDFAST_MOSQUITTO=$PWD/.mqtt/mosquitto
   mkdir -p "$out"
-  timeout 560 python3 -m chaos run "chaos/scenarios/$name.yaml" --out "$out" --no-progress -v \
+  timeout 560 python3 -m chaos run "$file" --out "$out" --no-progress -v \
     > "$out/chaos.log" 2>&1
   rc=$?
   kill "$broker" 2>/dev/null; wait "$broker" 2>/dev/null
@@ -98,6 +99,7 @@ for stage in $stages; do
     checkpoint) checkpoint ;;
     chaos) chaos_run gpu ;;
     chaos-tp2) chaos_run gpu-tp2 ;;
+    scenario=*) f=${stage#scenario=}; chaos_run "$(basename "$f" .yaml)" "$f" ;;
     lifetime)
       timeout 120 python3 bench/cuda_lifetime.py --model /tmp/models/moe --out "$OUT/h200_lifetime.json" \
         2>&1 | tee "$OUT/lifetime.txt" ;;
