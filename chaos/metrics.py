@@ -86,10 +86,17 @@ def expected(metric: str, fault: str) -> bool:
 
 
 def with_requests(
-    trial: TrialRow, rows: Sequence[RequestRow], baseline_ms: float | None
+    trial: TrialRow,
+    rows: Sequence[RequestRow],
+    baseline_ms: float | None,
+    trials: Sequence[TrialRow] = (),
 ) -> TrialRow:
-    """Fill the request-side figures of one trial from the requests started inside it."""
+    """Fill the request-side figures of one trial from the requests started inside it; a
+    failed request counts against the fault in force when it failed (see `blamed`), so
+    `trials` (all of the stage's, this one among them) decides where failures go."""
     inside = [r for r in rows if trial.injected <= r.start < trial.ended]
+    everyone = trials or [trial]
+    failed = [r for r in rows if r.failed and blamed(r, everyone) is trial]
     overlapping = [r for r in rows if r.start < trial.ended and r.end >= trial.injected]
     first_ok = min((r.end for r in inside if r.ok), default=None)
     slowest = max((r.latency_ms for r in overlapping), default=None)
@@ -100,7 +107,7 @@ def with_requests(
     return msgspec.structs.replace(
         trial,
         recovery_ms=round(recovery, 2) if recovery is not None else None,
-        failed_requests=sum(1 for r in inside if r.failed),
+        failed_requests=len(failed),
         retried_requests=sum(1 for r in inside if r.attempts > 1),
         shed_requests=sum(1 for r in inside if r.shed),
         added_latency_ms=added,
@@ -110,6 +117,16 @@ def with_requests(
 def trial_of(row: RequestRow, trials: Sequence[TrialRow]) -> TrialRow | None:
     """The trial a request started in, if any."""
     return next((t for t in trials if t.injected <= row.start < t.ended), None)
+
+
+def blamed(row: RequestRow, trials: Sequence[TrialRow]) -> TrialRow | None:
+    """The trial a request is counted in: a failed one against the last fault injected before
+    it gave up (a request started late in one trial that fails because the next trial killed
+    the supervisor is that kill's failure), any other one where it started."""
+    if not row.failed:
+        return trial_of(row, trials)
+    before = [t for t in trials if t.injected <= row.end]
+    return max(before, key=lambda t: t.injected, default=None)
 
 
 def _availability(rows: Sequence[RequestRow]) -> float | None:
@@ -127,8 +144,9 @@ def baseline_ms(rows: Sequence[RequestRow], before: float) -> float | None:
 def run_figures(
     rows: Sequence[RequestRow], trials: Sequence[TrialRow], base: float | None
 ) -> RunFigures:
-    supervisor_kills = [t for t in trials if t.fault == "kill-supervisor"]
-    outside = [r for r in rows if trial_of(r, supervisor_kills) is None]
+    outside = [
+        r for r in rows if (t := blamed(r, trials)) is None or t.fault != "kill-supervisor"
+    ]
     return RunFigures(
         requests=len(rows),
         failed_requests=sum(1 for r in rows if r.failed),

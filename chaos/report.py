@@ -21,7 +21,7 @@ from chaos.metrics import (
     StageSpan,
     TrialRow,
     stat,
-    trial_of,
+    blamed,
     values,
 )
 from chaos.recorder import EventRow
@@ -149,8 +149,8 @@ def _failed_requests(results: Results) -> list[str]:
         "| ---: | --- | ---: | ---: | ---: | --- | --- |",
     ]
     for row in failed:
-        trial = trial_of(row, results.trials)
-        where = (str(trial.index), trial.fault) if trial else ("", "between trials")
+        trial = blamed(row, results.trials)
+        where = (str(trial.index), trial.fault) if trial else ("", "before the first fault")
         error = row.error.replace("|", "/")
         lines.append(
             f"| {where[0]} | {where[1]} | {row.start - t0:.2f} | {row.status} | {row.attempts} "

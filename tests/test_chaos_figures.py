@@ -68,7 +68,7 @@ def test_failed_requests_are_listed_with_their_trial_and_kill_supervisor_is_set_
         TrialRow(0, "main", "kill-primary", "e1", 1, 102.0, 103.0, 2.0, 9.0),
         TrialRow(1, "main", "kill-supervisor", "main", 2, 106.0, 108.0, None, None),
     ]
-    trials = [with_requests(t, rows, 10.0) for t in trials]
+    trials = [with_requests(t, rows, 10.0, trials) for t in trials]
     run = run_figures(rows, trials, 10.0)
     assert run.failed_requests == 2 and run.shed_requests == 1
     assert trials[1].shed_requests == 1 and trials[1].failed_requests == 1
@@ -81,6 +81,26 @@ def test_failed_requests_are_listed_with_their_trial_and_kill_supervisor_is_set_
     text = markdown(Results(META, run, [], trials, rows, []))
     assert "| 0 | kill-primary | 2.20 | 502 | 3 | e1 | bad gateway |" in text
     assert "| 1 | kill-supervisor | 6.10 | 0 | 3 |  | ClientConnectorError: refused |" in text
+
+
+def test_a_request_that_fails_after_the_next_fault_counts_against_that_fault() -> None:
+    """Started late in a stop-standby trial, still in flight when the next trial killed the
+    supervisor (and its router): the failure is the kill's, not the standby's."""
+    rows = _steady(100.0, 110.0)
+    late = RequestRow(105.9, 106.4, 0, 4, "e2", 1, "ClientConnectorError: refused")
+    between = RequestRow(107.5, 108.5, 502, 4, "e1", 1, "bad gateway")
+    rows += [late, between]
+    trials = [
+        TrialRow(0, "main", "stop-standby", "e2", 1, 105.0, 106.0, 2.0, 9.0),
+        TrialRow(1, "main", "kill-supervisor", "main", 2, 106.1, 107.0, None, None),
+    ]
+    trials = [with_requests(t, rows, 10.0, trials) for t in trials]
+    assert [t.failed_requests for t in trials] == [0, 2]
+    run = run_figures(rows, trials, 10.0)
+    assert run.failed_requests == 2 and run.availability_excl_kill_supervisor == 1.0
+    text = markdown(Results(META, run, [], trials, rows, []))
+    assert "| 1 | kill-supervisor | 5.90 | 0 | 4 | e2 |" in text
+    assert "| 1 | kill-supervisor | 7.50 | 502 | 4 | e1 | bad gateway |" in text
 
 
 def test_throughput_before_the_first_fault_and_its_drop_per_fault_kind() -> None:
