@@ -1,0 +1,102 @@
+"""Seeing a process begin to exit, before its exit can be waited for.
+
+A process killed while it holds a CUDA context spends 100-150 ms inside the kernel tearing
+that context down before its parent (or a pidfd) can see it exit: on an H200 under load a
+SIGKILLed primary was promoted away from 107-156 ms after its last heartbeat, all of it
+spent waiting for the exit. It runs no user code from the first step of that exit: the
+kernel marks the thread PF_EXITING before anything else, and /proc/<pid>/stat shows that
+flag. `ExitWatch` reads the stat of a few processes (the primary's ranks) every few
+milliseconds and reports the first one that is exiting, a zombie, or gone.
+
+The stat file is opened once per process and read with pread: a file opened on a process
+keeps naming that process, so a reused pid is never mistaken for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Callable
+
+PF_EXITING = 0x4  # include/linux/sched.h: getting shut down
+
+
+def stat_says_exiting(stat: bytes) -> bool:
+    """Whether a /proc/<pid>/stat line is of a process that exits or has exited: state Z
+    (zombie) or X (dead), or the PF_EXITING flag set (field 9)."""
+    fields = stat[stat.rindex(b")") + 2 :].split()  # the name may hold spaces and ')'
+    state, flags = fields[0], int(fields[6])
+    return state in (b"Z", b"X", b"x") or bool(flags & PF_EXITING)
+
+
+def open_stat(pid: int) -> int | None:
+    """An fd on the process's stat file; None when the process is already gone."""
+    try:
+        return os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def read_exiting(fd: int) -> bool:
+    try:
+        return stat_says_exiting(os.pread(fd, 1024, 0))
+    except ProcessLookupError:  # reaped: the fd names a process that no longer exists
+        return True
+
+
+class ExitWatch:
+    """Polls the stat of one group of processes every `interval_s`; `on_exiting(key, pid)`
+    is called once, for the first that is exiting, then the group is dropped."""
+
+    def __init__(self, interval_s: float, on_exiting: Callable[[str, int], None]) -> None:
+        if interval_s <= 0:
+            raise ValueError("interval_s must be positive")
+        self.interval_s = interval_s
+        self._on_exiting = on_exiting
+        self._key = ""
+        self._fds: dict[int, int | None] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def watching(self) -> str:
+        """The key of the group watched now, '' for none."""
+        return self._key
+
+    def watch(self, key: str, pids: list[int]) -> None:
+        """Watch `pids` (one group, named `key`) instead of whatever was watched."""
+        self.clear()
+        self._key = key
+        self._fds = {pid: open_stat(pid) for pid in pids if pid > 0}
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="exit-watch")
+
+    def clear(self) -> None:
+        for fd in self._fds.values():
+            if fd is not None:
+                os.close(fd)
+        self._fds, self._key = {}, ""
+
+    def poll(self) -> int | None:
+        """The pid of the first watched process that is exiting, or None."""
+        for pid, fd in self._fds.items():
+            if fd is None or read_exiting(fd):
+                return pid
+        return None
+
+    async def _run(self) -> None:
+        while self._fds:
+            pid = self.poll()
+            if pid is not None:
+                key = self._key
+                self.clear()
+                self._on_exiting(key, pid)  # may watch() the next group: the loop goes on
+                continue
+            await asyncio.sleep(self.interval_s)
+
+    async def close(self) -> None:
+        self.clear()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
