@@ -7,6 +7,7 @@ line of `python -m engine`; the "ready" log line and /metrics carry them.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import time
@@ -111,9 +112,9 @@ def build_llama(
     runner = Runner(
         module, device, cache, max_batch=cfg.max_batch, max_len=max_len, cuda_graphs=cfg.cuda_graphs
     )
-    runner.warmup()
-    while runner.capture_next():  # CUDA graphs, before ready (see engine.graphs)
-        pass
+    runner.warmup()  # CUDA graphs are captured after ready, between steps (engine.graphs)
+    gc.freeze()  # start-up's objects leave the collector: a full collection, which holds
+    # the GIL and so the heartbeat thread, then walks only what serving has made
     phases.warmup = clock.lap()
     log.info(
         "kv cache",

@@ -3,12 +3,12 @@
 A decode step of a batch of n requests replays the graph of the smallest captured size
 >= n, its static inputs filled with the n requests and the rest padded: padded rows write
 their keys to the cache's scratch block and attend to one position there. Graphs are
-captured during start-up, after the warm-up and before ready: under a supervisor a
-starting engine may be silent for a while (`heartbeat.starting_silence_ms`), a ready one
-only for its heartbeat window, and capturing holds the heartbeat thread now and then.
-Capture uses the graph's own begin/end rather than `torch.cuda.graph`, which collects
-Python garbage (a pause with the GIL held) before every capture. A batch larger than the
-largest size runs eagerly.
+captured after ready, one at a time, by the engine loop between steps (`engine.batcher`):
+until a size exists its batches decode eagerly. A ready engine under a supervisor may be
+silent only for its heartbeat window, so capture never holds the GIL for long: it uses
+the graph's own begin/end rather than `torch.cuda.graph`, which collects Python garbage
+(a pause of hundreds of ms with the GIL held, on a heap with torch in it) before every
+capture. A batch larger than the largest size runs eagerly.
 """
 
 from __future__ import annotations
