@@ -23,6 +23,7 @@ from supervisor.daemons import DaemonPool
 from supervisor.engines import EngineLauncher
 from supervisor.errors import ControlError, StartupError
 from supervisor.events import EventBus, UnitState
+from supervisor.exitwatch import ExitWatch
 from supervisor.policy import Policy
 from supervisor.protocol import Ack, Drain, Heartbeat, Hello, Promote, StateChange
 from supervisor.router import PrimaryView, Target
@@ -49,6 +50,8 @@ class Cluster:
         self.early_hellos: dict[str, Hello] = {}  # arrived while their engine was spawning
         self.low_since: float | None = None
         self.last_evict = 0.0
+        poll_ms = policy.heartbeat.exit_poll_ms
+        self.exit_watch = ExitWatch(poll_ms / 1000.0, self._exiting) if poll_ms else None
         self._build()
 
     def _build(self) -> None:
@@ -191,6 +194,19 @@ class Cluster:
         self.wake.set()
 
     # ---- failures ----
+    def _exiting(self, name: str, pid: int) -> None:
+        """The primary's process `pid` has begun to exit (it runs no more user code): kill
+        the rest of its group without waiting for the exits, and promote now."""
+        e = self.engines.get(name)
+        inc = e.inc if e is not None else None
+        if e is None or inc is None or inc.handled or e is not self.primary:
+            return
+        t_detect = time.monotonic()
+        for p in inc.procs:
+            p.kill_group()
+        rank = next((i for i, p in enumerate(inc.procs) if p.pid == pid), 0)
+        self.down(e, inc, cause="exit", detail=f"rank {rank} is exiting", t_detect=t_detect)
+
     def on_exit(self, e: Engine, inc: Incarnation, detail: str) -> None:
         """A rank of `e` exited: the group is already killed; handle it now."""
         self.down(e, inc, cause="exit", detail=detail, t_detect=time.monotonic())
@@ -211,6 +227,8 @@ class Cluster:
         e.state, e.in_flight, e.queued = "dead", 0, 0
         if was_primary:
             self.primary = None
+            if self.exit_watch is not None:
+                self.exit_watch.clear()
             self.view.set(None)
             silent_ms = round((t_detect - e.last_beat) * 1000, 1) if e.last_beat else None
             self._promote_best(t_detect, cause=cause, old=e.name, silent_ms=silent_ms)
@@ -281,6 +299,8 @@ class Cluster:
         self.epoch += 1
         s.role = s.state = "primary"
         self.primary = s
+        if self.exit_watch is not None and s.inc is not None:
+            self.exit_watch.watch(s.name, [p.pid for p in s.inc.procs])
         told = self.hub.send(s.name, Promote(epoch=self.epoch)) if self.hub else False
         self.view.set(Target(s.name, s.port, self.epoch), await_ack=told)
         self.publish(
@@ -387,6 +407,8 @@ class Cluster:
             self.on_hello(early)
 
     async def stop_all(self) -> None:
+        if self.exit_watch is not None:
+            await self.exit_watch.close()
         for e in self.engines.values():
             if e.inc is not None:
                 e.inc.handled = True

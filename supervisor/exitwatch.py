@@ -45,6 +45,17 @@ def read_exiting(fd: int) -> bool:
         return True
 
 
+def is_exiting(pid: int) -> bool:
+    """Whether process `pid` is exiting, a zombie, or gone (one look, for checks and tests)."""
+    fd = open_stat(pid)
+    if fd is None:
+        return True
+    try:
+        return read_exiting(fd)
+    finally:
+        os.close(fd)
+
+
 class ExitWatch:
     """Polls the stat of one group of processes every `interval_s`; `on_exiting(key, pid)`
     is called once, for the first that is exiting, then the group is dropped."""

@@ -103,6 +103,9 @@ class HeartbeatSpec(_Spec, frozen=True):
     miss_limit: int = 4
     # an engine still starting (CUDA context, kernels compiled) may be silent this long
     starting_silence_ms: int = 5000
+    # how often the primary's processes are looked at for having begun to exit (a killed
+    # CUDA process takes 100+ ms to finish exiting); 0: wait for the exit itself
+    exit_poll_ms: int = 2
 
 
 class RestartSpec(_Spec, frozen=True):
@@ -219,6 +222,8 @@ def semantic_errors(p: Policy, *, schema_only: bool = False) -> list[str]:
     for key in ("interval_ms", "miss_limit", "starting_silence_ms"):
         if getattr(p.heartbeat, key) < 1:
             errors.append(f"$.heartbeat.{key}: must be at least 1")
+    if p.heartbeat.exit_poll_ms < 0:
+        errors.append("$.heartbeat.exit_poll_ms: must be 0 (off) or more")
     r = p.restart
     if r.initial_s <= 0 or r.max_s < r.initial_s or r.multiplier < 1 or r.jitter_s < 0:
         errors.append("$.restart: need 0 < initial_s <= max_s, multiplier >= 1, jitter_s >= 0")
