@@ -80,7 +80,7 @@ async def _restart_serving(c: Cluster, e: Engine, now: float) -> float | None:
 async def _batch(c: Cluster, now: float) -> float | None:
     spec = c.policy.engines.load
     p = c.primary
-    load = p.in_flight + p.queued if p is not None else 0
+    load = p.in_flight if p is not None else 0  # accepted and not finished: queued included
     interval = c.policy.heartbeat.interval_ms / 1000.0
     if load > spec.evict_above:
         c.low_since = None
