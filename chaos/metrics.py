@@ -167,6 +167,8 @@ def values(trials: Iterable[TrialRow], metric: str) -> list[float]:
     for trial in trials:
         if trial.outcome == "skipped":  # nothing was injected, by the policy's rule
             continue
+        if metric == "detection_ms" and not expected(metric, trial.fault):
+            continue  # kill-supervisor's is the new supervisor's start: not a detection
         value = getattr(trial, metric)
         if value is None and expected(metric, trial.fault):
             out.append(math.inf)

@@ -20,8 +20,8 @@ from chaos.metrics import (
     RunFigures,
     StageSpan,
     TrialRow,
-    stat,
     blamed,
+    stat,
     values,
 )
 from chaos.recorder import EventRow

@@ -133,3 +133,15 @@ def test_bins_follow_the_run_length_and_stage_gaps_are_not_zero(tmp_path: Path) 
     ]
     timeline(tmp_path / "t.png", rows, trials, stages)
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_detection_checks_leave_out_faults_that_are_not_detected() -> None:
+    """A killed supervisor is not detected by anyone: its replacement's first event is its
+    start-up, which must not decide `detection_ms.p99`."""
+    trials = [
+        TrialRow(0, "main", "kill-primary", "e1", 1, 100.0, 101.0, 2.0, 1.0),
+        TrialRow(1, "main", "kill-supervisor", "main", 2, 102.0, 110.0, 944.0, None),
+    ]
+    run = run_figures([], trials, None)
+    result = evaluate(parse_check("detection_ms.p99 < 1000", fault_kinds=FAULT_KINDS), trials, run)
+    assert result.value == 2.0 and result.passed
