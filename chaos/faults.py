@@ -16,11 +16,12 @@ import msgspec
 import structlog
 
 from chaos.broker import OwnBroker
-from chaos.cluster import ClusterView, Supervisor
+from chaos.cluster import Supervisor
 from chaos.errors import FaultError, VictimAbsent
 from chaos.pool import absent_batch
 from chaos.procs import ProcRef, wait_gone
 from chaos.scenario import FaultSpec
+from holdfast_contract.control import ClusterStatus
 from supervisor.policy import Policy
 
 log = structlog.get_logger("chaos.faults")
@@ -44,7 +45,7 @@ class Injection(msgspec.Struct, frozen=True):
 class FaultContext(msgspec.Struct):
     sup: Supervisor
     broker: OwnBroker | None
-    view: ClusterView
+    view: ClusterStatus
     spec: FaultSpec
 
 

@@ -19,7 +19,7 @@ import sys
 
 from aiohttp import web
 
-from supervisor.agent import Agent
+from engine.agent_client import AgentClient
 
 
 class Echo:
@@ -85,7 +85,7 @@ async def serve(args: argparse.Namespace) -> None:
     done = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, done.set)
-    agent = None if args.no_agent else Agent.from_env(load=lambda: (echo.in_flight, 0))
+    agent = None if args.no_agent else AgentClient.from_env(load=lambda: (echo.in_flight, 0))
     if agent is not None:
         agent.on_promote(refuse if args.refuse_promote else echo.promoted)
         agent.on_stop(lambda: loop.call_soon_threadsafe(done.set))

@@ -15,7 +15,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from supervisor.protocol import (
+from holdfast_contract.agent_protocol import (
     Ack,
     Drain,
     Heartbeat,

@@ -1,11 +1,12 @@
-"""The agent SDK every engine uses to talk to the supervisor (pyzmq + msgspec, no torch).
+"""The engine's end of the agent protocol: the SDK every engine uses to talk to the
+supervisor (pyzmq + msgspec, no torch; `supervisor.agent_hub` is the other end).
 
-An engine creates one Agent, registers callbacks for the supervisor's commands and starts
+An engine creates one AgentClient, registers callbacks for the supervisor's commands and starts
 it. The agent owns one DEALER socket (identity = the engine's name) and one thread that
 sends Hello, a Heartbeat every interval with the engine's load, queued StateChanges, and
 runs the callbacks for Promote / Drain / Stop, acknowledging each with an Ack.
 
-    agent = Agent.from_env(load=lambda: (server.in_flight, server.queued))
+    agent = AgentClient.from_env(load=lambda: (server.in_flight, server.queued))
     if agent is not None:
         agent.on_promote(lambda epoch: server.become_primary(epoch))
         agent.start()
@@ -24,8 +25,8 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from supervisor.errors import AgentError
-from supervisor.protocol import (
+from engine.errors import AgentError
+from holdfast_contract.agent_protocol import (
     Ack,
     Drain,
     Heartbeat,
@@ -36,32 +37,20 @@ from supervisor.protocol import (
     decode_command,
     encode,
 )
+from holdfast_contract.env import DEFAULT_HEARTBEAT_MS, read_env, var
+from holdfast_contract.errors import EnvError
 
 LoadFn = Callable[[], tuple[int, int]]
 PromoteCb = Callable[[int], None]
 DrainCb = Callable[[float], None]
 StopCb = Callable[[], None]
 
-ENV_AGENT = "HOLDFAST_AGENT"
-
 
 def _no_load() -> tuple[int, int]:
     return (0, 0)
 
 
-def _env_int(name: str, default: int | None = None) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        if default is None:
-            raise AgentError(f"{name} is not set; the supervisor sets it for every engine")
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise AgentError(f"{name}={raw!r} is not an integer; set {name} to an integer") from None
-
-
-class Agent:
+class AgentClient:
     """Heartbeats and commands between one engine process and the supervisor."""
 
     def __init__(
@@ -96,21 +85,26 @@ class Agent:
         self._seq = 0
 
     @classmethod
-    def from_env(cls, load: LoadFn | None = None) -> Agent | None:
+    def from_env(cls, load: LoadFn | None = None) -> AgentClient | None:
         """An agent configured by the supervisor's environment, or None when unsupervised."""
-        endpoint = os.environ.get(ENV_AGENT, "")
-        if not endpoint:
+        try:
+            env = read_env()
+        except EnvError as e:
+            raise AgentError(str(e)) from e
+        if not env.agent:
             return None
-        name = os.environ.get("HOLDFAST_NAME", "")
-        if not name:
-            raise AgentError("HOLDFAST_NAME is not set; the supervisor sets it for every engine")
+        name, port = env.name, env.port
+        if name is None:
+            raise AgentError(f"{var('name')} is not set; the supervisor sets it for every engine")
+        if port is None:
+            raise AgentError(f"{var('port')} is not set; the supervisor sets it for every engine")
         return cls(
-            endpoint,
+            env.agent,
             name=name,
-            role=os.environ.get("HOLDFAST_ROLE", "standby"),
-            port=_env_int("HOLDFAST_PORT"),
-            epoch=_env_int("HOLDFAST_EPOCH", 0),
-            interval_s=_env_int("HOLDFAST_HEARTBEAT_MS", 50) / 1000.0,
+            role=env.role or "standby",
+            port=port,
+            epoch=env.epoch or 0,
+            interval_s=(env.heartbeat_ms or DEFAULT_HEARTBEAT_MS) / 1000.0,
             load=load,
         )
 
@@ -128,7 +122,7 @@ class Agent:
     def start(self) -> None:
         """Send Hello and start the heartbeat/command thread. Call once."""
         if self._thread is not None:
-            raise AgentError("Agent.start() was already called; call it once per agent")
+            raise AgentError("AgentClient.start() was already called; call it once per agent")
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -150,7 +144,7 @@ class Agent:
             if s is not None:
                 s.close()
 
-    def __enter__(self) -> Agent:
+    def __enter__(self) -> AgentClient:
         self.start()
         return self
 
