@@ -40,24 +40,30 @@ class StateChange(_Msg, frozen=True):
     detail: str = ""
 
 
-# ---- supervisor -> agent ----
-class Promote(_Msg, frozen=True):
-    epoch: int
-
-
-class Drain(_Msg, frozen=True):
-    grace_s: float
-
-
-class Stop(_Msg, frozen=True):
-    pass
-
-
 class Ack(_Msg, frozen=True):
+    """The answer to one command: whether the engine carried it out."""
+
     name: str
     command: str
     ok: bool
     detail: str = ""
+
+
+# ---- supervisor -> agent ----
+class Stop(_Msg, frozen=True):
+    """Stop now: drain with the engine's own grace period, then exit."""
+
+
+class Promote(_Msg, frozen=True):
+    """Serve as the primary from now on, under fencing token `epoch`."""
+
+    epoch: int
+
+
+class Drain(_Msg, frozen=True):
+    """Take no new requests; finish those in flight within `grace_s`, then exit."""
+
+    grace_s: float
 
 
 AgentMessage = Hello | Heartbeat | StateChange | Ack

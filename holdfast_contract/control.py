@@ -20,6 +20,10 @@ class StatusReq(ControlRequest, frozen=True):
     pass
 
 
+class StopReq(ControlRequest, frozen=True):
+    pass
+
+
 class PromoteReq(ControlRequest, frozen=True):
     name: str
 
@@ -30,10 +34,6 @@ class EvictReq(ControlRequest, frozen=True):
 
 class RestartReq(ControlRequest, frozen=True):
     name: str
-
-
-class StopReq(ControlRequest, frozen=True):
-    pass
 
 
 Request = StatusReq | PromoteReq | EvictReq | RestartReq | StopReq
