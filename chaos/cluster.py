@@ -24,6 +24,7 @@ from chaos.errors import ClusterError
 from chaos.procs import ProcRef, descendants, wait_gone
 from chaos.stagepolicy import load_stage_policy
 from holdfast_contract.control import ClusterStatus, decode_status_json
+from holdfast_contract.env import var
 from supervisor.errors import PolicyError
 from supervisor.policy import MqttSpec, Policy, split_listen
 
@@ -160,7 +161,7 @@ class Supervisor:
                 await proc.wait()
         left = await wait_gone(children, grace)
         for ref in left:
-            log.error("lingering_child", pid=ref.pid, name=ref.env("HOLDFAST_NAME"))
+            log.error("lingering_child", pid=ref.pid, name=ref.env(var("name")))
             ref.signal(signal.SIGKILL)
         await wait_gone(left, grace)
         return left

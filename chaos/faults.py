@@ -22,6 +22,7 @@ from chaos.pool import absent_batch
 from chaos.procs import ProcRef, wait_gone
 from chaos.scenario import FaultSpec
 from holdfast_contract.control import ClusterStatus
+from holdfast_contract.env import var
 from supervisor.policy import Policy
 
 log = structlog.get_logger("chaos.faults")
@@ -165,7 +166,7 @@ async def _kill_supervisor(ctx: FaultContext) -> Injection:
     ref = await ctx.sup.kill()
     left = await wait_gone(children, LINGER_GRACE_S)
     for orphan in left:
-        log.error("lingering_child", pid=orphan.pid, name=orphan.env("HOLDFAST_NAME"))
+        log.error("lingering_child", pid=orphan.pid, name=orphan.env(var("name")))
         orphan.signal(signal.SIGKILL)
     await wait_gone(left, LINGER_GRACE_S)
     await ctx.sup.start()
