@@ -65,7 +65,7 @@ class LoadSpec(_Spec, frozen=True):
 
 
 class EnginesSpec(_Spec, frozen=True):
-    command: list[str] = msgspec.field(default_factory=lambda: ["{python}", "-m", "engine"])
+    command: list[str] = msgspec.field(default_factory=lambda: list(FORKABLE))
     env: dict[str, str] = msgspec.field(default_factory=dict)
     # fork engines from a process that has imported them already; None: whenever the
     # command is `{python} -m engine ...` (others are started with exec either way)

@@ -153,11 +153,3 @@ def test_agent_client_and_cli_import_without_torch() -> None:
         check=True,
         env={**os.environ, "PYTHONPATH": str(repo)},
     )
-    cli = Path(__file__).resolve().parents[1] / "supervisor" / "cli.py"
-    if cli.exists():
-        code = code.replace("import supervisor.agent", "import supervisor.cli, supervisor.agent")
-    subprocess.run(
-        [sys.executable, "-c", code],
-        check=True,
-        env={**os.environ, "PYTHONPATH": str(cli.parents[1])},
-    )
