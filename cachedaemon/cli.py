@@ -12,7 +12,7 @@ import msgspec
 
 from cachedaemon import logs, protocol
 from cachedaemon.config import BACKENDS, DTYPES, QUANTIZATIONS
-from cachedaemon.errors import HoldfastError
+from holdfast_contract.errors import HoldfastError
 
 EXAMPLES = {
     "serve": "example:\n  cachedaemon serve --model /models/tiny --device cpu --runtime-dir /tmp/hf-run",

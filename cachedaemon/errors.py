@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-
-class HoldfastError(Exception):
-    """Root of every error holdfast raises on purpose."""
+from holdfast_contract.errors import HoldfastError
 
 
 class CacheError(HoldfastError):
@@ -43,8 +41,10 @@ class DaemonUnavailable(CacheError):
     """No daemon answers on the socket."""
 
 
-class RuntimeDirError(CacheError):
-    """The runtime dir is unusable (not writable, wrong owner, or owned by a live daemon)."""
+class SocketDirError(CacheError):
+    """A daemon or keeper cannot serve its socket from the runtime dir: the dir cannot be
+    created, is another user's or not writable, or a live process serves that socket already.
+    (The supervisor's RuntimeDirError is about holding the whole dir.)"""
 
 
 class ChecksumError(CacheError):

@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from cachedaemon.errors import RuntimeDirError
+from cachedaemon.errors import SocketDirError
 
 
 def prepare(run_dir: str | Path) -> Path:
@@ -20,21 +20,21 @@ def prepare(run_dir: str | Path) -> Path:
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
-        raise RuntimeDirError(
+        raise SocketDirError(
             f"cannot create runtime dir {path}: {exc.strerror}; pass --runtime-dir a writable dir"
         ) from exc
     finally:
         os.umask(old)
     st = path.stat()
     if st.st_uid != os.getuid():
-        raise RuntimeDirError(
+        raise SocketDirError(
             f"runtime dir {path} belongs to uid {st.st_uid}, not {os.getuid()}; use a dir of your own"
         )
     try:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
             pass
     except OSError as exc:
-        raise RuntimeDirError(
+        raise SocketDirError(
             f"runtime dir {path} is not writable ({exc.strerror}); pass --runtime-dir a writable dir"
         ) from exc
     os.chmod(path, 0o700)
@@ -93,12 +93,12 @@ def claim(sock_path: Path, ready: Path, what: str) -> None:
         and pid != os.getpid()
         and is_alive(pid, started if isinstance(started, int) else None)
     ):
-        raise RuntimeDirError(
+        raise SocketDirError(
             f"{what} is already served by live pid {pid} ({ready}); "
             "stop it first or choose another --runtime-dir"
         )
     if sock_path.exists() and socket_answers(sock_path):
-        raise RuntimeDirError(
+        raise SocketDirError(
             f"{sock_path} answers: another process serves {what}; stop it or choose another --runtime-dir"
         )
     for p in (sock_path, ready):

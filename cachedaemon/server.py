@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
 import structlog
 
 from cachedaemon import protocol
@@ -26,6 +27,7 @@ from cachedaemon.rundir import (
     start_time,
     write_json_atomic,
 )
+from holdfast_contract.ready import DaemonReady, daemon_ready_path
 
 log = structlog.get_logger("cachedaemon.daemon")
 
@@ -87,7 +89,7 @@ class Daemon:
         self.fingerprint = config.fingerprint()
         self.run_dir = prepare(opts.runtime_dir)
         self.socket_path = self.run_dir / f"daemon-{opts.tp_rank}.sock"
-        self.ready_path = self.run_dir / f"daemon-{opts.tp_rank}.ready"
+        self.ready_path = daemon_ready_path(self.run_dir, opts.tp_rank)
         self.spare_path = self.run_dir / f"daemon-{opts.tp_rank}.spare"
         self.backend = get_backend(config.backend, opts.device)
         self.pool: Pool | None = None
@@ -158,16 +160,14 @@ class Daemon:
         sock = listen(self.socket_path)
         self._server = FrameServer(sock, self._handle, read_timeout=self.opts.read_timeout)
         self._server.start()
-        write_json_atomic(
-            self.ready_path,
-            {
-                "pid": os.getpid(),
-                "start_time": start_time(os.getpid()),
-                "socket": str(self.socket_path),
-                "fingerprint": self.fingerprint,
-                "adopted": self.adopted,
-            },
+        ready = DaemonReady(
+            pid=os.getpid(),
+            start_time=start_time(os.getpid()),
+            socket=str(self.socket_path),
+            fingerprint=self.fingerprint,
+            adopted=self.adopted,
         )
+        write_json_atomic(self.ready_path, msgspec.to_builtins(ready))
         log.info("serving", socket=str(self.socket_path), fingerprint=self.fingerprint)
         if self.adopted and self.opts.verify == "background":
             threading.Thread(target=self._verify_in_background, daemon=True).start()

@@ -23,6 +23,8 @@ from chaos.broker import free_port
 from chaos.errors import ClusterError
 from chaos.procs import ProcRef, descendants, wait_gone
 from chaos.stagepolicy import load_stage_policy
+from holdfast_contract.control import ClusterStatus, decode_status_json
+from holdfast_contract.env import var
 from supervisor.errors import PolicyError
 from supervisor.policy import MqttSpec, Policy, split_listen
 
@@ -32,41 +34,6 @@ log = structlog.get_logger("chaos.cluster")
 _SUPERVISOR_MODULE = (
     "supervisor" if importlib.util.find_spec("supervisor.__main__") else "supervisor.cli"
 )
-
-
-class EngineView(msgspec.Struct, frozen=True):
-    name: str
-    role: str
-    state: str
-    pid: int | None = None
-    port: int | None = None
-    restarts: int = 0
-    heartbeat_age_ms: float | None = None
-    in_flight: int = 0
-    queued: int = 0  # read when /cluster lists it
-    pids: list[int] = []
-
-
-class DaemonView(msgspec.Struct, frozen=True):
-    rank: int
-    state: str
-    pid: int | None = None
-    fingerprint: str = ""
-    pool_bytes: int = 0
-    adoptions: int = 0
-
-
-class ClusterView(msgspec.Struct, frozen=True):
-    epoch: int
-    primary: str | None
-    engines: list[EngineView] = []
-    daemons: list[DaemonView] = []
-
-    def in_state(self, state: str) -> list[EngineView]:
-        return [e for e in self.engines if e.state == state and e.pid]
-
-    def engine(self, name: str) -> EngineView | None:
-        return next((e for e in self.engines if e.name == name), None)
 
 
 def derive_policy(
@@ -155,14 +122,14 @@ class Supervisor:
     def exited(self) -> int | None:
         return self.proc.returncode if self.proc is not None else None
 
-    async def cluster(self) -> ClusterView | None:
+    async def cluster(self) -> ClusterStatus | None:
         """The health API's /cluster, or None while nothing answers."""
         assert self._session is not None, "use `async with Supervisor(...)`"
         try:
             async with self._session.get(self.api + "/cluster") as resp:
                 if resp.status != 200:
                     return None
-                return msgspec.json.decode(await resp.read(), type=ClusterView)
+                return decode_status_json(await resp.read())
         except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError):
             return None
 
@@ -194,7 +161,7 @@ class Supervisor:
                 await proc.wait()
         left = await wait_gone(children, grace)
         for ref in left:
-            log.error("lingering_child", pid=ref.pid, name=ref.env("HOLDFAST_NAME"))
+            log.error("lingering_child", pid=ref.pid, name=ref.env(var("name")))
             ref.signal(signal.SIGKILL)
         await wait_gone(left, grace)
         return left

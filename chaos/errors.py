@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cachedaemon.errors import HoldfastError
+from holdfast_contract.errors import HoldfastError
 
 
 class ChaosError(HoldfastError):

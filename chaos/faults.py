@@ -16,11 +16,13 @@ import msgspec
 import structlog
 
 from chaos.broker import OwnBroker
-from chaos.cluster import ClusterView, Supervisor
+from chaos.cluster import Supervisor
 from chaos.errors import FaultError, VictimAbsent
 from chaos.pool import absent_batch
 from chaos.procs import ProcRef, wait_gone
 from chaos.scenario import FaultSpec
+from holdfast_contract.control import ClusterStatus
+from holdfast_contract.env import var
 from supervisor.policy import Policy
 
 log = structlog.get_logger("chaos.faults")
@@ -44,7 +46,7 @@ class Injection(msgspec.Struct, frozen=True):
 class FaultContext(msgspec.Struct):
     sup: Supervisor
     broker: OwnBroker | None
-    view: ClusterView
+    view: ClusterStatus
     spec: FaultSpec
 
 
@@ -164,7 +166,7 @@ async def _kill_supervisor(ctx: FaultContext) -> Injection:
     ref = await ctx.sup.kill()
     left = await wait_gone(children, LINGER_GRACE_S)
     for orphan in left:
-        log.error("lingering_child", pid=orphan.pid, name=orphan.env("HOLDFAST_NAME"))
+        log.error("lingering_child", pid=orphan.pid, name=orphan.env(var("name")))
         orphan.signal(signal.SIGKILL)
     await wait_gone(left, LINGER_GRACE_S)
     await ctx.sup.start()

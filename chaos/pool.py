@@ -13,18 +13,18 @@ from typing import TYPE_CHECKING
 from supervisor.policy import Policy
 
 if TYPE_CHECKING:
-    from chaos.cluster import ClusterView, EngineView
+    from holdfast_contract.control import ClusterStatus, EngineStatus
 
 RUNNING = frozenset({"starting", "standby", "primary", "batch", "draining"})
 
 
-def primary_load(view: ClusterView) -> int:
+def primary_load(view: ClusterStatus) -> int:
     """The primary's in-flight plus queued requests, as its last heartbeat said."""
     primary = view.engine(view.primary or "")
     return primary.in_flight + primary.queued if primary is not None else 0
 
 
-def kept_out(engine: EngineView, view: ClusterView, policy: Policy) -> str | None:
+def kept_out(engine: EngineStatus, view: ClusterStatus, policy: Policy) -> str | None:
     """Why the load rule keeps this batch engine out now, or None when it should run."""
     if engine.role != "batch" or engine.state in RUNNING:
         return None
@@ -36,7 +36,7 @@ def kept_out(engine: EngineView, view: ClusterView, policy: Policy) -> str | Non
     return None
 
 
-def missing(view: ClusterView, policy: Policy) -> list[str]:
+def missing(view: ClusterStatus, policy: Policy) -> list[str]:
     """What the pool lacks for the policy as it stands now; empty when it is whole."""
     out: list[str] = []
     if view.primary is None or len(view.in_state("primary")) != 1:
@@ -61,12 +61,12 @@ def missing(view: ClusterView, policy: Policy) -> list[str]:
     return out
 
 
-def _others(view: ClusterView, role: str, ready: set[str]) -> str:
+def _others(view: ClusterStatus, role: str, ready: set[str]) -> str:
     rest = [f"{e.name} {e.state}" for e in view.engines if e.role == role and e.name not in ready]
     return f" ({', '.join(rest)})" if rest else ""
 
 
-def absent_batch(view: ClusterView, policy: Policy) -> str | None:
+def absent_batch(view: ClusterStatus, policy: Policy) -> str | None:
     """Why no batch engine runs now, when the load rule is the reason; else None."""
     batch = [e for e in view.engines if e.role == "batch"]
     reasons = [kept_out(e, view, policy) for e in batch]

@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 
 from chaos.waiters import Rows
-from supervisor.protocol import decode_event
+from holdfast_contract.events import decode_event
 
 log = structlog.get_logger("chaos.recorder")
 

@@ -10,7 +10,7 @@ import msgspec
 import structlog
 
 from chaos.broker import OwnBroker
-from chaos.cluster import ClusterView, Supervisor, describe_exit
+from chaos.cluster import Supervisor, describe_exit
 from chaos.errors import ClusterError, PoolTimeout
 from chaos.evidence import DaemonLogs, fence_before_promote
 from chaos.faults import FaultContext, Injection, heal, inject
@@ -20,6 +20,7 @@ from chaos.pool import missing
 from chaos.procs import ProcRef
 from chaos.recorder import EventRecorder, EventRow
 from chaos.scenario import FaultSpec, Scenario
+from holdfast_contract.control import ClusterStatus
 
 log = structlog.get_logger("chaos.trial")
 
@@ -48,7 +49,7 @@ class Harness(msgspec.Struct):
     status: Callable[[str], None] = _silent  # what the run waits for, "" when it waits no more
 
 
-async def wait_ready(h: Harness, timeout: float, since: float) -> ClusterView:
+async def wait_ready(h: Harness, timeout: float, since: float) -> ClusterStatus:
     """The cluster view once the pool is as whole as the policy wants it now.
 
     While it waits, `h.status` says what for (and a long wait is logged); PoolTimeout after
@@ -134,7 +135,7 @@ async def run_trial(h: Harness, index: int, fault: FaultSpec) -> TrialRow:
     )
 
 
-def _ranks(view: ClusterView, injection: Injection) -> list[ProcRef]:
+def _ranks(view: ClusterStatus, injection: Injection) -> list[ProcRef]:
     """Every rank process of the killed engines, as /cluster listed them before the fault:
     one_for_all means none may outlive the trial."""
     refs = []

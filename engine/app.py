@@ -22,12 +22,12 @@ import torch.distributed as dist
 from aiohttp import web
 
 from engine import api
+from engine.agent_client import AgentClient
 from engine.config import EngineConfig, dist_init_method
 from engine.metrics import Metrics, Phases
 from engine.peerwatch import PeerWatch, store_address
 from engine.server import EngineServer, Model
 from engine.tokenizer import load_tokenizer
-from supervisor.agent import Agent
 
 log = structlog.get_logger("engine")
 FOLLOW_TIMEOUT = timedelta(days=365)  # followers wait on rank 0 for as long as it lives
@@ -236,15 +236,14 @@ def stop_group(model: Model, watch: PeerWatch | None) -> None:
         dist.destroy_process_group()
 
 
-def start_agent(cfg: EngineConfig, load: Load) -> Agent:
-    interval_ms = int(os.environ.get("HOLDFAST_HEARTBEAT_MS", "50"))
-    agent = Agent(
+def start_agent(cfg: EngineConfig, load: Load) -> AgentClient:
+    agent = AgentClient(
         cfg.agent,
         name=cfg.name,
         role=cfg.role,
         port=cfg.port,
         epoch=cfg.epoch,
-        interval_s=interval_ms / 1000.0,
+        interval_s=cfg.heartbeat_ms / 1000.0,
         load=load,
     )
     agent.start()
@@ -252,7 +251,7 @@ def start_agent(cfg: EngineConfig, load: Load) -> Agent:
 
 
 def wire_agent(
-    agent: Agent,
+    agent: AgentClient,
     server: EngineServer,
     loop: asyncio.AbstractEventLoop,
     request_stop: Callable[[float], None],
@@ -277,7 +276,7 @@ def wire_agent(
 async def serve(
     cfg: EngineConfig,
     server: EngineServer,
-    agent: Agent | None,
+    agent: AgentClient | None,
     watch: PeerWatch | None,
     clock: Clock,
 ) -> int:

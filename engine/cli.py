@@ -6,7 +6,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from cachedaemon.errors import HoldfastError
+from holdfast_contract.errors import HoldfastError
 
 
 def main(argv: Sequence[str] | None = None, *, t0: float | None = None) -> int:

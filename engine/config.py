@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 import msgspec
 
 from engine.errors import EngineError
+from holdfast_contract.env import DEFAULT_HEARTBEAT_MS, read_env, var
+from holdfast_contract.errors import EnvError
 
 ROLES = ("primary", "standby", "batch")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -49,6 +51,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_tokens_cap: int = 1024
     max_model_len: int = 0  # 0: the checkpoint's max_position_embeddings
     kv_cache_mb: int = 1024  # the KV cache, preallocated at start
+    heartbeat_ms: int = DEFAULT_HEARTBEAT_MS  # the agent's heartbeat period
     max_batch: int = 128  # most requests one step runs
     max_waiting: int = 256  # requests queued for KV space beyond the batch; then 503
     prefill_tokens: int = 8192  # prompt tokens one prefill step takes (a longer one alone)
@@ -66,25 +69,32 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 _DEFAULTS = EngineConfig(model="")
 
-# flag -> (env var, type); the flag's dest is the EngineConfig field.
-_ENV: dict[str, tuple[str, type]] = {
-    "model": ("HOLDFAST_MODEL", str),
-    "name": ("HOLDFAST_NAME", str),
-    "role": ("HOLDFAST_ROLE", str),
-    "port": ("HOLDFAST_PORT", int),
-    "host": ("HOLDFAST_HOST", str),
-    "epoch": ("HOLDFAST_EPOCH", int),
-    "agent": ("HOLDFAST_AGENT", str),
-    "daemons": ("HOLDFAST_DAEMONS", str),
-    "rank": ("HOLDFAST_RANK", int),
-    "world_size": ("HOLDFAST_WORLD_SIZE", int),
-    "dtype": ("HOLDFAST_DTYPE", str),
-    "quantization": ("HOLDFAST_QUANTIZATION", str),
-    "device": ("HOLDFAST_DEVICE", str),
-    "model_impl": ("HOLDFAST_MODEL_IMPL", str),
-    "dist_init": ("HOLDFAST_DIST_INIT", str),
-    "kv_cache_mb": ("HOLDFAST_KV_CACHE_MB", int),
-}
+# settings with a flag and a HOLDFAST_* variable (holdfast_contract.env); the flag's dest
+# is the EngineConfig field, the variable the contract's name for it
+_ENV_FIELDS = (
+    "model",
+    "name",
+    "role",
+    "port",
+    "host",
+    "epoch",
+    "agent",
+    "daemons",
+    "rank",
+    "world_size",
+    "dtype",
+    "quantization",
+    "device",
+    "model_impl",
+    "dist_init",
+    "kv_cache_mb",
+    "heartbeat_ms",
+)
+
+
+def _flag_type(field: str) -> type:
+    default = getattr(_DEFAULTS, field)
+    return str if isinstance(default, tuple) else type(default)
 
 
 # flag-only settings: field -> (type, help); the flag is --field-with-dashes
@@ -113,12 +123,16 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    for field, (env, kind) in _ENV.items():
+    for field in _ENV_FIELDS:
         flag = "--" + field.replace("_", "-")
         default = getattr(_DEFAULTS, field)
         shown = ",".join(default) if isinstance(default, tuple) else default
         p.add_argument(
-            flag, dest=field, type=kind, default=None, help=f"env {env}; default {shown!r}"
+            flag,
+            dest=field,
+            type=_flag_type(field),
+            default=None,
+            help=f"env {var(field)}; default {shown!r}",
         )
     p.add_argument(
         "--allow-disk-fallback",
@@ -151,16 +165,15 @@ def from_args(
     argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 ) -> EngineConfig:
     """Flags first, then HOLDFAST_* env, then the defaults above; validated."""
-    env = os.environ if env is None else env
     ns = build_parser().parse_args(argv)
+    try:
+        from_env = read_env(env)
+    except EnvError as e:
+        raise EngineError(str(e)) from e
     values: dict[str, object] = {}
-    for field, (var, kind) in _ENV.items():
+    for field in _ENV_FIELDS:
         raw = getattr(ns, field)
-        if raw is None and env.get(var, "") != "":
-            try:
-                raw = kind(env[var])
-            except ValueError:
-                raise EngineError(f"{var}={env[var]!r} is not a valid {kind.__name__}") from None
+        raw = getattr(from_env, field) if raw is None else raw
         if raw is not None:
             values[field] = raw
     if isinstance(values.get("daemons"), str):
@@ -203,6 +216,7 @@ def validate(cfg: EngineConfig) -> None:
     for flag, value in (
         ("--max-tokens-cap", cfg.max_tokens_cap),
         ("--kv-cache-mb/HOLDFAST_KV_CACHE_MB", cfg.kv_cache_mb),
+        ("--heartbeat-ms/HOLDFAST_HEARTBEAT_MS", cfg.heartbeat_ms),
         ("--max-batch", cfg.max_batch),
         ("--max-waiting", cfg.max_waiting),
         ("--prefill-tokens", cfg.prefill_tokens),

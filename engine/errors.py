@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from cachedaemon.errors import HoldfastError
+from holdfast_contract.errors import HoldfastError
 
 
 class EngineError(HoldfastError):
     """Root of every error the engine raises on purpose."""
+
+
+class AgentError(EngineError):
+    """An engine's agent cannot start as configured; the message names the variable to fix."""
 
 
 class ModelConfigError(EngineError):

@@ -1,5 +1,6 @@
 """A fork server for engines: one process pays for the imports, each engine is a fork.
 
+The requests and replies, and the client that sends them, are `holdfast_contract.forkserver`.
 `python -m engine.forkserver --socket PATH` imports everything an engine imports (torch,
 aiohttp, the model code; never CUDA), then listens. Each `Spawn` request carries the engine's
 flags, environment and working directory, with its stdin/stdout/stderr as file descriptors
@@ -34,71 +35,17 @@ from cachedaemon import protocol
 from cachedaemon.errors import ProtocolError
 from cachedaemon.rundir import listen, socket_answers
 from engine.errors import EngineError
+from holdfast_contract.forkserver import (
+    MAX_FRAME,
+    Exited,
+    Refused,
+    Spawn,
+    Started,
+    decode_spawn,
+    frame,
+)
 
-MAX_FRAME = 1 << 20
 PRELOAD = ("engine.app", "engine.model", "engine.runner", "engine.weights", "engine.hf")
-
-
-class Spawn(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
-    argv: list[str]  # the engine's flags: what follows `python -m engine`
-    env: dict[str, str]
-    cwd: str
-    owner: int = 0  # a pid the engine dies with (0: none)
-
-
-class Started(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
-    pid: int
-
-
-class Exited(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
-    code: int  # like Popen.returncode: -N when killed by signal N
-
-
-class Refused(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
-    message: str
-
-
-Reply = Started | Exited | Refused
-_request = msgspec.msgpack.Decoder(Spawn)
-_reply = msgspec.msgpack.Decoder(Reply)
-_encode = msgspec.msgpack.Encoder().encode
-
-
-def frame(msg: Spawn | Reply) -> bytes:
-    """`msg` encoded, with its length header (the daemon protocol's framing)."""
-    return protocol.frame_of(_encode(msg))
-
-
-def read_reply(sock: socket.socket) -> Reply:
-    """The next reply on a request's connection; EngineError once the server is gone."""
-    try:
-        body, _ = protocol.recv_frame(sock, max_frame=MAX_FRAME)
-        return _reply.decode(body)
-    except (EOFError, ProtocolError, msgspec.DecodeError) as e:
-        raise EngineError(f"fork server connection: {e}") from e
-
-
-# ---- client ----
-def request(
-    path: str | Path, spawn: Spawn, fds: Sequence[int], timeout: float = 10.0
-) -> tuple[socket.socket, int]:
-    """Ask the fork server at `path` for an engine; (the open connection, the engine's pid).
-    `Exited` arrives on the connection when the engine ends. EngineError if none answers."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(timeout)
-        sock.connect(str(path))
-        protocol.send_frame(sock, frame(spawn), list(fds))
-        reply = read_reply(sock)
-    except (OSError, EngineError) as e:
-        sock.close()
-        raise EngineError(f"fork server at {path}: {e}") from e
-    if not isinstance(reply, Started):
-        sock.close()
-        detail = reply.message if isinstance(reply, Refused) else str(reply)
-        raise EngineError(f"fork server at {path} refused: {detail}")
-    sock.settimeout(None)
-    return sock, reply.pid
 
 
 # ---- server ----
@@ -138,7 +85,7 @@ class Server:
         fds: list[int] = []
         try:
             body, fds = protocol.recv_frame(conn, max_fds=3, max_frame=MAX_FRAME)
-            spawn = _request.decode(body)
+            spawn = decode_spawn(body)
             if len(fds) != 3:
                 raise EngineError(f"send stdin, stdout and stderr as 3 fds, not {len(fds)}")
             pid = self._fork(spawn, fds, conn)

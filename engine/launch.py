@@ -20,8 +20,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from engine import forkserver as fs
 from engine.errors import EngineError
+from holdfast_contract import forkserver as fs
+from holdfast_contract.errors import ForkServerError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,6 +52,9 @@ class ForkedChild:
         spawn = fs.Spawn(argv=flags, env=env, cwd=os.getcwd(), owner=os.getpid())
         try:
             sock, pid = fs.request(server, spawn, [null_in, null_out, w])
+        except ForkServerError as e:
+            os.close(r)
+            raise EngineError(str(e)) from e
         except BaseException:
             os.close(r)
             raise
@@ -69,7 +73,7 @@ class ForkedChild:
         self.sock.settimeout(5.0)  # readable: the frame is there, or EOF
         try:
             reply = fs.read_reply(self.sock)
-        except EngineError as e:
+        except ForkServerError as e:
             self.sock.close()
             raise lost from e
         if isinstance(reply, fs.Exited):

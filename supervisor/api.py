@@ -7,7 +7,7 @@ from collections.abc import Callable
 import msgspec
 from aiohttp import web
 
-from supervisor.control import ClusterStatus
+from holdfast_contract.control import ClusterStatus
 
 
 def _json(obj: object, status: int = 200) -> web.Response:

@@ -12,16 +12,16 @@ from collections.abc import Sequence
 import msgspec
 import structlog
 
-from cachedaemon.errors import HoldfastError
-from supervisor.control import (
+from holdfast_contract.control import (
     ClusterStatus,
     EvictReq,
     PromoteReq,
     RestartReq,
     StatusReq,
     StopReq,
-    request,
 )
+from holdfast_contract.errors import HoldfastError
+from supervisor.control import request
 from supervisor.errors import PolicyError
 from supervisor.policy import load_policy
 

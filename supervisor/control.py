@@ -1,7 +1,7 @@
 """Operator commands over `ipc://<run>/control`: status, promote, evict, restart, stop.
 
 A zmq REQ client sends one tagged msgpack struct; the supervisor's ROUTER answers with one
-`ControlReply`. The runtime dir is 0700 and the socket is created under umask 077, so only
+`ControlReply` (the messages are `holdfast_contract.control`). The runtime dir is 0700 and the socket is created under umask 077, so only
 our own uid can connect; a malformed request gets an error reply and is counted.
 """
 
@@ -9,86 +9,22 @@ from __future__ import annotations
 
 import os
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
+from holdfast_contract.control import (
+    ControlReply,
+    ControlRequest,
+    Request,
+    decode_reply,
+    decode_request,
+    encode,
+)
 from supervisor.errors import ControlError
 
-
-class _Req(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
-    pass
-
-
-class StatusReq(_Req, frozen=True):
-    pass
-
-
-class PromoteReq(_Req, frozen=True):
-    name: str
-
-
-class EvictReq(_Req, frozen=True):
-    name: str
-
-
-class RestartReq(_Req, frozen=True):
-    name: str
-
-
-class StopReq(_Req, frozen=True):
-    pass
-
-
-Request = StatusReq | PromoteReq | EvictReq | RestartReq | StopReq
-
-
-class EngineStatus(msgspec.Struct, frozen=True):
-    name: str
-    role: str
-    state: str
-    pid: int
-    port: int
-    restarts: int
-    heartbeat_age_ms: float | None
-    in_flight: int = 0
-    queued: int = 0  # accepted, waiting for the engine's KV cache (from heartbeats)
-    pids: list[int] = []  # one per tensor-parallel rank; pid is rank 0's
-
-
-class DaemonStatus(msgspec.Struct, frozen=True):
-    rank: int
-    state: str
-    pid: int
-    fingerprint: str
-    pool_bytes: int
-    adoptions: int
-    adopted: bool = False
-
-
-class ClusterStatus(msgspec.Struct, frozen=True):
-    epoch: int
-    primary: str | None
-    engines: list[EngineStatus]
-    daemons: list[DaemonStatus]
-    events: int = 0
-    events_dropped: int = 0
-    mqtt_connected: bool = False
-
-
-class ControlReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    ok: bool
-    message: str = ""
-    status: ClusterStatus | None = None
-
-
-_req_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(Request)
-_reply_decoder = msgspec.msgpack.Decoder(ControlReply)
-Handler = Callable[
-    [StatusReq | PromoteReq | EvictReq | RestartReq | StopReq], Awaitable[ControlReply]
-]
+Handler = Callable[[Request], Awaitable[ControlReply]]
 
 
 class ControlServer:
@@ -110,11 +46,11 @@ class ControlServer:
                 continue
             ident, _, body = frames
             reply = await self._answer(body)
-            await self._sock.send_multipart([ident, b"", msgspec.msgpack.encode(reply)])
+            await self._sock.send_multipart([ident, b"", encode(reply)])
 
     async def _answer(self, body: bytes) -> ControlReply:
         try:
-            req = _req_decoder.decode(body)
+            req = decode_request(body)
         except msgspec.DecodeError as e:
             self.malformed += 1
             return ControlReply(ok=False, message=f"malformed control request: {e}")
@@ -144,7 +80,7 @@ def _check_reachable(endpoint: str) -> None:
         ) from None
 
 
-def request(endpoint: str, req: _Req, timeout: float = 5.0) -> ControlReply:
+def request(endpoint: str, req: ControlRequest, timeout: float = 5.0) -> ControlReply:
     """Send one request to the supervisor at `endpoint` and return its reply."""
     if endpoint.startswith("ipc://"):
         _check_reachable(endpoint)
@@ -155,8 +91,8 @@ def request(endpoint: str, req: _Req, timeout: float = 5.0) -> ControlReply:
     sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
     try:
         sock.connect(endpoint)
-        sock.send(msgspec.msgpack.encode(req))
-        return _reply_decoder.decode(sock.recv())
+        sock.send(encode(req))
+        return decode_reply(sock.recv())
     except zmq.Again as e:
         raise ControlError(
             f"no supervisor answered on {endpoint} within {timeout:.0f}s; "

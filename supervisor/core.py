@@ -16,16 +16,16 @@ from typing import Any
 
 import structlog
 
-from supervisor.agents import AgentHub
+from holdfast_contract.agent_protocol import Ack, Drain, Heartbeat, Hello, Promote, StateChange
+from holdfast_contract.control import ClusterStatus, DaemonStatus, EngineStatus
+from supervisor.agent_hub import AgentHub
 from supervisor.backoff import RestartBook
-from supervisor.control import ClusterStatus, DaemonStatus, EngineStatus
 from supervisor.daemons import DaemonPool
 from supervisor.engines import EngineLauncher
 from supervisor.errors import ControlError, StartupError
 from supervisor.events import EventBus, UnitState
 from supervisor.exitwatch import ExitWatch
 from supervisor.policy import Policy
-from supervisor.protocol import Ack, Drain, Heartbeat, Hello, Promote, StateChange
 from supervisor.router import PrimaryView, Target
 from supervisor.units import READY_STATES, Engine, Incarnation
 

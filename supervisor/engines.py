@@ -17,9 +17,11 @@ from typing import Any
 import aiohttp
 import structlog
 
+from holdfast_contract.command import FORKABLE, Placeholders, is_forkable, render
+from holdfast_contract.env import EngineEnv, to_environ, var
 from supervisor.errors import StartupError
 from supervisor.fswatch import DirWatch
-from supervisor.policy import FORKABLE, Policy
+from supervisor.policy import Policy
 from supervisor.procs import Proc, free_port
 from supervisor.units import Engine, Incarnation
 
@@ -35,7 +37,7 @@ def wants_forkserver(p: Policy) -> bool:
     if p.engines.forkserver is False:
         return False
     commands = [p.engines.command, *(b.command for b in p.engines.batch if b.command)]
-    return any(c[:3] == list(FORKABLE) for c in commands)
+    return any(is_forkable(c) for c in commands)
 
 
 class ForkServer:
@@ -116,46 +118,45 @@ class EngineLauncher:
     def env(self, e: Engine, rank: int, epoch: int) -> dict[str, str]:
         p = self.policy
         env = {**os.environ, **p.engines.env}
-        env.update(
-            {
-                "HOLDFAST_NAME": e.name,
-                "HOLDFAST_ROLE": e.role,
-                "HOLDFAST_PORT": str(e.port),
-                "HOLDFAST_EPOCH": str(epoch),
-                "HOLDFAST_MODEL": self.model_dir,
-                "HOLDFAST_DAEMONS": ",".join(self.daemons),
-                "HOLDFAST_RANK": str(rank),
-                "HOLDFAST_WORLD_SIZE": str(p.model.tp_size),
-                "HOLDFAST_DEVICE": p.devices.ids[rank],
-                "HOLDFAST_HEARTBEAT_MS": str(p.heartbeat.interval_ms),
-                "HOLDFAST_RUN": str(self.run),
-                "HOLDFAST_DTYPE": p.model.dtype,
-                "HOLDFAST_QUANTIZATION": p.model.quantization,
-            }
+        given = EngineEnv(
+            name=e.name,
+            role=e.role,
+            port=e.port,
+            epoch=epoch,
+            model=self.model_dir,
+            daemons=tuple(self.daemons),
+            rank=rank,
+            world_size=p.model.tp_size,
+            device=p.devices.ids[rank],
+            heartbeat_ms=p.heartbeat.interval_ms,
+            run=str(self.run),
+            dtype=p.model.dtype,
+            quantization=p.model.quantization,
         )
+        env.update(to_environ(given))
         if e.memory_mb > 0:  # the engine's budget, less a fifth for activations and graphs
-            env.setdefault("HOLDFAST_KV_CACHE_MB", str(e.memory_mb * 4 // 5))
-        env.pop("HOLDFAST_AGENT", None)
+            env.setdefault(var("kv_cache_mb"), str(e.memory_mb * 4 // 5))
+        env.pop(var("agent"), None)
         if rank == 0 and p.engines.health == "agent":
-            env["HOLDFAST_AGENT"] = f"ipc://{self.run / 'agents'}"
+            env[var("agent")] = f"ipc://{self.run / 'agents'}"
         return env
 
     def argv(self, e: Engine, env: dict[str, str]) -> list[str]:
-        values = {
-            "python": sys.executable,
-            "name": e.name,
-            "role": e.role,
-            "port": env["HOLDFAST_PORT"],
-            "epoch": env["HOLDFAST_EPOCH"],
-            "model": self.model_dir,
-            "agent": env.get("HOLDFAST_AGENT", ""),
-            "daemons": env["HOLDFAST_DAEMONS"],
-            "rank": env["HOLDFAST_RANK"],
-            "world_size": env["HOLDFAST_WORLD_SIZE"],
-            "device": env["HOLDFAST_DEVICE"],
-            "run": str(self.run),
-        }
-        return [arg.format(**values) for arg in e.command]
+        values = Placeholders(
+            python=sys.executable,
+            name=e.name,
+            role=e.role,
+            port=env[var("port")],
+            epoch=env[var("epoch")],
+            model=self.model_dir,
+            agent=env.get(var("agent"), ""),
+            daemons=env[var("daemons")],
+            rank=env[var("rank")],
+            world_size=env[var("world_size")],
+            device=env[var("device")],
+            run=str(self.run),
+        )
+        return render(e.command, values)
 
     async def spawn(self, e: Engine, epoch: int) -> Incarnation:
         """Start every rank of `e`; raises StartupError when the command cannot start."""

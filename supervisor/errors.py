@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cachedaemon.errors import HoldfastError
+from holdfast_contract.errors import HoldfastError
 
 
 class SupervisorError(HoldfastError):
@@ -16,10 +16,6 @@ class PolicyError(SupervisorError):
         self.errors = list(errors)
         self.source = source
         super().__init__(f"{source}: " + "; ".join(self.errors))
-
-
-class AgentError(SupervisorError):
-    """An engine's agent cannot start as configured; the message names the variable to fix."""
 
 
 class ControlError(SupervisorError):

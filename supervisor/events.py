@@ -16,9 +16,9 @@ import msgspec
 import structlog
 import zmq
 
+from holdfast_contract.events import Event, encode_event
 from supervisor.mqtt import MqttPublisher
 from supervisor.policy import EventsSpec
-from supervisor.protocol import Event, encode_event
 
 log = structlog.get_logger("supervisor.events")
 

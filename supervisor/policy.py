@@ -10,7 +10,6 @@ checkpoint), for policies written for another one.
 from __future__ import annotations
 
 import os
-import string
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -18,26 +17,10 @@ from typing import Any, Literal
 import msgspec
 import yaml
 
+from holdfast_contract.command import FORKABLE, is_forkable, template_errors
+from holdfast_contract.env import DEFAULT_HEARTBEAT_MS
 from supervisor import schema
 from supervisor.errors import PolicyError
-
-TEMPLATE_KEYS = frozenset(
-    {
-        "python",
-        "name",
-        "role",
-        "port",
-        "epoch",
-        "model",
-        "agent",
-        "daemons",
-        "rank",
-        "world_size",
-        "device",
-        "run",
-    }
-)
-FORKABLE = ("{python}", "-m", "engine")  # commands an engine fork server can start
 
 
 class _Spec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -82,7 +65,7 @@ class LoadSpec(_Spec, frozen=True):
 
 
 class EnginesSpec(_Spec, frozen=True):
-    command: list[str] = msgspec.field(default_factory=lambda: ["{python}", "-m", "engine"])
+    command: list[str] = msgspec.field(default_factory=lambda: list(FORKABLE))
     env: dict[str, str] = msgspec.field(default_factory=dict)
     # fork engines from a process that has imported them already; None: whenever the
     # command is `{python} -m engine ...` (others are started with exec either way)
@@ -99,7 +82,7 @@ class EnginesSpec(_Spec, frozen=True):
 
 
 class HeartbeatSpec(_Spec, frozen=True):
-    interval_ms: int = 50
+    interval_ms: int = DEFAULT_HEARTBEAT_MS
     miss_limit: int = 4
     # an engine still starting (CUDA context, kernels compiled) may be silent this long
     starting_silence_ms: int = 5000
@@ -264,8 +247,8 @@ def _engine_errors(e: EnginesSpec) -> list[str]:
         errors.append("$.engines.standby: must be 0 or more")
     if not e.command:
         errors.append("$.engines.command: empty; give the engine command as a list")
-    errors += _template_errors("$.engines.command", e.command)
-    if e.forkserver and e.command[:3] != list(FORKABLE):
+    errors += template_errors("$.engines.command", e.command)
+    if e.forkserver and not is_forkable(e.command):
         errors.append(
             f"$.engines.forkserver: true needs engines.command to start with "
             f"{' '.join(FORKABLE)} (got {' '.join(e.command[:3])!r}); set it to "
@@ -278,27 +261,11 @@ def _engine_errors(e: EnginesSpec) -> list[str]:
         if not b.name.isidentifier() or names.count(b.name) > 1:
             errors.append(f"$.engines.batch[{i}].name: {b.name!r} must be a unique identifier")
         if b.command is not None:
-            errors += _template_errors(f"$.engines.batch[{i}].command", b.command)
+            errors += template_errors(f"$.engines.batch[{i}].command", b.command)
     if e.load.respawn_below > e.load.evict_above:
         errors.append("$.engines.load.respawn_below: must not exceed evict_above")
     if not 0 <= e.port_base < 65000:
         errors.append("$.engines.port_base: must be 0 (OS-chosen) or a port below 65000")
-    return errors
-
-
-def _template_errors(path: str, command: list[str]) -> list[str]:
-    errors = []
-    for i, arg in enumerate(command):
-        try:
-            keys = {k for _, k, _, _ in string.Formatter().parse(arg) if k is not None}
-        except ValueError as exc:
-            errors.append(f"{path}[{i}]: bad template {arg!r}: {exc}")
-            continue
-        for key in sorted(keys - TEMPLATE_KEYS):
-            errors.append(
-                f"{path}[{i}]: unknown placeholder {{{key}}}; "
-                f"known: {', '.join(sorted(TEMPLATE_KEYS))}"
-            )
     return errors
 
 

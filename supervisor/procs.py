@@ -1,9 +1,9 @@
 """Child processes: each in its own process group, output to a log file, exit seen at once.
 
 `Proc.spawn` starts one process (asyncio subprocess; the event loop's child watcher reports
-its exit the moment it happens). `Proc.fork` asks an engine fork server for one instead (the
-server reports the exit code on the request's connection; if the server is gone, a pidfd
-still says when the process ends). Fencing kills the whole process group with SIGKILL and
+its exit the moment it happens). `Proc.fork` asks an engine fork server for one instead,
+through `holdfast_contract.forkserver` (the server reports the exit code on the request's
+connection; if the server is gone, a pidfd still says when the process ends). Fencing kills the whole process group with SIGKILL and
 confirms the leader is gone; termination is SIGTERM, a grace period, then SIGKILL.
 """
 
@@ -21,8 +21,8 @@ import time
 from collections.abc import Awaitable
 from pathlib import Path
 
-from engine import forkserver
-from engine.errors import EngineError
+from holdfast_contract import forkserver
+from holdfast_contract.errors import ForkServerError
 from supervisor.errors import StartupError
 
 # log lines that say something went wrong: structlog console and JSON, logging, Python
@@ -103,7 +103,7 @@ class Proc:
             fds = [null.fileno(), out.fileno(), out.fileno()]
             try:
                 sock, pid = await asyncio.to_thread(forkserver.request, server, request, fds)
-            except EngineError as e:
+            except ForkServerError as e:
                 raise StartupError(str(e)) from e
         try:
             pidfd: int | None = os.pidfd_open(pid)
@@ -178,7 +178,7 @@ async def _forked_exit(sock: socket.socket, pidfd: int | None) -> int | None:
             sock.settimeout(5.0)  # the frame is there, or EOF
             try:
                 reply = forkserver.read_reply(sock)
-            except EngineError:
+            except ForkServerError:
                 reply = None
         if isinstance(reply, forkserver.Exited):
             return reply.code

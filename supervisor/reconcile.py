@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from supervisor.control import (
+from holdfast_contract.control import (
     ControlReply,
     EvictReq,
     PromoteReq,

@@ -21,11 +21,12 @@ import structlog
 import zmq
 from aiohttp import web
 
+from holdfast_contract.control import ControlReply, Request
 from supervisor import reconcile
-from supervisor.agents import AgentHub
+from supervisor.agent_hub import AgentHub
 from supervisor.aio import cancel_all
 from supervisor.api import HealthApi
-from supervisor.control import ControlReply, ControlServer, Request
+from supervisor.control import ControlServer
 from supervisor.core import Cluster
 from supervisor.daemons import DaemonPool
 from supervisor.engines import EngineLauncher, ForkServer, wants_forkserver

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import zmq
 
-from supervisor.agent import Agent
-from supervisor.errors import AgentError
-from supervisor.protocol import (
+from engine.agent_client import AgentClient
+from engine.errors import AgentError
+from holdfast_contract.agent_protocol import (
     Ack,
     Drain,
     Heartbeat,
@@ -57,7 +57,7 @@ def test_hello_heartbeat_state_and_commands(router: tuple[zmq.Socket[bytes], str
     promoted: queue.SimpleQueue[int] = queue.SimpleQueue()
     drained: queue.SimpleQueue[float] = queue.SimpleQueue()
     stopped: queue.SimpleQueue[bool] = queue.SimpleQueue()
-    agent = Agent(
+    agent = AgentClient(
         endpoint,
         name="e1",
         role="standby",
@@ -108,7 +108,7 @@ def test_failing_callback_is_acked_not_ok(router: tuple[zmq.Socket[bytes], str])
     def boom(epoch: int) -> None:
         raise RuntimeError(f"cannot take epoch {epoch}")
 
-    with Agent(endpoint, name="e2", role="standby", port=1, load=None) as agent:
+    with AgentClient(endpoint, name="e2", role="standby", port=1, load=None) as agent:
         agent.on_promote(boom)
         recv_until(sock, Hello)
         sock.send_multipart([b"e2", encode(Promote(epoch=9))])
@@ -121,14 +121,14 @@ def test_failing_callback_is_acked_not_ok(router: tuple[zmq.Socket[bytes], str])
 
 def test_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HOLDFAST_AGENT", raising=False)
-    assert Agent.from_env() is None
+    assert AgentClient.from_env() is None
     monkeypatch.setenv("HOLDFAST_AGENT", "ipc:///nonexistent/agents")
     monkeypatch.setenv("HOLDFAST_NAME", "b1")
     monkeypatch.setenv("HOLDFAST_ROLE", "batch")
     monkeypatch.setenv("HOLDFAST_PORT", "8123")
     monkeypatch.setenv("HOLDFAST_EPOCH", "2")
     monkeypatch.setenv("HOLDFAST_HEARTBEAT_MS", "20")
-    agent = Agent.from_env()
+    agent = AgentClient.from_env()
     assert agent is not None
     assert (agent.name, agent.role, agent.port, agent.epoch, agent.interval_s) == (
         "b1",
@@ -139,19 +139,17 @@ def test_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     monkeypatch.setenv("HOLDFAST_PORT", "eighty")
     with pytest.raises(AgentError, match="HOLDFAST_PORT"):
-        Agent.from_env()
+        AgentClient.from_env()
 
 
-def test_agent_and_cli_import_without_torch() -> None:
+def test_agent_client_and_cli_import_without_torch() -> None:
     code = (
-        "import supervisor.agent, supervisor.protocol; import sys; "
-        "assert 'torch' not in sys.modules, 'torch imported'"
+        "import engine.agent_client, holdfast_contract.agent_protocol, supervisor.cli; "
+        "import sys; assert 'torch' not in sys.modules, 'torch imported'"
     )
-    cli = Path(__file__).resolve().parents[1] / "supervisor" / "cli.py"
-    if cli.exists():
-        code = code.replace("import supervisor.agent", "import supervisor.cli, supervisor.agent")
+    repo = Path(__file__).resolve().parents[1]
     subprocess.run(
         [sys.executable, "-c", code],
         check=True,
-        env={**os.environ, "PYTHONPATH": str(cli.parents[1])},
+        env={**os.environ, "PYTHONPATH": str(repo)},
     )

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from chaos.cluster import ClusterView, DaemonView, EngineView
 from chaos.pool import absent_batch, missing
+from holdfast_contract.control import ClusterStatus, DaemonStatus, EngineStatus
 from supervisor.policy import load_policy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,16 +21,24 @@ SCENARIOS = ROOT / "chaos" / "scenarios"
 POLICY = load_policy(SCENARIOS / "policy-cpu.yaml")  # evict_above 12, respawn_below 4
 
 
-def _view(load: int, batch_state: str) -> ClusterView:
-    return ClusterView(
+def _engine(name: str, role: str, state: str, pid: int, in_flight: int = 0) -> EngineStatus:
+    return EngineStatus(name, role, state, pid, 0, 0, None, in_flight=in_flight)
+
+
+def _daemon(state: str, pid: int) -> DaemonStatus:
+    return DaemonStatus(0, state, pid, fingerprint="", pool_bytes=0, adoptions=0)
+
+
+def _view(load: int, batch_state: str) -> ClusterStatus:
+    return ClusterStatus(
         epoch=1,
         primary="e1",
         engines=[
-            EngineView("e1", "primary", "primary", pid=10, in_flight=load),
-            EngineView("e2", "standby", "standby", pid=11),
-            EngineView("batch-1", "batch", batch_state, pid=12 if batch_state == "batch" else 0),
+            _engine("e1", "primary", "primary", pid=10, in_flight=load),
+            _engine("e2", "standby", "standby", pid=11),
+            _engine("batch-1", "batch", batch_state, pid=12 if batch_state == "batch" else 0),
         ],
-        daemons=[DaemonView(0, "serving", pid=9)],
+        daemons=[_daemon("serving", pid=9)],
     )
 
 
@@ -58,11 +66,11 @@ def test_the_load_rule_decides_whether_a_batch_engine_is_missing(
 
 
 def test_missing_names_every_unit_and_its_state() -> None:
-    view = ClusterView(
+    view = ClusterStatus(
         epoch=2,
         primary=None,
-        engines=[EngineView("e2", "standby", "starting", pid=11)],
-        daemons=[DaemonView(0, "reclaiming", pid=0)],
+        engines=[_engine("e2", "standby", "starting", pid=11)],
+        daemons=[_daemon("reclaiming", pid=0)],
     )
     assert missing(view, POLICY) == [
         "a primary (none serving)",

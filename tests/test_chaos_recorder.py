@@ -18,7 +18,7 @@ import zmq.asyncio
 from chaos.broker import OwnBroker
 from chaos.procs import ProcRef, descendants, wait_gone
 from chaos.recorder import EventRecorder, MqttTarget
-from supervisor.protocol import Event, encode_event
+from holdfast_contract.events import Event, encode_event
 
 
 def _event(name: str, event: str) -> bytes:

@@ -16,7 +16,7 @@ import zmq
 from test_engine_serve import post
 
 from engine.launch import EngineProcess
-from supervisor.protocol import (
+from holdfast_contract.agent_protocol import (
     Ack,
     Heartbeat,
     Hello,

@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 from conftest import ForkServerProc, child_env
 
-from engine import forkserver as fs
 from engine.errors import EngineError
 from engine.launch import EngineProcess
+from holdfast_contract import forkserver as fs
+from holdfast_contract.errors import ForkServerError
 from supervisor.errors import PolicyError
 from supervisor.policy import load_policy
 
@@ -119,7 +120,7 @@ def raw_request(path: Path, payload: bytes, fds: list[int]) -> Any:
         socket.send_fds(sock, [payload], fds)
         try:
             return fs.read_reply(sock)
-        except EngineError:
+        except ForkServerError:
             return None  # closed without a reply
 
 

@@ -22,7 +22,7 @@ import msgspec
 import pytest
 import zmq
 
-from supervisor.protocol import Event
+from holdfast_contract.events import Event
 from tests.engines.harness import (
     ECHO,
     Load,
@@ -298,7 +298,8 @@ def test_malformed_and_foreign_control_messages(sup: Supervisor) -> None:
 
 def as_uid(uid: int, run: Path) -> str:
     """What `supervisor stop` tells another uid: the message of its ControlError."""
-    from supervisor.control import StopReq, request
+    from holdfast_contract.control import StopReq
+    from supervisor.control import request
     from supervisor.errors import ControlError
 
     r, w = os.pipe()

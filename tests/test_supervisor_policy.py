@@ -142,7 +142,7 @@ def test_help_has_examples_and_no_torch() -> None:
     cp = supervisor_cli("--help")
     assert cp.returncode == 0 and "supervisor run policies/h200.yaml" in cp.stdout
     code = (
-        "import supervisor.cli, supervisor.agent, supervisor.service; import sys; "
+        "import supervisor.cli, supervisor.agent_hub, supervisor.service; import sys; "
         "assert 'torch' not in sys.modules, 'supervisor imported torch'"
     )
     subprocess.run([sys.executable, "-c", code], env=env(), check=True, timeout=30)

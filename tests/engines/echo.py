@@ -19,14 +19,17 @@ import sys
 
 from aiohttp import web
 
-from supervisor.agent import Agent
+from engine.agent_client import AgentClient
+from holdfast_contract.env import read_env
+
+ENV = read_env()
 
 
 class Echo:
     def __init__(self, name: str) -> None:
         self.name = name
-        self.epoch = int(os.environ.get("HOLDFAST_EPOCH", "0"))
-        self.role = os.environ.get("HOLDFAST_ROLE", "standby")
+        self.epoch = ENV.epoch or 0
+        self.role = ENV.role or "standby"
         self.in_flight = 0
 
     def promoted(self, epoch: int) -> None:
@@ -71,10 +74,10 @@ async def follower() -> None:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    if os.environ.get("HOLDFAST_RANK", "0") != "0":
+    if ENV.rank:
         await follower()
         return
-    echo = Echo(os.environ.get("HOLDFAST_NAME", "echo"))
+    echo = Echo(ENV.name or "echo")
     print(f"echo pid={os.getpid()}: started", file=sys.stderr, flush=True)
     app = web.Application()
     app.router.add_post("/v1/completions", echo.complete)
@@ -85,7 +88,7 @@ async def serve(args: argparse.Namespace) -> None:
     done = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, done.set)
-    agent = None if args.no_agent else Agent.from_env(load=lambda: (echo.in_flight, 0))
+    agent = None if args.no_agent else AgentClient.from_env(load=lambda: (echo.in_flight, 0))
     if agent is not None:
         agent.on_promote(refuse if args.refuse_promote else echo.promoted)
         agent.on_stop(lambda: loop.call_soon_threadsafe(done.set))
@@ -106,7 +109,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description="echo engine for supervisor tests")
-    p.add_argument("--port", type=int, default=int(os.environ.get("HOLDFAST_PORT", "8100")))
+    p.add_argument("--port", type=int, default=ENV.port or 8100)
     p.add_argument("--no-agent", action="store_true")
     p.add_argument("--fail-after", type=float)
     p.add_argument("--exit-now", action="store_true")

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 import zmq
 
-from supervisor.protocol import Event, decode_event
+from holdfast_contract.events import Event, decode_event
 
 REPO = Path(__file__).resolve().parents[2]
 ECHO = ["{python}", "-m", "tests.engines.echo"]

@@ -1,8 +1,8 @@
 """Messages between the supervisor and its agents (engines, daemons) over zmq.
 
 Each zmq message is one msgpack frame holding one tagged struct. Engines talk through a
-DEALER socket (identity = their name) to the supervisor's ROUTER at HOLDFAST_AGENT.
-Imports pyzmq-free msgspec only, so any engine can use it.
+DEALER socket (identity = their name) to the supervisor's ROUTER at HOLDFAST_AGENT: the
+engine side is `engine.agent_client`, the supervisor side `supervisor.agent_hub`.
 """
 
 from __future__ import annotations
@@ -40,24 +40,30 @@ class StateChange(_Msg, frozen=True):
     detail: str = ""
 
 
-# ---- supervisor -> agent ----
-class Promote(_Msg, frozen=True):
-    epoch: int
-
-
-class Drain(_Msg, frozen=True):
-    grace_s: float
-
-
-class Stop(_Msg, frozen=True):
-    pass
-
-
 class Ack(_Msg, frozen=True):
+    """The answer to one command: whether the engine carried it out."""
+
     name: str
     command: str
     ok: bool
     detail: str = ""
+
+
+# ---- supervisor -> agent ----
+class Stop(_Msg, frozen=True):
+    """Stop now: drain with the engine's own grace period, then exit."""
+
+
+class Promote(_Msg, frozen=True):
+    """Serve as the primary from now on, under fencing token `epoch`."""
+
+    epoch: int
+
+
+class Drain(_Msg, frozen=True):
+    """Take no new requests; finish those in flight within `grace_s`, then exit."""
+
+    grace_s: float
 
 
 AgentMessage = Hello | Heartbeat | StateChange | Ack
@@ -81,29 +87,3 @@ def decode_agent(data: bytes) -> Hello | Heartbeat | StateChange | Ack:
 def decode_command(data: bytes) -> Promote | Drain | Stop:
     msg: Promote | Drain | Stop = _command_decoder.decode(data)
     return msg
-
-
-class Event(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One state change. Topic-style name: `<kind>.<name>.<event>` (engine.e1.promoted)."""
-
-    ts: float
-    kind: str  # engine | daemon | supervisor | broker | router
-    name: str
-    event: str
-    epoch: int
-    data: dict[str, Any] = {}
-
-    @property
-    def topic(self) -> str:
-        return f"{self.kind}.{self.name}.{self.event}"
-
-
-_event_decoder: msgspec.json.Decoder[Event] = msgspec.json.Decoder(Event)
-
-
-def encode_event(ev: Event) -> bytes:
-    return msgspec.json.encode(ev)
-
-
-def decode_event(data: bytes) -> Event:
-    return _event_decoder.decode(data)

@@ -1,11 +1,13 @@
-"""The agent SDK every engine uses to talk to the supervisor (pyzmq + msgspec, no torch).
+"""The engine's end of the agent protocol: the SDK every engine uses to talk to the
+supervisor (pyzmq + msgspec, no torch; `supervisor.agent_hub` is the other end).
 
-An engine creates one Agent, registers callbacks for the supervisor's commands and starts
-it. The agent owns one DEALER socket (identity = the engine's name) and one thread that
-sends Hello, a Heartbeat every interval with the engine's load, queued StateChanges, and
-runs the callbacks for Promote / Drain / Stop, acknowledging each with an Ack.
+An engine creates one AgentClient, registers callbacks for the supervisor's commands and
+starts it. The client owns one DEALER socket (identity = the engine's name) and one thread
+that sends Hello, a Heartbeat every interval with the engine's load, queued StateChanges,
+and runs the callbacks for Promote / Drain / Stop, acknowledging each with an Ack (the
+messages are `holdfast_contract.agent_protocol`).
 
-    agent = Agent.from_env(load=lambda: (server.in_flight, server.queued))
+    agent = AgentClient.from_env(load=lambda: (server.in_flight, server.queued))
     if agent is not None:
         agent.on_promote(lambda epoch: server.become_primary(epoch))
         agent.start()
@@ -24,44 +26,22 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from supervisor.errors import AgentError
-from supervisor.protocol import (
-    Ack,
-    Drain,
-    Heartbeat,
-    Hello,
-    Promote,
-    StateChange,
-    Stop,
-    decode_command,
-    encode,
-)
+from engine.errors import AgentError
+from holdfast_contract import agent_protocol as wire
+from holdfast_contract.env import DEFAULT_HEARTBEAT_MS, read_env, var
+from holdfast_contract.errors import EnvError
 
 LoadFn = Callable[[], tuple[int, int]]
 PromoteCb = Callable[[int], None]
 DrainCb = Callable[[float], None]
 StopCb = Callable[[], None]
 
-ENV_AGENT = "HOLDFAST_AGENT"
-
 
 def _no_load() -> tuple[int, int]:
     return (0, 0)
 
 
-def _env_int(name: str, default: int | None = None) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        if default is None:
-            raise AgentError(f"{name} is not set; the supervisor sets it for every engine")
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise AgentError(f"{name}={raw!r} is not an integer; set {name} to an integer") from None
-
-
-class Agent:
+class AgentClient:
     """Heartbeats and commands between one engine process and the supervisor."""
 
     def __init__(
@@ -77,12 +57,8 @@ class Agent:
     ) -> None:
         if interval_s <= 0:
             raise AgentError(f"interval_s={interval_s} must be > 0 (HOLDFAST_HEARTBEAT_MS)")
-        self.endpoint = endpoint
-        self.name = name
-        self.role = role
-        self.port = port
-        self.epoch = epoch
-        self.interval_s = interval_s
+        self.endpoint, self.interval_s = endpoint, interval_s
+        self.name, self.role, self.port, self.epoch = name, role, port, epoch
         self._load = load or _no_load
         self._state = "starting"
         self._on_promote: list[PromoteCb] = []
@@ -96,21 +72,26 @@ class Agent:
         self._seq = 0
 
     @classmethod
-    def from_env(cls, load: LoadFn | None = None) -> Agent | None:
+    def from_env(cls, load: LoadFn | None = None) -> AgentClient | None:
         """An agent configured by the supervisor's environment, or None when unsupervised."""
-        endpoint = os.environ.get(ENV_AGENT, "")
-        if not endpoint:
+        try:
+            env = read_env()
+        except EnvError as e:
+            raise AgentError(str(e)) from e
+        if not env.agent:
             return None
-        name = os.environ.get("HOLDFAST_NAME", "")
-        if not name:
-            raise AgentError("HOLDFAST_NAME is not set; the supervisor sets it for every engine")
+        name, port = env.name, env.port
+        if name is None:
+            raise AgentError(f"{var('name')} is not set; the supervisor sets it for every engine")
+        if port is None:
+            raise AgentError(f"{var('port')} is not set; the supervisor sets it for every engine")
         return cls(
-            endpoint,
+            env.agent,
             name=name,
-            role=os.environ.get("HOLDFAST_ROLE", "standby"),
-            port=_env_int("HOLDFAST_PORT"),
-            epoch=_env_int("HOLDFAST_EPOCH", 0),
-            interval_s=_env_int("HOLDFAST_HEARTBEAT_MS", 50) / 1000.0,
+            role=env.role or "standby",
+            port=port,
+            epoch=env.epoch or 0,
+            interval_s=(env.heartbeat_ms or DEFAULT_HEARTBEAT_MS) / 1000.0,
             load=load,
         )
 
@@ -128,7 +109,7 @@ class Agent:
     def start(self) -> None:
         """Send Hello and start the heartbeat/command thread. Call once."""
         if self._thread is not None:
-            raise AgentError("Agent.start() was already called; call it once per agent")
+            raise AgentError("AgentClient.start() was already called; call it once per agent")
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -138,7 +119,7 @@ class Agent:
     def set_state(self, state: str, detail: str = "") -> None:
         """Report a state change now (also carried by every following heartbeat)."""
         self._state = state
-        self._send(encode(StateChange(name=self.name, state=state, detail=detail)))
+        self._send(wire.encode(wire.StateChange(name=self.name, state=state, detail=detail)))
 
     def close(self) -> None:
         """Stop the thread and close the socket; safe to call twice."""
@@ -150,7 +131,7 @@ class Agent:
             if s is not None:
                 s.close()
 
-    def __enter__(self) -> Agent:
+    def __enter__(self) -> AgentClient:
         self.start()
         return self
 
@@ -179,13 +160,13 @@ class Agent:
         sock.setsockopt(zmq.SNDHWM, 1000)
         sock.connect(self.endpoint)
         try:
-            sock.send(encode(self._hello()))
+            sock.send(wire.encode(self._hello()))
             self._loop(sock, wake)
         finally:
             sock.close(linger=0)
 
-    def _hello(self) -> Hello:
-        return Hello(
+    def _hello(self) -> wire.Hello:
+        return wire.Hello(
             name=self.name, role=self.role, pid=os.getpid(), port=self.port, epoch=self.epoch
         )
 
@@ -197,7 +178,7 @@ class Agent:
         while not self._closing.is_set():
             now = time.monotonic()
             if now >= next_beat:
-                self._send_nowait(sock, encode(self._heartbeat()))
+                self._send_nowait(sock, wire.encode(self._heartbeat()))
                 next_beat = now + self.interval_s
             events = dict(
                 poller.poll(timeout=int(max(0.0, next_beat - time.monotonic()) * 1000) + 1)
@@ -221,13 +202,13 @@ class Agent:
         with contextlib.suppress(zmq.Again):  # supervisor gone or slow: best effort by design
             sock.send(frame, zmq.NOBLOCK)
 
-    def _heartbeat(self) -> Heartbeat:
+    def _heartbeat(self) -> wire.Heartbeat:
         self._seq += 1
         try:
             in_flight, queued = self._load()
         except Exception:  # a load callback must never stop the heartbeat
             in_flight, queued = (0, 0)
-        return Heartbeat(
+        return wire.Heartbeat(
             name=self.name,
             seq=self._seq,
             state=self._state,
@@ -243,25 +224,27 @@ class Agent:
             except zmq.Again:
                 return
             try:
-                cmd = decode_command(frame)
+                cmd = wire.decode_command(frame)
             except msgspec.DecodeError:
                 continue  # garbage from the wire is dropped, never fatal
-            self._send_nowait(sock, encode(self._dispatch(cmd)))
+            self._send_nowait(sock, wire.encode(self._dispatch(cmd)))
 
-    def _dispatch(self, cmd: Promote | Drain | Stop) -> Ack:
+    def _dispatch(self, cmd: wire.Promote | wire.Drain | wire.Stop) -> wire.Ack:
         name = type(cmd).__name__.lower()
         try:
-            if isinstance(cmd, Promote):
+            if isinstance(cmd, wire.Promote):
                 self.epoch = cmd.epoch
                 self.role = "primary"
                 for p in self._on_promote:
                     p(cmd.epoch)
-            elif isinstance(cmd, Drain):
+            elif isinstance(cmd, wire.Drain):
                 for d in self._on_drain:
                     d(cmd.grace_s)
             else:
                 for s in self._on_stop:
                     s()
         except Exception as e:  # the engine's callback failed: tell the supervisor
-            return Ack(name=self.name, command=name, ok=False, detail=f"{type(e).__name__}: {e}")
-        return Ack(name=self.name, command=name, ok=True)
+            return wire.Ack(
+                name=self.name, command=name, ok=False, detail=f"{type(e).__name__}: {e}"
+            )
+        return wire.Ack(name=self.name, command=name, ok=True)

@@ -15,17 +15,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from supervisor.protocol import (
-    Ack,
-    Drain,
-    Heartbeat,
-    Hello,
-    Promote,
-    StateChange,
-    Stop,
-    decode_agent,
-    encode,
-)
+from holdfast_contract import agent_protocol as wire
+from holdfast_contract.agent_protocol import Ack, Heartbeat, Hello, StateChange
 
 
 class AgentHub:
@@ -57,7 +48,7 @@ class AgentHub:
                 continue
             ident, body = frames
             try:
-                msg = decode_agent(body)
+                msg = wire.decode_agent(body)
             except msgspec.DecodeError:
                 self.malformed += 1
                 continue
@@ -76,10 +67,10 @@ class AgentHub:
         else:
             self._on_ack(msg)
 
-    def send(self, name: str, cmd: Promote | Drain | Stop) -> bool:
+    def send(self, name: str, cmd: wire.Promote | wire.Drain | wire.Stop) -> bool:
         """Queue a command for `name`; False when that agent is not connected."""
         try:
-            sent = self._sock.send_multipart([name.encode(), encode(cmd)], zmq.NOBLOCK)
+            sent = self._sock.send_multipart([name.encode(), wire.encode(cmd)], zmq.NOBLOCK)
         except zmq.ZMQError:
             return False
         # The asyncio socket reports a refused send on the (already finished) future.

@@ -1,0 +1,109 @@
+"""Operator commands to the supervisor and what it answers: the control socket's messages
+(`ipc://<run>/control`) and the cluster status that `supervisor status` and the health
+API's /cluster show.
+
+A client sends one tagged msgpack request; the supervisor answers one `ControlReply`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class ControlRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
+    """The base of every request; `Request` is the union the supervisor decodes."""
+
+
+class StatusReq(ControlRequest, frozen=True):
+    pass
+
+
+class StopReq(ControlRequest, frozen=True):
+    pass
+
+
+class PromoteReq(ControlRequest, frozen=True):
+    name: str
+
+
+class EvictReq(ControlRequest, frozen=True):
+    name: str
+
+
+class RestartReq(ControlRequest, frozen=True):
+    name: str
+
+
+Request = StatusReq | PromoteReq | EvictReq | RestartReq | StopReq
+
+
+class EngineStatus(msgspec.Struct, frozen=True):
+    name: str
+    role: str
+    state: str
+    pid: int
+    port: int
+    restarts: int
+    heartbeat_age_ms: float | None
+    in_flight: int = 0
+    queued: int = 0  # accepted, waiting for the engine's KV cache (from heartbeats)
+    pids: list[int] = []  # one per tensor-parallel rank; pid is rank 0's
+
+
+class DaemonStatus(msgspec.Struct, frozen=True):
+    rank: int
+    state: str
+    pid: int
+    fingerprint: str
+    pool_bytes: int
+    adoptions: int
+    adopted: bool = False
+
+
+class ClusterStatus(msgspec.Struct, frozen=True):
+    epoch: int
+    primary: str | None
+    engines: list[EngineStatus]
+    daemons: list[DaemonStatus]
+    events: int = 0
+    events_dropped: int = 0
+    mqtt_connected: bool = False
+
+    def in_state(self, state: str) -> list[EngineStatus]:
+        """The engines in `state` that have a process."""
+        return [e for e in self.engines if e.state == state and e.pid]
+
+    def engine(self, name: str) -> EngineStatus | None:
+        return next((e for e in self.engines if e.name == name), None)
+
+
+class ControlReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    ok: bool
+    message: str = ""
+    status: ClusterStatus | None = None
+
+
+_req_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(ControlReply)
+_status_decoder = msgspec.json.Decoder(ClusterStatus)
+
+
+def encode(msg: ControlRequest | ControlReply) -> bytes:
+    return msgspec.msgpack.encode(msg)
+
+
+def decode_request(data: bytes) -> StatusReq | PromoteReq | EvictReq | RestartReq | StopReq:
+    """Raises msgspec.DecodeError on garbage."""
+    req: StatusReq | PromoteReq | EvictReq | RestartReq | StopReq = _req_decoder.decode(data)
+    return req
+
+
+def decode_reply(data: bytes) -> ControlReply:
+    return _reply_decoder.decode(data)
+
+
+def decode_status_json(data: bytes) -> ClusterStatus:
+    """The health API's /cluster body; raises msgspec.DecodeError on garbage."""
+    return _status_decoder.decode(data)
