@@ -144,9 +144,7 @@ def baseline_ms(rows: Sequence[RequestRow], before: float) -> float | None:
 def run_figures(
     rows: Sequence[RequestRow], trials: Sequence[TrialRow], base: float | None
 ) -> RunFigures:
-    outside = [
-        r for r in rows if (t := blamed(r, trials)) is None or t.fault != "kill-supervisor"
-    ]
+    outside = [r for r in rows if (t := blamed(r, trials)) is None or t.fault != "kill-supervisor"]
     return RunFigures(
         requests=len(rows),
         failed_requests=sum(1 for r in rows if r.failed),
