@@ -441,7 +441,8 @@ class Cluster:
         self.hub.send(e.name, Drain(grace_s=grace))
         await asyncio.gather(*(p.terminate(grace) for p in inc.procs))
         e.in_flight = 0
-        self._move(e, "evicted", reason=reason)
+        if e.state == S.DRAINING:  # not stopped meanwhile (the supervisor stops)
+            self._move(e, "evicted", reason=reason)
 
     async def restart(self, e: Engine) -> None:
         """`supervisor restart NAME`: fence it if it runs (uncounted), forget its restart
