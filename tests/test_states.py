@@ -17,7 +17,7 @@ from supervisor.backoff import RestartBook
 from supervisor.core import Cluster, Inbox, WiringError
 from supervisor.daemons import DaemonPool
 from supervisor.policy import RestartSpec
-from supervisor.protocol import Drain, Hello, Promote
+from holdfast_contract.agent_protocol import Drain, Hello, Promote
 from supervisor.states import (
     DAEMON,
     ENGINE,
