@@ -15,111 +15,25 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 
-from holdfast_contract.agent_protocol import (
-    Ack,
-    Drain,
-    Heartbeat,
-    Hello,
-    Promote,
-    StateChange,
-    Stop,
-)
+from holdfast_contract.agent_protocol import Ack, Drain, Heartbeat, Hello, Promote, StateChange
 from holdfast_contract.control import ClusterStatus, DaemonStatus, EngineStatus
 from supervisor import decisions
 from supervisor.backoff import RestartBook
-from supervisor.errors import ControlError, StartupError, SupervisorError
+from supervisor.errors import ControlError, StartupError
 from supervisor.events import EventBus, UnitState
 from supervisor.exitwatch import ExitWatch
 from supervisor.policy import Policy
 from supervisor.router import PrimaryView, Target
 from supervisor.states import ENGINE, EngineState, move
-from supervisor.units import READY_STATES, Daemon, Engine, Incarnation
+from supervisor.units import READY_STATES, Engine, Incarnation
+from supervisor.wiring import Commands, Daemons, Launcher
 
 log = structlog.get_logger("supervisor")
 S = EngineState
-
-
-class Commands(Protocol):
-    """Where commands to engines go (`AgentHub`)."""
-
-    def send(self, name: str, cmd: Promote | Drain | Stop) -> bool: ...
-
-
-class Launcher(Protocol):
-    """What starts an engine's processes (`EngineLauncher`)."""
-
-    async def spawn(self, e: Engine, epoch: int) -> Incarnation: ...
-
-
-class Daemons(Protocol):
-    """The cache daemons as the cluster sees them (`DaemonPool`)."""
-
-    @property
-    def daemons(self) -> Sequence[Daemon]: ...
-
-    def all_serving(self) -> bool: ...
-
-    def reconcile(self, now: float) -> float | None: ...
-
-
-class WiringError(SupervisorError):
-    """Something was delivered to an `Inbox` before its cluster was attached."""
-
-
-class Inbox:
-    """What the agent hub, the launcher and the daemon pool report, delivered to the
-    cluster. They are built before the `Cluster` (it sends and starts through them), so
-    they are handed this inbox's methods; `attach` names the cluster once it exists."""
-
-    def __init__(self) -> None:
-        self._cluster: Cluster | Detached = Detached()
-
-    def attach(self, c: Cluster) -> None:
-        self._cluster = c
-
-    def hello(self, msg: Hello) -> None:
-        self._cluster.on_hello(msg)
-
-    def heartbeat(self, msg: Heartbeat) -> None:
-        self._cluster.on_heartbeat(msg)
-
-    def state(self, msg: StateChange) -> None:
-        self._cluster.on_state(msg)
-
-    def ack(self, msg: Ack) -> None:
-        self._cluster.on_ack(msg)
-
-    def exit(self, e: Engine, inc: Incarnation, detail: str) -> None:
-        self._cluster.on_exit(e, inc, detail)
-
-    def http_beat(self, e: Engine, inc: Incarnation) -> None:
-        self._cluster.on_http_beat(e, inc)
-
-    def kick(self) -> None:
-        self._cluster.wake.set()
-
-    def epoch(self) -> int:
-        return self._cluster.epoch
-
-
-class Detached:
-    """An inbox's cluster before `Inbox.attach`: any delivery is a wiring bug."""
-
-    @property
-    def wake(self) -> asyncio.Event:
-        raise WiringError("the daemon pool woke the cluster before Inbox.attach")
-
-    @property
-    def epoch(self) -> int:
-        raise WiringError("the epoch was read before Inbox.attach")
-
-    def __getattr__(self, name: str) -> Any:
-        raise WiringError(f"{name} was delivered before Inbox.attach")
 
 
 class Cluster:
@@ -458,16 +372,6 @@ class Cluster:
         e.book.reset()
         self._move(e, "restarting")
         self.wake.set()
-
-    def used_mb(self) -> int:
-        return decisions.used_mb(self.engines.values())
-
-    def fits(self, need: int) -> bool:
-        return decisions.fits(self.used_mb(), need, self.policy.devices.memory_mb)
-
-    def running_batch(self) -> list[Engine]:
-        """Running batch engines, the first to evict first (lowest priority, newest)."""
-        return decisions.eviction_order(self.engines.values())
 
     # ---- status ----
     def snapshot(self) -> ClusterStatus:

@@ -27,7 +27,7 @@ from supervisor.agent_hub import AgentHub
 from supervisor.aio import cancel_all
 from supervisor.api import HealthApi
 from supervisor.control import ControlServer
-from supervisor.core import Cluster, Inbox
+from supervisor.core import Cluster
 from supervisor.daemons import DaemonPool
 from supervisor.engines import EngineLauncher, ForkServer, wants_forkserver
 from supervisor.errors import StartupError
@@ -35,6 +35,7 @@ from supervisor.events import EventBus
 from supervisor.policy import Policy, split_listen
 from supervisor.router import PrimaryView, Router
 from supervisor.runtime import RuntimeDir
+from supervisor.wiring import Inbox
 
 log = structlog.get_logger("supervisor")
 T = TypeVar("T")

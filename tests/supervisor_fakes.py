@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from holdfast_contract.agent_protocol import Drain, Promote, Stop
+from holdfast_contract.events import Event
 from supervisor.core import Cluster
 from supervisor.errors import StartupError
 from supervisor.events import EventBus
 from supervisor.policy import BatchSpec, EnginesSpec, EventsSpec, Policy, RestartSpec
-from holdfast_contract.agent_protocol import Drain, Promote, Stop
-from holdfast_contract.events import Event
 from supervisor.router import PrimaryView
 from supervisor.units import Daemon, Engine, Incarnation
 

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
+from holdfast_contract.agent_protocol import Drain, Hello, Promote
 from supervisor.backoff import RestartBook
-from supervisor.core import Cluster, Inbox, WiringError
+from supervisor.core import Cluster
 from supervisor.daemons import DaemonPool
 from supervisor.policy import RestartSpec
-from holdfast_contract.agent_protocol import Drain, Hello, Promote
 from supervisor.states import (
     DAEMON,
     ENGINE,
@@ -29,6 +29,7 @@ from supervisor.states import (
     move,
 )
 from supervisor.units import Daemon, Engine, Incarnation
+from supervisor.wiring import Inbox, WiringError
 from tests.supervisor_fakes import FakeProc, Rig, bus_at, policy, rig
 
 E = EngineState

@@ -167,6 +167,7 @@ def test_boot_promotes_one_primary_and_serves(sup: Supervisor) -> None:
 
 
 def test_birth_and_unit_state_on_the_broker(sup: Supervisor) -> None:
+    sup.wait(topic("engine.e1.starting"), timeout=120)  # its state is retained from here
     host, port = mqtt_broker()
     wanted = {f"{PREFIX}/status": b"online", f"{PREFIX}/engine/e1/state": None}
 
