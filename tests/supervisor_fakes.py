@@ -19,7 +19,14 @@ from holdfast_contract.events import Event
 from supervisor.core import Cluster
 from supervisor.errors import StartupError
 from supervisor.events import EventBus
-from supervisor.policy import BatchSpec, EnginesSpec, EventsSpec, Policy, RestartSpec
+from supervisor.policy import (
+    BatchSpec,
+    EnginesSpec,
+    EventsSpec,
+    HeartbeatSpec,
+    Policy,
+    RestartSpec,
+)
 from supervisor.router import PrimaryView
 from supervisor.units import Daemon, Engine, Incarnation
 
@@ -115,7 +122,11 @@ def policy(**engines: Any) -> Policy:
         stop_grace_s=0.5,
         **engines,
     )
-    return Policy(engines=spec, restart=RestartSpec(max_restarts=2, window_s=60.0))
+    return Policy(
+        engines=spec,
+        restart=RestartSpec(max_restarts=2, window_s=60.0),
+        heartbeat=HeartbeatSpec(exit_poll_ms=0),  # no /proc polling of fake pids
+    )
 
 
 class Events:

@@ -270,8 +270,8 @@ def test_starts_follow_priority_and_memory() -> None:
 
 def test_load_of_the_primary() -> None:
     p = engine("e1", E.PRIMARY, in_flight=3)
-    p.queued = 2
-    assert (load_of(p), load_of(None)) == (5, 0)
+    p.queued = 2  # of the 3 in flight: not counted twice
+    assert (load_of(p), load_of(None)) == (3, 0)
     assert (earliest(None, 2.0), earliest(1.0, None), earliest(3.0, 2.0)) == (2.0, 1.0, 2.0)
 
 
