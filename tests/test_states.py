@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+import supervisor
 from holdfast_contract.agent_protocol import Drain, Hello, Promote
 from supervisor.backoff import RestartBook
 from supervisor.core import Cluster
@@ -247,6 +248,21 @@ def test_ready_is_ignored_unless_starting(tmp_path: Path) -> None:
             assert e.state == E.DEAD and g.events.since(mark) == []
 
     run(go())
+
+
+def test_only_move_assigns_a_state() -> None:
+    """`states.move` is the one place a unit's state is set, in the whole package."""
+    package = Path(supervisor.__file__).parent
+    offenders = [
+        f"{path.name}:{n}: {line.strip()}"
+        for path in sorted(package.glob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if " = " in line
+        and ".state" in (lhs := line.split(" = ")[0])
+        and "(" not in lhs
+        and (path.name, line.strip()) != ("states.py", "unit.state = row.dst")
+    ]
+    assert offenders == [], "set states through the table (states.move): " + "; ".join(offenders)
 
 
 def test_table_lookup_names_what_is_wrong() -> None:
