@@ -22,14 +22,13 @@ import structlog
 from holdfast_contract.agent_protocol import Ack, Drain, Heartbeat, Hello, Promote, StateChange
 from holdfast_contract.control import ClusterStatus, DaemonStatus, EngineStatus
 from supervisor import decisions
-from supervisor.backoff import RestartBook
 from supervisor.errors import ControlError, StartupError
 from supervisor.events import EventBus, UnitState
 from supervisor.exitwatch import ExitWatch
 from supervisor.policy import Policy
 from supervisor.router import PrimaryView, Target
 from supervisor.states import ENGINE, EngineState, move
-from supervisor.units import READY_STATES, Engine, Incarnation
+from supervisor.units import READY_STATES, Engine, Incarnation, engines_of
 from supervisor.wiring import Commands, Daemons, Launcher
 
 log = structlog.get_logger("supervisor")
@@ -57,7 +56,6 @@ class Cluster:
         self.daemons = daemons
         self.epoch = 0
         self.primary: Engine | None = None
-        self.engines: dict[str, Engine] = {}
         self.wake = asyncio.Event()
         self.refused: dict[str, str] = {}  # primaries that failed their promotion
         self.early_hellos: dict[str, Hello] = {}  # arrived while their engine was spawning
@@ -67,37 +65,7 @@ class Cluster:
         )
         poll_ms = policy.heartbeat.exit_poll_ms
         self.exit_watch = ExitWatch(poll_ms / 1000.0, self._exiting) if poll_ms else None
-        self._build()
-
-    def _build(self) -> None:
-        e = self.policy.engines
-        for i in range(e.primary + e.standby):
-            self._add(
-                Engine(
-                    name=f"e{i + 1}",
-                    group="serving",
-                    role="standby",
-                    book=RestartBook(self.policy.restart),
-                    memory_mb=e.memory_mb,
-                    command=list(e.command),
-                )
-            )
-        for b in e.batch:
-            for i in range(b.count):
-                self._add(
-                    Engine(
-                        name=f"{b.name}-{i + 1}",
-                        group=b.name,
-                        role="batch",
-                        book=RestartBook(self.policy.restart),
-                        priority=b.priority,
-                        memory_mb=b.memory_mb,
-                        command=list(b.command or e.command),
-                    )
-                )
-
-    def _add(self, e: Engine) -> None:
-        self.engines[e.name] = e
+        self.engines: dict[str, Engine] = {e.name: e for e in engines_of(policy)}
 
     # ---- the one way an engine's state changes ----
     def _move(self, e: Engine, event: str, to: EngineState | None = None, **data: Any) -> None:

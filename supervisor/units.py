@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from supervisor.backoff import RestartBook
+from supervisor.policy import Policy
 from supervisor.states import RUNNING, DaemonState, EngineState
 
 # what an engine's agent reports once it may be routed to (its own states, not ours)
@@ -113,3 +114,34 @@ class Daemon:
     @property
     def pid(self) -> int:
         return self.inc.pid if self.inc is not None and self.state in LIVE_DAEMON else 0
+
+
+def engines_of(policy: Policy) -> list[Engine]:
+    """The engines a policy asks for: e1..eN serving (primary + standbys), then each batch
+    group's `<name>-1..count`; all dead until the reconcile loop starts them."""
+    e = policy.engines
+    serving = [
+        Engine(
+            name=f"e{i + 1}",
+            group="serving",
+            role="standby",
+            book=RestartBook(policy.restart),
+            memory_mb=e.memory_mb,
+            command=list(e.command),
+        )
+        for i in range(e.primary + e.standby)
+    ]
+    batch = [
+        Engine(
+            name=f"{b.name}-{i + 1}",
+            group=b.name,
+            role="batch",
+            book=RestartBook(policy.restart),
+            priority=b.priority,
+            memory_mb=b.memory_mb,
+            command=list(b.command or e.command),
+        )
+        for b in e.batch
+        for i in range(b.count)
+    ]
+    return serving + batch
