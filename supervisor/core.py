@@ -4,12 +4,15 @@ Each tick compares what the policy wants with what runs and converges. Child exi
 agent messages wake the loop at once; hangs are found by missed heartbeats. Losing the
 primary is handled in the same call that sees it: fence, epoch += 1, route to the best
 standby, tell it to promote, publish; the replacement standby comes from the next tick.
+
+`Cluster` owns every engine's state: each change is one row of `states.ENGINE`, made by
+the method that row names, and published as that row's event. What to do (whom to
+promote, fence or evict) is decided in `decisions`; `Cluster` carries it out.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import time
 from typing import Any
@@ -18,86 +21,59 @@ import structlog
 
 from holdfast_contract.agent_protocol import Ack, Drain, Heartbeat, Hello, Promote, StateChange
 from holdfast_contract.control import ClusterStatus, DaemonStatus, EngineStatus
-from supervisor.agent_hub import AgentHub
-from supervisor.backoff import RestartBook
-from supervisor.daemons import DaemonPool
-from supervisor.engines import EngineLauncher
+from supervisor import decisions
 from supervisor.errors import ControlError, StartupError
 from supervisor.events import EventBus, UnitState
 from supervisor.exitwatch import ExitWatch
 from supervisor.policy import Policy
 from supervisor.router import PrimaryView, Target
-from supervisor.units import READY_STATES, Engine, Incarnation
+from supervisor.states import ENGINE, EngineState, move
+from supervisor.units import READY_STATES, Engine, Incarnation, engines_of
+from supervisor.wiring import Commands, Daemons, Launcher
 
 log = structlog.get_logger("supervisor")
+S = EngineState
 
 
 class Cluster:
-    """The engines and daemons, and every transition between their states."""
+    """The engines, and every transition between their states."""
 
-    def __init__(self, policy: Policy, bus: EventBus, view: PrimaryView) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        bus: EventBus,
+        view: PrimaryView,
+        *,
+        hub: Commands,
+        launcher: Launcher,
+        daemons: Daemons,
+    ) -> None:
         self.policy = policy
         self.bus = bus
         self.view = view
+        self.hub = hub
+        self.launcher = launcher
+        self.daemons = daemons
         self.epoch = 0
         self.primary: Engine | None = None
-        self.engines: dict[str, Engine] = {}
-        self.hub: AgentHub | None = None
-        self.launcher: EngineLauncher | None = None
-        self.daemons: DaemonPool | None = None
         self.wake = asyncio.Event()
         self.refused: dict[str, str] = {}  # primaries that failed their promotion
         self.early_hellos: dict[str, Hello] = {}  # arrived while their engine was spawning
-        self.low_since: float | None = None
-        self.last_evict = 0.0
+        self.windows = decisions.Windows.of(policy)
+        self.batch = decisions.BatchGovernor(
+            policy.engines.load, policy.heartbeat.interval_ms / 1000.0, policy.devices.memory_mb
+        )
         poll_ms = policy.heartbeat.exit_poll_ms
         self.exit_watch = ExitWatch(poll_ms / 1000.0, self._exiting) if poll_ms else None
-        self._build()
+        self.engines: dict[str, Engine] = {e.name: e for e in engines_of(policy)}
 
-    def _build(self) -> None:
-        e = self.policy.engines
-        for i in range(e.primary + e.standby):
-            self._add(
-                Engine(
-                    name=f"e{i + 1}",
-                    group="serving",
-                    role="standby",
-                    book=RestartBook(self.policy.restart),
-                    memory_mb=e.memory_mb,
-                    command=list(e.command),
-                )
-            )
-        for b in e.batch:
-            for i in range(b.count):
-                self._add(
-                    Engine(
-                        name=f"{b.name}-{i + 1}",
-                        group=b.name,
-                        role="batch",
-                        book=RestartBook(self.policy.restart),
-                        priority=b.priority,
-                        memory_mb=b.memory_mb,
-                        command=list(b.command or e.command),
-                    )
-                )
+    # ---- the one way an engine's state changes ----
+    def _move(self, e: Engine, event: str, to: EngineState | None = None, **data: Any) -> None:
+        """Make the move the table has for (e.state, event[, to]) and publish `event`;
+        raises IllegalTransition when there is no such row."""
+        move(e, ENGINE, event, to)
+        self.publish(e, event, **data)
 
-    def _add(self, e: Engine) -> None:
-        self.engines[e.name] = e
-
-    @property
-    def hang_s(self) -> float:
-        hb = self.policy.heartbeat
-        return hb.interval_ms * hb.miss_limit / 1000.0
-
-    def silence_s(self, ready: bool) -> float:
-        """How long an engine may go without a heartbeat before it is fenced as hung: the
-        miss window once it is ready; while it starts (creating a CUDA context holds the
-        GIL for a few hundred ms on a busy GPU) heartbeat.starting_silence_ms."""
-        if ready:
-            return self.hang_s
-        return max(self.hang_s, self.policy.heartbeat.starting_silence_ms / 1000.0)
-
-    # ---- publishing ----
     def publish(self, e: Engine, event: str, **data: Any) -> None:
         data.setdefault("pid", e.pid)
         self.bus.emit(
@@ -149,7 +125,7 @@ class Cluster:
         e.last_beat = time.monotonic()
         e.in_flight, e.queued = msg.in_flight, msg.queued
         if msg.state in READY_STATES:
-            self._ready(e, inc)
+            self.ready(e, inc)
 
     def on_state(self, msg: StateChange) -> None:
         found = self._engine_for(msg.name)
@@ -157,7 +133,7 @@ class Cluster:
             return
         found[0].last_beat = time.monotonic()
         if msg.state in READY_STATES:
-            self._ready(*found)
+            self.ready(*found)
         else:
             self.bus.emit(
                 "engine", msg.name, f"reported-{msg.state}", self.epoch, detail=msg.detail
@@ -183,14 +159,15 @@ class Cluster:
         if e.inc is inc and not inc.handled:
             inc.hello = True
             e.last_beat = time.monotonic()
-            self._ready(e, inc)
+            self.ready(e, inc)
 
-    def _ready(self, e: Engine, inc: Incarnation) -> None:
-        if inc.ready or e.state != "starting":
+    def ready(self, e: Engine, inc: Incarnation) -> None:
+        """starting -> standby | batch, the first time its agent (or /health) says ready."""
+        if inc.ready or e.state != S.STARTING:
             return
         inc.ready = True
-        e.state = "batch" if e.role == "batch" else "standby"
-        self.publish(e, "ready", start_ms=round((time.monotonic() - inc.started) * 1000, 1))
+        to = S.STANDBY if e.serving else S.BATCH
+        self._move(e, "ready", to, start_ms=round((time.monotonic() - inc.started) * 1000, 1))
         self.wake.set()
 
     # ---- failures ----
@@ -221,22 +198,20 @@ class Cluster:
         t_detect: float,
         counted: bool = True,
     ) -> None:
-        """`e` is fenced (its group killed); promote if it was primary, then plan its restart."""
+        """`e` is fenced (its group killed): promote if it was primary, then -> dead (its
+        restart due after its backoff) or quarantined (restarted too often)."""
         inc.handled = True
-        was_primary = self.primary is e
-        e.state, e.in_flight, e.queued = "dead", 0, 0
-        if was_primary:
+        e.in_flight = e.queued = 0
+        if self.primary is e:
             self.primary = None
             if self.exit_watch is not None:
                 self.exit_watch.clear()
             self.view.set(None)
             silent_ms = round((t_detect - e.last_beat) * 1000, 1) if e.last_beat else None
             self._promote_best(t_detect, cause=cause, old=e.name, silent_ms=silent_ms)
-        quarantine = counted and e.book.record()
         tail = inc.tail()
-        if quarantine:
-            e.state = "quarantined"
-            self.publish(
+        if counted and e.book.record():
+            self._move(
                 e,
                 "quarantined",
                 cause=cause,
@@ -247,8 +222,8 @@ class Cluster:
             )
         else:
             e.next_start = time.monotonic() + (e.book.delay() if counted else 0.0)
-            self.publish(e, "died", cause=cause, detail=detail, tail=tail, pid=inc.pid)
-        e.role = "batch" if e.group != "serving" else "standby"  # published as it died
+            self._move(e, "died", cause=cause, detail=detail, tail=tail, pid=inc.pid)
+        e.role = "batch" if not e.serving else "standby"  # published as it died
         self.wake.set()
 
     async def fence(self, e: Engine, *, cause: str, detail: str, counted: bool = True) -> None:
@@ -258,25 +233,20 @@ class Cluster:
             return
         t_detect = time.monotonic()
         inc.handled = True
-        confirmed = all([await p.fence() for p in inc.procs])
-        if not confirmed:
-            log.error("fence_unconfirmed", engine=e.name, pids=[p.pid for p in inc.procs])
+        confirmed = await self._kill(e, inc)
         # before any promotion `down` makes: the event order shows the fence came first
         self.publish(e, "fenced", cause=cause, detail=detail, pid=inc.pid, confirmed=confirmed)
         self.down(e, inc, cause=cause, detail=detail, t_detect=t_detect, counted=counted)
 
+    async def _kill(self, e: Engine, inc: Incarnation) -> bool:
+        confirmed = all([await p.fence() for p in inc.procs])
+        if not confirmed:
+            log.error("fence_unconfirmed", engine=e.name, pids=[p.pid for p in inc.procs])
+        return confirmed
+
     # ---- promotion ----
     def best_standby(self) -> Engine | None:
-        now = time.monotonic()
-        ready = [
-            e
-            for e in self.engines.values()
-            if e.state == "standby"
-            and e.inc is not None
-            and not e.inc.handled
-            and now - e.last_beat < self.hang_s
-        ]
-        return min(ready, key=lambda e: (e.in_flight, now - e.last_beat), default=None)
+        return decisions.best_standby(self.engines.values(), time.monotonic(), self.windows.hang_s)
 
     def _promote_best(
         self, t_detect: float, *, cause: str, old: str | None, silent_ms: float | None
@@ -294,16 +264,18 @@ class Cluster:
         old: str | None,
         silent_ms: float | None = None,
     ) -> None:
-        """Route to `s` and tell it; `silent_ms`: how long the old primary had been silent
-        when its loss was detected, `promote_ms`: detection to routed and told."""
+        """standby -> primary: route to `s` and tell it; `silent_ms`: how long the old
+        primary had been silent when its loss was detected, `promote_ms`: detection to
+        routed and told."""
+        ENGINE.lookup(s.state, "promoted")  # raises before anything is done for `s`
         self.epoch += 1
-        s.role = s.state = "primary"
+        s.role = "primary"
         self.primary = s
         if self.exit_watch is not None and s.inc is not None:
             self.exit_watch.watch(s.name, [p.pid for p in s.inc.procs])
-        told = self.hub.send(s.name, Promote(epoch=self.epoch)) if self.hub else False
+        told = self.hub.send(s.name, Promote(epoch=self.epoch))
         self.view.set(Target(s.name, s.port, self.epoch), await_ack=told)
-        self.publish(
+        self._move(
             s,
             "promoted",
             previous=old,
@@ -313,33 +285,61 @@ class Cluster:
             promote_ms=round((time.monotonic() - t_detect) * 1000, 3),
         )
 
+    async def hand_over(self, new: Engine) -> None:
+        """`supervisor promote NEW`: fence the primary (it restarts at once, as a standby,
+        uncounted) and promote `new`, a ready standby."""
+        if new.state != S.STANDBY:
+            raise ControlError(
+                f"{new.name} is {new.state}; only a ready standby can be promoted "
+                "(see `supervisor status`)"
+            )
+        old = self.primary
+        t0 = time.monotonic()
+        if old is not None and old.inc is not None:
+            inc = old.inc
+            inc.handled = True
+            await self._kill(old, inc)
+            self.primary = None
+            old.next_start = time.monotonic()
+            self._move(old, "fenced", cause="operator-promote", pid=inc.pid)
+            old.role = "standby"  # it restarts as one; `fenced` says what it was
+        self.promote(new, t0, cause="operator", old=old.name if old else None)
+        self.wake.set()
+
     # ---- eviction ----
     async def evict(self, e: Engine, *, reason: str, held: bool) -> None:
+        """A batch engine leaves: running -> draining -> evicted (SIGTERM, its grace, then
+        SIGKILL); one not running -> evicted at once. `held`: until `supervisor restart`."""
+        e.held = held or e.held
         inc = e.inc
-        if inc is None or inc.handled or not e.running:
-            e.state, e.held = "evicted", held or e.held
+        if e.state in (S.DEAD, S.QUARANTINED):
+            self._move(e, "evicted", reason=reason)
             return
+        if inc is None or inc.handled or not e.running:
+            return  # evicted already, or on its way out (draining, being fenced)
         inc.handled = True
-        e.state = "draining"
-        self.publish(e, "draining", reason=reason)
+        self._move(e, "draining", reason=reason)
         grace = self.policy.engines.stop_grace_s
-        if self.hub is not None:
-            self.hub.send(e.name, Drain(grace_s=grace))
+        self.hub.send(e.name, Drain(grace_s=grace))
         await asyncio.gather(*(p.terminate(grace) for p in inc.procs))
-        e.state, e.held, e.in_flight = "evicted", held, 0
-        self.publish(e, "evicted", reason=reason)
+        e.in_flight = 0
+        if e.state == S.DRAINING:  # not stopped meanwhile (the supervisor stops)
+            self._move(e, "evicted", reason=reason)
 
-    def used_mb(self) -> int:
-        return sum(e.memory_mb for e in self.engines.values() if e.running)
-
-    def fits(self, need: int) -> bool:
-        cap = self.policy.devices.memory_mb
-        return cap == 0 or self.used_mb() + need <= cap
-
-    def running_batch(self) -> list[Engine]:
-        """Running batch engines, the first to evict first (lowest priority, newest)."""
-        batch = [e for e in self.engines.values() if e.group != "serving" and e.running]
-        return sorted(batch, key=lambda e: (e.priority, -(e.inc.started if e.inc else 0.0)))
+    async def restart(self, e: Engine) -> None:
+        """`supervisor restart NAME`: fence it if it runs (uncounted), forget its restart
+        count and start it again now, even if it was evicted by hand or quarantined."""
+        if e.state == S.DRAINING:
+            raise ControlError(f"{e.name} is draining; restart it once it is evicted")
+        if e.running:
+            await self.fence(e, cause="operator-restart", detail="restarted by hand", counted=False)
+        if e.running:  # another fence of it is under way
+            raise ControlError(f"{e.name} is being stopped already; restart it once it is dead")
+        e.held = False
+        e.next_start = time.monotonic()
+        e.book.reset()
+        self._move(e, "restarting")
+        self.wake.set()
 
     # ---- status ----
     def snapshot(self) -> ClusterStatus:
@@ -369,7 +369,7 @@ class Cluster:
                 adoptions=d.adoptions,
                 adopted=d.adopted,
             )
-            for d in (self.daemons.daemons if self.daemons else [])
+            for d in self.daemons.daemons
         ]
         mqtt = self.bus.mqtt
         return ClusterStatus(
@@ -390,23 +390,22 @@ class Cluster:
         return e
 
     async def spawn(self, e: Engine) -> None:
-        if self.launcher is None:
-            return
+        """dead | evicted -> starting; quarantined when its command cannot start."""
         try:
             inc = await self.launcher.spawn(e, self.epoch)
         except StartupError as err:
             e.book.record()
-            e.state = "quarantined"
-            self.publish(e, "quarantined", cause="spawn", detail=str(err))
+            self._move(e, "quarantined", cause="spawn", detail=str(err))
             return
-        e.inc, e.state, e.last_beat, e.held = inc, "starting", 0.0, False
+        e.inc, e.last_beat, e.held = inc, 0.0, False
         e.in_flight = e.queued = 0
-        self.publish(e, "starting", restarts=e.book.total)
+        self._move(e, "starting", restarts=e.book.total)
         early = self.early_hellos.pop(e.name, None)
         if early is not None:
             self.on_hello(early)
 
     async def stop_all(self) -> None:
+        """Every running engine -> stopped (SIGTERM, stop_grace_s, SIGKILL)."""
         if self.exit_watch is not None:
             await self.exit_watch.close()
         for e in self.engines.values():
@@ -423,7 +422,5 @@ class Cluster:
         )
         for e in self.engines.values():
             if e.running:
-                e.state = "stopped"
-                self.publish(e, "stopped")
-        with contextlib.suppress(Exception):
-            self.view.set(None)
+                self._move(e, "stopped")
+        self.view.set(None)

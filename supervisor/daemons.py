@@ -25,6 +25,7 @@ from supervisor.events import EventBus, UnitState
 from supervisor.fswatch import DirWatch
 from supervisor.policy import Policy
 from supervisor.procs import Proc
+from supervisor.states import DAEMON, DaemonState, move
 from supervisor.units import Daemon, Incarnation
 
 log = structlog.get_logger("supervisor.daemons")
@@ -68,7 +69,7 @@ class DaemonPool:
         self._changed = asyncio.Event()
 
     def all_serving(self) -> bool:
-        return all(d.state == "serving" for d in self.daemons)
+        return all(d.state == DaemonState.SERVING for d in self.daemons)
 
     def sockets(self) -> list[str]:
         return [str(self.run / f"daemon-{d.rank}.sock") for d in self.daemons]
@@ -86,9 +87,9 @@ class DaemonPool:
             await self.spawn(d)
         deadline = time.monotonic() + self.policy.cache.ready_timeout_s
         for d in self.daemons:
-            while d.state != "serving":
+            while d.state != DaemonState.SERVING:
                 left = deadline - time.monotonic()
-                if d.state in ("quarantined", "dead") or left <= 0:
+                if d.state in (DaemonState.QUARANTINED, DaemonState.DEAD) or left <= 0:
                     tail = d.inc.tail(2000) if d.inc else ""
                     raise StartupError(
                         f"cache daemon rank {d.rank} did not serve ({d.state}) "
@@ -131,12 +132,22 @@ class DaemonPool:
         return argv
 
     async def spawn(self, d: Daemon) -> None:
-        proc = await Proc.spawn(
-            self.argv(d), dict(os.environ), self.run / "logs" / f"daemon-{d.rank}.log"
-        )
-        inc = Incarnation([proc])
-        d.inc, d.state = inc, "starting"
-        self._publish(d, "starting")
+        d.spawning = True
+        try:
+            proc = await Proc.spawn(
+                self.argv(d), dict(os.environ), self.run / "logs" / f"daemon-{d.rank}.log"
+            )
+        finally:
+            d.spawning = False
+        if d.state != DaemonState.DEAD:  # stopped meanwhile
+            await proc.terminate(grace=5.0)
+            return
+        self.follow(d, Incarnation([proc]))
+
+    def follow(self, d: Daemon, inc: Incarnation, **data: Any) -> None:
+        """dead -> starting: follow `inc` (a new process, or the spare that took over)."""
+        d.inc = inc
+        self._move(d, "starting", **data)
         self._own(self._watch(d, inc))
         self._own(self._await_ready(d, inc))
 
@@ -163,14 +174,22 @@ class DaemonPool:
         if not ok or inc.handled or d.inc is not inc:
             return
         info = json.loads(ready.read_text())
+        status = await asyncio.to_thread(daemon_status, str(info.get("socket", "")))
+        if inc.handled or d.inc is not inc:
+            return  # it died while it was asked for its status
+        self.served(d, info, int(getattr(status, "pool_bytes", 0)), time.monotonic())
+        self._own(self._probe(d, inc))
+        if self.keeper is not None and self.policy.cache.spare and d.spare is None:
+            await self.spawn_spare(d)
+
+    def served(self, d: Daemon, info: dict[str, Any], pool_bytes: int, now: float) -> None:
+        """starting -> serving: its ready file (`info`) names our process."""
         d.fingerprint = str(info.get("fingerprint", ""))
         d.adopted = bool(info.get("adopted", False))
         d.adoptions += int(d.adopted)
-        status = await asyncio.to_thread(daemon_status, str(info.get("socket", "")))
-        d.pool_bytes = int(getattr(status, "pool_bytes", 0))
-        d.state = "serving"
-        ms = (time.monotonic() - d.died_at) * 1000 if d.died_at else None
-        self._publish(
+        d.pool_bytes = pool_bytes
+        ms = (now - d.died_at) * 1000 if d.died_at else None
+        self._move(
             d,
             "serving",
             adopted=d.adopted,
@@ -179,9 +198,6 @@ class DaemonPool:
             down_ms=ms,
         )
         self._kick()
-        self._own(self._probe(d, inc))
-        if self.keeper is not None and self.policy.cache.spare and d.spare is None:
-            await self.spawn_spare(d)
 
     async def _probe(self, d: Daemon, inc: Incarnation) -> None:
         """Ping a serving daemon every heartbeat interval; one that leaves a ping unanswered
@@ -252,50 +268,61 @@ class DaemonPool:
             return  # it took over: `_watch` follows it as the serving daemon now
         d.spare = None
         log.warning("spare daemon exited", rank=d.rank, exit_code=code, tail=inc.tail(300))
-        if d.state == "serving" and not inc.handled:
+        if d.state == DaemonState.SERVING and not inc.handled:
             await asyncio.sleep(d.book.delay())
-            if d.state == "serving" and d.spare is None:
+            if d.state == DaemonState.SERVING and d.spare is None:
                 await self.spawn_spare(d)
 
     async def _watch(self, d: Daemon, inc: Incarnation) -> None:
         code = await inc.procs[0].wait()
-        if inc.handled:
-            return
+        if not inc.handled:
+            self.exited(d, inc, code, time.monotonic())
+
+    def exited(self, d: Daemon, inc: Incarnation, code: int | None, now: float) -> None:
+        """starting | serving -> dead (restarted after its backoff; at once by its spare,
+        when one stands by) or quarantined (restarted too often)."""
         inc.handled = True
-        d.died_at = time.monotonic()
-        quarantine = d.book.record()
-        d.state = "quarantined" if quarantine else "dead"
-        d.next_start = time.monotonic() + d.book.delay()
-        self._publish(d, d.state, exit_code=code, tail=inc.tail())
+        d.died_at = now
+        if d.book.record(now):
+            self._move(d, "quarantined", exit_code=code, tail=inc.tail())
+            self._kick()
+            return
+        d.next_start = now + d.book.delay(now)
+        self._move(d, "dead", exit_code=code, tail=inc.tail())
         spare = d.spare
-        if d.state == "dead" and spare is not None and spare.procs[0].alive:
+        if spare is not None and spare.procs[0].alive:
             d.spare = None  # the spare is taking over already: follow it
-            d.inc, d.state = spare, "starting"
-            self._publish(d, "starting", spare=True)
-            self._own(self._watch(d, spare))
-            self._own(self._await_ready(d, spare))
+            self.follow(d, spare, spare=True)
         self._kick()
 
     def reconcile(self, now: float) -> float | None:
         """Restart dead daemons whose backoff ran out; the next time one is due, or None."""
         due: float | None = None
         for d in self.daemons:
-            if d.state != "dead":
+            if d.state != DaemonState.DEAD or d.spawning:
                 continue
             if now >= d.next_start:
+                d.spawning = True  # until spawn() has its process: no second start
                 self._own(self.spawn(d))
-                d.state = "starting"
             else:
                 due = d.next_start if due is None else min(due, d.next_start)
         return due
 
-    def _publish(self, d: Daemon, state: str, **data: Any) -> None:
+    def _move(self, d: Daemon, event: str, **data: Any) -> None:
+        """The one way a daemon's state changes: the row of `states.DAEMON` for (its
+        state, `event`), published as `daemon.<rank>.<event>`."""
+        move(d, DAEMON, event)
         self._changed.set()
         epoch = self._epoch()
-        self.bus.emit("daemon", str(d.rank), state, epoch, pid=d.pid, **data)
+        self.bus.emit("daemon", str(d.rank), event, epoch, pid=d.pid, **data)
         self.bus.state(
             UnitState(
-                ts=time.time(), kind="daemon", name=str(d.rank), state=state, epoch=epoch, pid=d.pid
+                ts=time.time(),
+                kind="daemon",
+                name=str(d.rank),
+                state=d.state,
+                epoch=epoch,
+                pid=d.pid,
             )
         )
 
@@ -309,7 +336,8 @@ class DaemonPool:
                 d.inc.handled = True
                 for p in d.inc.procs:
                     await p.terminate(grace=5.0)
-            d.state = "stopped"
+            if d.state != DaemonState.STOPPED:
+                self._move(d, "stopped")
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

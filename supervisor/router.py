@@ -51,6 +51,20 @@ class Target:
     epoch: int
 
 
+def choose(current: Target | None, after_epoch: int) -> Target | None:
+    """Where a request goes: the current primary when its epoch is later than
+    `after_epoch` (-1 for a first attempt; the failed primary's epoch for the retry),
+    else None: wait for the next promotion. A failed primary is never tried twice."""
+    if current is None or current.epoch <= after_epoch:
+        return None
+    return current
+
+
+def attempts(spec: RouterSpec) -> int:
+    """Tries per request: one, and one retry on the next primary when router.retry."""
+    return 2 if spec.retry else 1
+
+
 class PrimaryView:
     """The current primary, whether it acknowledged its promotion, and the next one."""
 
@@ -85,7 +99,7 @@ class PrimaryView:
 
     async def next_after(self, epoch: int, deadline: float) -> Target | None:
         """A primary of an epoch later than `epoch`, or None at the deadline."""
-        while self.target is None or self.target.epoch <= epoch:
+        while (target := choose(self.target, epoch)) is None:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
@@ -94,7 +108,7 @@ class PrimaryView:
                     await self._changed.wait()
             except TimeoutError:
                 return None
-        return self.target
+        return target
 
 
 class Router:
@@ -138,10 +152,10 @@ class Router:
                 "invalid_request_error",
             )
         deadline = time.monotonic() + self.spec.retry_deadline_s
-        target = self.view.target or await self.view.next_after(-1, deadline)
-        attempts = 2 if self.spec.retry else 1
+        target = choose(self.view.target, -1) or await self.view.next_after(-1, deadline)
+        tries = attempts(self.spec)
         reason = "no primary is serving"
-        for attempt in range(attempts):
+        for attempt in range(tries):
             if target is None:
                 break
             await self.view.acked(deadline)
@@ -150,7 +164,7 @@ class Router:
                 return await self._forward(request, body, target)
             except UPSTREAM_ERRORS as e:
                 reason = f"primary {target.name} failed before answering: {type(e).__name__}"
-                if attempt + 1 < attempts:
+                if attempt + 1 < tries:
                     self.retried += 1
                     target = await self.view.next_after(target.epoch, deadline)
         self.failed += 1

@@ -13,9 +13,9 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 import zmq
@@ -35,8 +35,10 @@ from supervisor.events import EventBus
 from supervisor.policy import Policy, split_listen
 from supervisor.router import PrimaryView, Router
 from supervisor.runtime import RuntimeDir
+from supervisor.wiring import Inbox
 
 log = structlog.get_logger("supervisor")
+T = TypeVar("T")
 
 
 def models_cache() -> Path:
@@ -85,10 +87,20 @@ class Service:
         self.view = PrimaryView()
         self._tasks: list[asyncio.Task[Any]] = []
         self._runners: list[web.AppRunner] = []
+        # what `_start` has built so far, torn down by `_teardown` whatever got built
         self.forks: ForkServer | None = None
+        self.hub: AgentHub | None = None
+        self.daemons: DaemonPool | None = None
+        self.launcher: EngineLauncher | None = None
+        self.cluster: Cluster | None = None
+        self._control_server: ControlServer | None = None
 
     def _own(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
         self._tasks.append(asyncio.get_running_loop().create_task(coro, name=name))
+
+    @property
+    def epoch(self) -> int:
+        return self.cluster.epoch if self.cluster is not None else 0
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -104,15 +116,14 @@ class Service:
                 f"cannot listen on {rd.endpoint('events')}: {e}; set cache.runtime_dir"
             ) from e
         bus.start()
-        c = Cluster(self.policy, bus, self.view)
         try:
-            if await self._until_stopped(self._start(c, rd)):
-                await self._loop(c)
+            if await self._until_stopped(self._start(bus, rd)) and self.cluster is not None:
+                await self._loop(self.cluster)
             return 0
         finally:
-            bus.emit("supervisor", "main", "stopping", c.epoch)
-            await self._teardown(c)
-            bus.emit("supervisor", "main", "stopped", c.epoch)
+            bus.emit("supervisor", "main", "stopping", self.epoch)
+            await self._teardown()
+            bus.emit("supervisor", "main", "stopped", self.epoch)
             await bus.close()
             rd.release()
 
@@ -132,8 +143,10 @@ class Service:
         work.result()  # re-raise a startup error
         return True
 
-    async def _start(self, c: Cluster, rd: RuntimeDir) -> None:
-        c.bus.emit(
+    async def _start(self, bus: EventBus, rd: RuntimeDir) -> None:
+        """Build the parts (agents socket, daemon pool, launcher), then the cluster over
+        them; listen; start the daemons and wait until they serve."""
+        bus.emit(
             "supervisor",
             "main",
             "starting",
@@ -143,30 +156,48 @@ class Service:
             run=str(rd.path),
         )
         model_dir = await ensure_model(self.policy)
-        await self._listen(c, rd)
+        inbox = Inbox()  # the hub, launcher and daemons report to the cluster built last
+        self.hub = hub = self._bind(
+            rd,
+            lambda: AgentHub(
+                rd.endpoint("agents"),
+                on_hello=inbox.hello,
+                on_heartbeat=inbox.heartbeat,
+                on_state=inbox.state,
+                on_ack=inbox.ack,
+            ),
+        )
         if wants_forkserver(self.policy):
             self.forks = ForkServer(rd.path, {**os.environ, **self.policy.engines.env})
+        self.daemons = daemons = DaemonPool(
+            self.policy, rd.path, model_dir, bus, kick=inbox.kick, epoch=inbox.epoch
+        )
+        self.launcher = launcher = EngineLauncher(
+            self.policy,
+            rd.path,
+            model_dir,
+            daemons.sockets(),
+            on_exit=inbox.exit,
+            on_beat=inbox.http_beat,
+            forks=self.forks,
+        )
+        self.cluster = c = Cluster(
+            self.policy, bus, self.view, hub=hub, launcher=launcher, daemons=daemons
+        )
+        inbox.attach(c)
+        await self._listen(c, rd, hub)
+        if self.forks is not None:
             await self.forks.start()  # imports while the daemons load
-        c.daemons = DaemonPool(self.policy, rd.path, model_dir, c.bus, c.wake.set, lambda: c.epoch)
         t0 = time.monotonic()
-        await c.daemons.start()
-        c.bus.emit(
+        await daemons.start()
+        bus.emit(
             "supervisor",
             "main",
             "daemons-ready",
             c.epoch,
             ms=round((time.monotonic() - t0) * 1000, 1),
         )
-        c.launcher = EngineLauncher(
-            self.policy,
-            rd.path,
-            model_dir,
-            c.daemons.sockets(),
-            on_exit=c.on_exit,
-            on_beat=c.on_http_beat,
-            forks=self.forks,
-        )
-        c.bus.emit(
+        bus.emit(
             "supervisor",
             "main",
             "started",
@@ -175,24 +206,22 @@ class Service:
             api=self.policy.api.listen,
         )
 
-    async def _listen(self, c: Cluster, rd: RuntimeDir) -> None:
-        """Bind the agents and control sockets, the router and the health API."""
+    def _bind(self, rd: RuntimeDir, make: Callable[[], T]) -> T:
         try:
-            c.hub = AgentHub(
-                rd.endpoint("agents"),
-                on_hello=c.on_hello,
-                on_heartbeat=c.on_heartbeat,
-                on_state=c.on_state,
-                on_ack=c.on_ack,
-            )
-            self._own(c.hub.serve(), "agents")
-            control = ControlServer(rd.endpoint("control"), lambda r: self._control(c, r))
+            return make()
         except zmq.ZMQError as e:
             raise StartupError(
                 f"cannot listen in {rd.path}: {e}; set cache.runtime_dir to another dir"
             ) from e
-        self._own(control.serve(), "control")
+
+    async def _listen(self, c: Cluster, rd: RuntimeDir, hub: AgentHub) -> None:
+        """Serve the agents and control sockets, the router and the health API."""
+        self._own(hub.serve(), "agents")
+        control = self._bind(
+            rd, lambda: ControlServer(rd.endpoint("control"), lambda r: self._control(c, r))
+        )
         self._control_server = control
+        self._own(control.serve(), "control")
         router = Router(self.policy.router, self.view)
         # a client that hangs up cancels its routed request, so the engine stops generating
         await self._serve_http(router.app(), "router.listen", cancel_on_hangup=True)
@@ -238,19 +267,19 @@ class Service:
             if t.done() and not t.cancelled() and t.exception() is not None:
                 raise StartupError(f"supervisor task {t.get_name()} failed") from t.exception()
 
-    async def _teardown(self, c: Cluster) -> None:
-        await c.stop_all()
-        if c.launcher is not None:
-            await c.launcher.stop()
+    async def _teardown(self) -> None:
+        if self.cluster is not None:
+            await self.cluster.stop_all()
+        if self.launcher is not None:
+            await self.launcher.stop()
         if self.forks is not None:
             await self.forks.stop()
-        if c.daemons is not None:
-            await c.daemons.stop()
+        if self.daemons is not None:
+            await self.daemons.stop()
         for runner in self._runners:
             await runner.cleanup()
         await cancel_all(self._tasks)
-        if c.hub is not None:
-            c.hub.close()
-        control = getattr(self, "_control_server", None)
-        if control is not None:
-            control.close()
+        if self.hub is not None:
+            self.hub.close()
+        if self._control_server is not None:
+            self._control_server.close()

@@ -7,20 +7,43 @@ and the messages they exchange are frozen structs elsewhere.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from supervisor.backoff import RestartBook
-from supervisor.procs import Proc
+from supervisor.policy import Policy
+from supervisor.states import RUNNING, DaemonState, EngineState
 
+# what an engine's agent reports once it may be routed to (its own states, not ours)
 READY_STATES = frozenset({"ready", "serving"})
-RUNNING = frozenset({"starting", "standby", "primary", "batch", "draining"})
+
+
+class Handle(Protocol):
+    """What the supervisor does with one process (`supervisor.procs.Proc`)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    async def wait(self) -> int | None: ...
+
+    def kill_group(self, sig: int = ...) -> None: ...
+
+    async def fence(self, timeout: float = ...) -> bool: ...
+
+    async def terminate(self, grace: float) -> None: ...
+
+    def tail(self, limit: int = ..., window: int = ...) -> str: ...
 
 
 @dataclass
 class Incarnation:
     """One start of a unit; `handled` is set once its end has been dealt with."""
 
-    procs: list[Proc]
+    procs: Sequence[Handle]
     started: float = field(default_factory=time.monotonic)
     handled: bool = False
     hello: bool = False
@@ -44,7 +67,7 @@ class Engine:
     priority: int = 0
     memory_mb: int = 0
     command: list[str] = field(default_factory=list)
-    state: str = "dead"  # starting standby batch primary draining evicted dead quarantined
+    state: EngineState = EngineState.DEAD  # changed only by `states.move`
     port: int = 0
     inc: Incarnation | None = None
     last_beat: float = 0.0
@@ -69,12 +92,15 @@ class Engine:
         return round((now - self.last_beat) * 1000.0, 1) if self.last_beat else None
 
 
+LIVE_DAEMON = frozenset({DaemonState.STARTING, DaemonState.SERVING})
+
+
 @dataclass
 class Daemon:
     rank: int
     device: str
     book: RestartBook
-    state: str = "dead"  # starting serving dead quarantined
+    state: DaemonState = DaemonState.DEAD  # changed only by `states.move`
     inc: Incarnation | None = None
     spare: Incarnation | None = None  # `cachedaemon serve --spare`, waiting to take over
     fingerprint: str = ""
@@ -83,7 +109,39 @@ class Daemon:
     adopted: bool = False
     died_at: float = 0.0
     next_start: float = 0.0
+    spawning: bool = False  # a start is under way (its process not spawned yet)
 
     @property
     def pid(self) -> int:
-        return self.inc.pid if self.inc is not None and self.state in ("starting", "serving") else 0
+        return self.inc.pid if self.inc is not None and self.state in LIVE_DAEMON else 0
+
+
+def engines_of(policy: Policy) -> list[Engine]:
+    """The engines a policy asks for: e1..eN serving (primary + standbys), then each batch
+    group's `<name>-1..count`; all dead until the reconcile loop starts them."""
+    e = policy.engines
+    serving = [
+        Engine(
+            name=f"e{i + 1}",
+            group="serving",
+            role="standby",
+            book=RestartBook(policy.restart),
+            memory_mb=e.memory_mb,
+            command=list(e.command),
+        )
+        for i in range(e.primary + e.standby)
+    ]
+    batch = [
+        Engine(
+            name=f"{b.name}-{i + 1}",
+            group=b.name,
+            role="batch",
+            book=RestartBook(policy.restart),
+            priority=b.priority,
+            memory_mb=b.memory_mb,
+            command=list(b.command or e.command),
+        )
+        for b in e.batch
+        for i in range(b.count)
+    ]
+    return serving + batch

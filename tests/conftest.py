@@ -24,12 +24,12 @@ def has_cuda() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if has_cuda():
+    gpu = [item for item in items if "gpu" in item.keywords]
+    if not gpu or has_cuda():  # torch is imported only when a gpu test was collected
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    for item in gpu:
+        item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

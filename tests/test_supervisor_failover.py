@@ -1,6 +1,10 @@
 """One real supervisor with echo engines, a real cache daemon and the real broker: boot,
 kill -9 and SIGSTOP of the primary under router load, daemon death, batch eviction and
-quarantine, operator commands, control hardening, clean stop. Tests run in file order.
+quarantine, operator commands, control hardening; and a clean stop of another one.
+
+The tests share one supervisor but not an order: each first waits, on the events it
+publishes, for the cluster to be as it needs it (a ready standby, a daemon with a spare,
+a running batch engine), and none waits a fixed time.
 """
 
 from __future__ import annotations
@@ -40,9 +44,7 @@ HANG_S = 0.1 * 5
 PREFIX = f"hf-test/{uuid.uuid4().hex[:8]}"
 
 
-@pytest.fixture(scope="module")
-def sup(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Supervisor]:
-    base = tmp_path_factory.mktemp("sup")
+def start(base: Path, tiny_model: Path, prefix: str = PREFIX) -> Supervisor:
     host, port = mqtt_broker()
     policy = write_policy(
         base / "policy.yaml",
@@ -63,9 +65,14 @@ def sup(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[
         },
         restart={"initial_s": 0.05, "max_s": 0.2, "max_restarts": 3, "window_s": 60},
         heartbeat={"interval_ms": 100, "miss_limit": 5},
-        events={"mqtt": {"host": host, "port": port, "prefix": PREFIX}},
+        events={"mqtt": {"host": host, "port": port, "prefix": prefix}},
     )
-    s = Supervisor(policy)
+    return Supervisor(policy)
+
+
+@pytest.fixture(scope="module")
+def sup(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Supervisor]:
+    s = start(tmp_path_factory.mktemp("sup"), tiny_model)
     try:
         yield s
     finally:
@@ -90,14 +97,50 @@ def topic_suffix(suffix: str) -> Any:
     return lambda ev: ev.topic.endswith(suffix)
 
 
+def wait_primary(sup: Supervisor, timeout: float = 120.0) -> dict[str, Any]:
+    """Until /primary answers 200, woken by promotions; the primary's status."""
+    deadline = time.monotonic() + timeout
+    while True:
+        mark = sup.tap.mark()
+        code, body = get(f"{sup.api}/primary")
+        if code == 200:
+            return body  # type: ignore[no-any-return]
+        left = deadline - time.monotonic()
+        assert left > 0, f"no primary within {timeout} s"
+        sup.wait(lambda e: e.event == "promoted", left, after=mark)
+
+
+def wait_state(sup: Supervisor, name: str, state: str, timeout: float = 30.0) -> None:
+    """Until `supervisor status` shows engine `name` in `state`, woken by its events."""
+    deadline = time.monotonic() + timeout
+    while True:
+        mark = sup.tap.mark()
+        if {e["name"]: e["state"] for e in sup.status()["engines"]}[name] == state:
+            return
+        left = deadline - time.monotonic()
+        assert left > 0, f"{name} did not become {state} within {timeout} s"
+        sup.wait(lambda e: e.name == name, left, after=mark)
+
+
+def wait_spare(sup: Supervisor, timeout: float = 90.0) -> dict[str, Any]:
+    """Until daemon 0 serves and its hot spare stands by; its status."""
+    sup.wait(topic("daemon.0.serving"), timeout=timeout)
+    served = max(i for i, e in enumerate(list(sup.tap.events)) if e.topic == "daemon.0.serving")
+    sup.wait(topic("daemon.0.spare_ready"), timeout=timeout, after=served)
+    daemon: dict[str, Any] = sup.status()["daemons"][0]
+    assert daemon["state"] == "serving"
+    return daemon
+
+
 def test_boot_promotes_one_primary_and_serves(sup: Supervisor) -> None:
     sup.wait(topic("daemon.0.serving"), timeout=120)
-    promoted = sup.wait(lambda e: e.event == "promoted", timeout=60)
-    assert promoted.epoch == 1
+    first = sup.wait(lambda e: e.event == "promoted", timeout=60)
+    assert first.epoch == 1 and first.data["cause"] == "no-primary"
     sup.wait(topic("engine.batch-1.ready"), timeout=60)
     wait_standby(sup)
     p = primary(sup)
-    assert p["name"] == promoted.name and p["state"] == "primary"
+    latest = [e for e in list(sup.tap.events) if e.event == "promoted"][-1]
+    assert p["name"] == latest.name and p["state"] == "primary"
     code, body = complete(sup.router, "boot")
     assert code == 200 and body["engine"] == p["name"] and body["text"] == "echo:boot"
     st = sup.status()
@@ -124,6 +167,7 @@ def test_boot_promotes_one_primary_and_serves(sup: Supervisor) -> None:
 
 
 def test_birth_and_unit_state_on_the_broker(sup: Supervisor) -> None:
+    sup.wait(topic("engine.e1.starting"), timeout=120)  # its state is retained from here
     host, port = mqtt_broker()
     wanted = {f"{PREFIX}/status": b"online", f"{PREFIX}/engine/e1/state": None}
 
@@ -188,7 +232,8 @@ def test_sigstop_primary_is_fenced_and_replaced(sup: Supervisor) -> None:
 def test_daemon_kill_engines_keep_serving_and_it_adopts_from_escrow(sup: Supervisor) -> None:
     from cachedaemon import protocol
 
-    daemon = sup.status()["daemons"][0]
+    wait_standby(sup)
+    daemon = wait_spare(sup)
     load = Load(sup.router, clients=2)
     try:
         mark = sup.tap.mark()
@@ -214,7 +259,7 @@ def test_daemon_kill_engines_keep_serving_and_it_adopts_from_escrow(sup: Supervi
 
 
 def test_a_stopped_daemon_is_fenced_and_its_spare_takes_over(sup: Supervisor) -> None:
-    daemon = sup.status()["daemons"][0]
+    daemon = wait_spare(sup)
     mark = sup.tap.mark()
     os.kill(daemon["pid"], signal.SIGSTOP)
     hung = sup.wait(topic("daemon.0.hung"), timeout=30, after=mark)
@@ -225,7 +270,8 @@ def test_a_stopped_daemon_is_fenced_and_its_spare_takes_over(sup: Supervisor) ->
 
 
 def test_load_evicts_batch_and_low_load_respawns_it(sup: Supervisor) -> None:
-    sup.wait(topic("engine.batch-1.ready"), timeout=30)
+    wait_standby(sup)
+    wait_state(sup, "batch-1", "batch")
     mark = sup.tap.mark()
     held = [
         threading.Thread(
@@ -265,20 +311,26 @@ def test_operator_promote_evict_restart(sup: Supervisor) -> None:
     refused = sup.cli("promote", "batch-1", check=False)
     assert refused.returncode == 1 and "only a ready standby" in refused.stderr
 
-    sup.wait(topic("engine.batch-1.ready"), timeout=30)
+    wait_state(sup, "batch-1", "batch")
     mark = sup.tap.mark()
     sup.cli("evict", "batch-1")
     evicted = sup.wait(topic("engine.batch-1.evicted"), timeout=10, after=mark)
     assert evicted.data["reason"] == "operator"
-    time.sleep(1.0)  # longer than respawn_hold_s: an operator eviction must hold
+    # an operator eviction holds: with no load, an unheld one is back within
+    # respawn_hold_s (0.5 s) and a tick; this one must not start in three times that
+    with pytest.raises(AssertionError, match="no matching event"):
+        sup.wait(topic("engine.batch-1.starting"), timeout=1.5, after=mark)
     assert {e["name"]: e["state"] for e in sup.status()["engines"]}["batch-1"] == "evicted"
     sup.cli("restart", "batch-1")
+    restarting = sup.wait(topic("engine.batch-1.restarting"), timeout=10, after=mark)
+    assert restarting.data["state"] == "dead"
     sup.wait(topic("engine.batch-1.ready"), timeout=30, after=mark)
     unknown = sup.cli("restart", "nope", check=False)
     assert unknown.returncode == 1 and "no engine named 'nope'" in unknown.stderr
 
 
 def test_malformed_and_foreign_control_messages(sup: Supervisor) -> None:
+    wait_primary(sup)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
@@ -324,6 +376,7 @@ def as_uid(uid: int, run: Path) -> str:
 
 
 def test_second_supervisor_on_the_same_dir_is_refused(sup: Supervisor) -> None:
+    wait_primary(sup)
     cp = subprocess.run(
         [sys.executable, "-m", "supervisor", "run", str(sup.policy_path)],
         env=env(),
@@ -336,7 +389,18 @@ def test_second_supervisor_on_the_same_dir_is_refused(sup: Supervisor) -> None:
     assert sup.status()["primary"] is not None
 
 
-def test_sigterm_stops_everything_cleanly(sup: Supervisor) -> None:
+def test_sigterm_stops_everything_cleanly(tmp_path: Path, tiny_model: Path) -> None:
+    """On a supervisor of its own, so the others' can run before or after it."""
+    sup = start(tmp_path, tiny_model, prefix=f"{PREFIX}-stop")
+    try:
+        sup.wait(topic("engine.batch-1.ready"), timeout=120)
+        wait_standby(sup)
+        stops_cleanly(sup)
+    finally:
+        sup.stop(signal.SIGKILL if sup.proc.poll() is None else signal.SIGTERM)
+
+
+def stops_cleanly(sup: Supervisor) -> None:
     st = sup.status()
     pids = [e["pid"] for e in st["engines"] if e["pid"]] + [d["pid"] for d in st["daemons"]]
     assert len(pids) >= 4

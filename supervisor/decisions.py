@@ -1,0 +1,181 @@
+"""The supervisor's decisions, as plain functions of a snapshot and a clock.
+
+Who is promoted, whom to fence and why, which batch engine to evict and which to start
+again: each is decided here from the engines' records and `now`, and carried out by
+`Cluster` and `reconcile`. Nothing here awaits, spawns, signals or publishes, so each rule
+is tested with a fake clock and no processes (tests/test_decisions.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from supervisor.policy import LoadSpec, Policy
+from supervisor.states import EngineState
+from supervisor.units import Engine
+
+
+@dataclass(frozen=True)
+class Windows:
+    """How long an engine may take: to get ready, and between heartbeats."""
+
+    ready_timeout_s: float
+    hang_s: float  # heartbeat.interval_ms x miss_limit, once ready
+    starting_silence_s: float  # heartbeat.starting_silence_ms, while it starts
+
+    @classmethod
+    def of(cls, policy: Policy) -> Windows:
+        hb = policy.heartbeat
+        return cls(
+            ready_timeout_s=policy.engines.ready_timeout_s,
+            hang_s=hb.interval_ms * hb.miss_limit / 1000.0,
+            starting_silence_s=hb.starting_silence_ms / 1000.0,
+        )
+
+    def silence_s(self, ready: bool) -> float:
+        """How long an engine may go without a heartbeat before it is fenced as hung: the
+        miss window once it is ready; while it starts (creating a CUDA context holds the
+        GIL for a few hundred ms on a busy GPU) heartbeat.starting_silence_ms."""
+        return self.hang_s if ready else max(self.hang_s, self.starting_silence_s)
+
+
+def earliest(a: float | None, b: float | None) -> float | None:
+    if a is None:
+        return b
+    return a if b is None else min(a, b)
+
+
+# ---- promotion ----
+def best_standby(engines: Iterable[Engine], now: float, hang_s: float) -> Engine | None:
+    """The ready standby to promote: one whose heartbeat is fresh, the least loaded first,
+    then the most recently heard from."""
+    ready = [
+        e
+        for e in engines
+        if e.state == EngineState.STANDBY
+        and e.inc is not None
+        and not e.inc.handled
+        and now - e.last_beat < hang_s
+    ]
+    return min(ready, key=lambda e: (e.in_flight, now - e.last_beat), default=None)
+
+
+# ---- liveness ----
+@dataclass(frozen=True)
+class Fence:
+    cause: str  # promote-refused | not-ready | hang
+    detail: str
+
+
+def liveness(e: Engine, now: float, w: Windows, refused: str | None) -> Fence | float | None:
+    """For a running engine: the reason to fence it now, or when to look again (None: only
+    when something happens). `refused`: why it refused its promotion, if it did."""
+    inc = e.inc
+    if inc is None or inc.handled or not e.running or e.state == EngineState.DRAINING:
+        return None
+    if refused is not None:
+        return Fence("promote-refused", refused)
+    if not inc.ready and now - inc.started > w.ready_timeout_s:
+        return Fence("not-ready", f"not ready within engines.ready_timeout_s={w.ready_timeout_s}")
+    if not inc.hello:
+        return None
+    window = w.silence_s(inc.ready)
+    if now - e.last_beat > window:
+        return Fence("hang", f"no heartbeat for {round((now - e.last_beat) * 1000, 1)} ms")
+    return e.last_beat + window + 0.001
+
+
+# ---- memory ----
+def used_mb(engines: Iterable[Engine]) -> int:
+    return sum(e.memory_mb for e in engines if e.running)
+
+
+def fits(used: int, need: int, cap: int) -> bool:
+    """Whether `need` more MB fit beside `used` under devices.memory_mb (0: no limit)."""
+    return cap == 0 or used + need <= cap
+
+
+def eviction_order(engines: Iterable[Engine]) -> list[Engine]:
+    """Running batch engines, the first to evict first (lowest priority, newest)."""
+    batch = [e for e in engines if not e.serving and e.running]
+    return sorted(batch, key=lambda e: (e.priority, -(e.inc.started if e.inc else 0.0)))
+
+
+def admission_victims(engines: Sequence[Engine], need: int, cap: int) -> list[Engine]:
+    """Batch engines to evict, in order, until `need` MB fit; none if it fits already."""
+    used = used_mb(engines)
+    victims: list[Engine] = []
+    for v in eviction_order(engines):
+        if fits(used, need, cap):
+            break
+        victims.append(v)
+        used -= v.memory_mb
+    return victims
+
+
+# ---- batch engines: evict under load, respawn with hysteresis ----
+@dataclass(frozen=True)
+class BatchPlan:
+    evict: Engine | None  # one at a time, at most one per heartbeat interval
+    start: list[Engine]  # in this order
+    due: float | None  # when to plan again, at the latest
+
+
+class BatchGovernor:
+    """Evict batch engines while the primary's load is over `evict_above` (one per
+    `interval_s`); start them again once it stayed under `respawn_below` for
+    `respawn_hold_s`. Crashed ones come back after their backoff whatever the load;
+    ones evicted by hand (`held`) stay out."""
+
+    def __init__(self, spec: LoadSpec, interval_s: float, cap_mb: int) -> None:
+        self.spec = spec
+        self.interval_s = interval_s
+        self.cap_mb = cap_mb
+        self.low_since: float | None = None
+        self.last_evict = float("-inf")
+
+    def plan(self, engines: Sequence[Engine], load: int, now: float) -> BatchPlan:
+        spec = self.spec
+        if load > spec.evict_above:
+            self.low_since = None
+            victims = eviction_order(engines)
+            if victims and now - self.last_evict >= self.interval_s:
+                self.last_evict = now
+                return BatchPlan(victims[0], [], None)
+            return BatchPlan(None, [], None)
+        used = used_mb(engines)
+        waiting = sorted((e for e in engines if not e.serving and not e.held), key=_by_priority)
+        start: list[Engine] = []
+        due: float | None = None
+        for e in waiting:  # crashed batch engines come back after their backoff
+            if e.state != EngineState.DEAD:
+                continue
+            if now < e.next_start:
+                due = earliest(due, e.next_start)
+            elif fits(used, e.memory_mb, self.cap_mb):
+                start.append(e)
+                used += e.memory_mb
+        if load >= spec.respawn_below:
+            self.low_since = None
+            return BatchPlan(None, start, due)
+        self.low_since = self.low_since if self.low_since is not None else now
+        for e in waiting:  # evicted ones once the load stayed low for respawn_hold_s
+            if e.state != EngineState.EVICTED:
+                continue
+            if now - self.low_since < spec.respawn_hold_s:
+                due = earliest(due, self.low_since + spec.respawn_hold_s)
+            elif fits(used, e.memory_mb, self.cap_mb):
+                start.append(e)
+                used += e.memory_mb
+        return BatchPlan(None, start, due)
+
+
+def _by_priority(e: Engine) -> int:
+    return -e.priority
+
+
+def load_of(primary: Engine | None) -> int:
+    """The primary's load: its requests accepted and not finished (in flight, those waiting
+    for KV space included; 0 without a primary)."""
+    return primary.in_flight if primary is not None else 0

@@ -1,0 +1,146 @@
+"""Engine and daemon states, and the one table of legal moves between them.
+
+Each row is (from, event, to, action): in state `from`, the supervisor's method `action`
+carries out `event`, the unit enters `to`, and `event` is published under that name
+(`engine.<name>.<event>`, `daemon.<rank>.<event>`). `move()` is the only code that
+changes a unit's state; a move that is not a row raises `IllegalTransition`, which is
+a supervisor bug, never an operator error.
+
+States are `StrEnum`s, so a state compares equal to, and is published as, the same
+string as before (`"standby"`), in events, `supervisor status` and MQTT.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Generic, Protocol, TypeVar
+
+from supervisor.errors import SupervisorError
+
+
+class EngineState(StrEnum):
+    STARTING = "starting"
+    STANDBY = "standby"
+    BATCH = "batch"
+    PRIMARY = "primary"
+    DRAINING = "draining"
+    EVICTED = "evicted"
+    DEAD = "dead"
+    QUARANTINED = "quarantined"
+    STOPPED = "stopped"
+
+
+class DaemonState(StrEnum):
+    STARTING = "starting"
+    SERVING = "serving"
+    DEAD = "dead"
+    QUARANTINED = "quarantined"
+    STOPPED = "stopped"
+
+
+S = TypeVar("S", EngineState, DaemonState)
+
+
+class IllegalTransition(SupervisorError):
+    """A move the table does not allow: the supervisor's own bug."""
+
+
+@dataclass(frozen=True)
+class Row(Generic[S]):
+    src: S
+    event: str
+    dst: S
+    action: str  # the method of Cluster (engines) or DaemonPool (daemons) that does it
+
+
+class Stateful(Protocol[S]):
+    state: S
+
+
+class Table(Generic[S]):
+    """Rows keyed by (from, event, to); `to` may be left out where only one row fits."""
+
+    def __init__(self, kind: str, rows: list[tuple[S, str, S, str]]) -> None:
+        self.kind = kind
+        self.rows: tuple[Row[S], ...] = tuple(Row(*r) for r in rows)
+        self._by_key: dict[tuple[S, str, S], Row[S]] = {
+            (r.src, r.event, r.dst): r for r in self.rows
+        }
+        if len(self._by_key) != len(self.rows):
+            raise IllegalTransition(f"the {kind} table lists a (from, event, to) twice")
+
+    def lookup(self, src: S, event: str, dst: S | None = None) -> Row[S]:
+        fits: list[Row[S]] = [
+            r for r in self.rows if r.src == src and r.event == event and dst in (None, r.dst)
+        ]
+        if len(fits) != 1:
+            to = f" to {dst}" if dst is not None else ""
+            why = "no row" if not fits else f"{len(fits)} rows (name the target state)"
+            raise IllegalTransition(
+                f"{self.kind}: {event!r} from {src}{to}: {why} in supervisor/states.py"
+            )
+        return fits[0]
+
+    def events(self) -> frozenset[str]:
+        return frozenset(r.event for r in self.rows)
+
+
+def move(unit: Stateful[S], table: Table[S], event: str, dst: S | None = None) -> Row[S]:
+    """Change `unit`'s state by the row for (its state, `event`, `dst`); the row used."""
+    row = table.lookup(unit.state, event, dst)
+    unit.state = row.dst
+    return row
+
+
+E = EngineState
+_RUNNING_ENGINE = (E.STARTING, E.STANDBY, E.BATCH, E.PRIMARY)
+
+ENGINE = Table[EngineState](
+    "engine",
+    [
+        # a start: a new incarnation spawned (a restart, a respawn after eviction)
+        (E.DEAD, "starting", E.STARTING, "spawn"),
+        (E.EVICTED, "starting", E.STARTING, "spawn"),
+        (E.DEAD, "quarantined", E.QUARANTINED, "spawn"),  # its command cannot start
+        (E.EVICTED, "quarantined", E.QUARANTINED, "spawn"),
+        # ready: attached, warmed up and listening; routed only once promoted
+        (E.STARTING, "ready", E.STANDBY, "ready"),
+        (E.STARTING, "ready", E.BATCH, "ready"),
+        (E.STANDBY, "promoted", E.PRIMARY, "promote"),
+        # losses: a rank exited, or the supervisor fenced it (hang, not ready, refused)
+        *[(s, "died", E.DEAD, "down") for s in _RUNNING_ENGINE],
+        *[(s, "quarantined", E.QUARANTINED, "down") for s in _RUNNING_ENGINE],
+        (E.PRIMARY, "fenced", E.DEAD, "hand_over"),  # `supervisor promote` of another
+        # batch engines leave for load or admission, or by hand (`supervisor evict`)
+        (E.STARTING, "draining", E.DRAINING, "evict"),
+        (E.BATCH, "draining", E.DRAINING, "evict"),
+        (E.DRAINING, "evicted", E.EVICTED, "evict"),
+        (E.DEAD, "evicted", E.EVICTED, "evict"),
+        (E.QUARANTINED, "evicted", E.EVICTED, "evict"),
+        # `supervisor restart NAME`: back to dead, due now, its restart count forgotten
+        (E.DEAD, "restarting", E.DEAD, "restart"),  # one that died, or was fenced by it
+        (E.EVICTED, "restarting", E.DEAD, "restart"),
+        (E.QUARANTINED, "restarting", E.DEAD, "restart"),
+        # the supervisor stops
+        *[(s, "stopped", E.STOPPED, "stop_all") for s in (*_RUNNING_ENGINE, E.DRAINING)],
+    ],
+)
+
+D = DaemonState
+DAEMON = Table[DaemonState](
+    "daemon",
+    [
+        (D.DEAD, "starting", D.STARTING, "follow"),  # a new process, or its spare took over
+        (D.STARTING, "serving", D.SERVING, "served"),
+        (D.STARTING, "dead", D.DEAD, "exited"),
+        (D.SERVING, "dead", D.DEAD, "exited"),
+        (D.STARTING, "quarantined", D.QUARANTINED, "exited"),
+        (D.SERVING, "quarantined", D.QUARANTINED, "exited"),
+        *[(s, "stopped", D.STOPPED, "stop") for s in (D.STARTING, D.SERVING, D.DEAD)],
+        (D.QUARANTINED, "stopped", D.STOPPED, "stop"),
+    ],
+)
+
+READY_ENGINE = frozenset({E.STANDBY, E.PRIMARY, E.BATCH})
+RUNNING = frozenset({*_RUNNING_ENGINE, E.DRAINING})

@@ -1,0 +1,396 @@
+"""Every row of the engine and daemon transition tables, made by the method the row names
+and published under the row's event; and moves outside the table refused. No processes:
+fake process handles, a fake launcher and agents socket, the real event bus."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import supervisor
+from holdfast_contract.agent_protocol import Drain, Hello, Promote
+from supervisor.backoff import RestartBook
+from supervisor.core import Cluster
+from supervisor.daemons import DaemonPool
+from supervisor.policy import RestartSpec
+from supervisor.states import (
+    DAEMON,
+    ENGINE,
+    DaemonState,
+    EngineState,
+    IllegalTransition,
+    Row,
+    Table,
+    move,
+)
+from supervisor.units import Daemon, Engine, Incarnation
+from supervisor.wiring import Inbox, WiringError
+from tests.supervisor_fakes import FakeProc, Rig, bus_at, policy, rig
+
+E = EngineState
+D = DaemonState
+BATCH_ONLY = {E.BATCH, E.DRAINING, E.EVICTED}
+SERVING_ONLY = {E.STANDBY, E.PRIMARY}
+
+
+def run(coro: Coroutine[Any, Any, None]) -> None:
+    asyncio.run(coro)
+
+
+def label(row: Row[Any]) -> str:
+    return f"{row.src}-{row.event}-{row.dst}"
+
+
+# ---- engines ----
+def batch_row(row: Row[EngineState]) -> bool:
+    return bool({row.src, row.dst} & BATCH_ONLY)
+
+
+def usable(row: Row[EngineState], batch: bool) -> bool:
+    other = SERVING_ONLY if batch else BATCH_ONLY
+    return not ({row.src, row.dst} & other) and row.event != "stopped"
+
+
+def path_to(state: EngineState, batch: bool) -> list[Row[EngineState]]:
+    """The shortest run of table rows from dead to `state` for a serving or batch engine."""
+    paths: dict[EngineState, list[Row[EngineState]]] = {E.DEAD: []}
+    todo = collections.deque([E.DEAD])
+    while todo:
+        s = todo.popleft()
+        for r in ENGINE.rows:
+            if r.src == s and r.dst not in paths and usable(r, batch):
+                paths[r.dst] = [*paths[s], r]
+                todo.append(r.dst)
+    return paths[state]
+
+
+async def standby(g: Rig, besides: Engine) -> Engine:
+    """Another serving engine, started and ready."""
+    other = next(
+        e for e in g.c.engines.values() if e.serving and e is not besides and e.state == E.DEAD
+    )
+    await g.c.spawn(other)
+    assert other.inc is not None
+    g.c.ready(other, other.inc)
+    return other
+
+
+def proc(e: Engine) -> FakeProc:
+    assert e.inc is not None
+    p = e.inc.procs[0]
+    assert isinstance(p, FakeProc)
+    return p
+
+
+class Driver:
+    """Makes one row happen to `e` through the Cluster method the row names."""
+
+    def __init__(self, g: Rig) -> None:
+        self.g = g
+        self.evicting: asyncio.Task[None] | None = None
+
+    async def __call__(self, e: Engine, row: Row[EngineState]) -> None:
+        c, ev = self.g.c, row.event
+        inc = e.inc
+        if ev == "starting":
+            await c.spawn(e)
+        elif ev == "quarantined" and row.action == "spawn":
+            self.g.launcher.fail = "cannot exec /nonexistent/engine"
+            await c.spawn(e)
+            self.g.launcher.fail = ""
+        elif ev in ("died", "quarantined"):
+            assert inc is not None
+            e.book.reset()
+            for _ in range(c.policy.restart.max_restarts if ev == "quarantined" else 0):
+                e.book.record()
+            c.on_exit(e, inc, "rank 0 exited with -9")
+        elif ev == "ready":
+            assert inc is not None
+            c.ready(e, inc)
+        elif ev == "promoted":
+            c.promote(e, time.monotonic(), cause="no-primary", old=None)
+        elif ev == "fenced":
+            await c.hand_over(await standby(self.g, e))
+        elif ev == "draining":
+            proc(e).hold = True
+            self.evicting = asyncio.ensure_future(c.evict(e, reason="load 9 > 8", held=False))
+            await proc(e).terminating.wait()
+        elif ev == "evicted" and row.src == E.DRAINING:
+            await self.finish_eviction(e)
+        elif ev == "evicted":
+            await c.evict(e, reason="operator", held=True)
+        elif ev == "restarting":
+            await c.restart(e)
+        elif ev == "stopped":
+            await c.stop_all()
+            await self.finish_eviction(e)
+        else:
+            raise AssertionError(f"no driver for {label(row)}: add one to tests/test_states.py")
+
+    async def finish_eviction(self, e: Engine) -> None:
+        if self.evicting is not None:
+            proc(e).release.set()
+            await self.evicting
+            self.evicting = None
+
+
+def test_every_engine_state_is_reached_and_left() -> None:
+    reached = {r.dst for r in ENGINE.rows} | {E.DEAD}
+    left = {r.src for r in ENGINE.rows}
+    assert reached == set(E) and left == set(E) - {E.STOPPED}
+    assert E.STOPPED == "stopped" and str(E.PRIMARY) == "primary"
+
+
+@pytest.mark.parametrize("row", ENGINE.rows, ids=label)
+def test_engine_transition(row: Row[EngineState], tmp_path: Path) -> None:
+    async def go() -> None:
+        async with rig(tmp_path) as g:
+            batch = batch_row(row) or (row.event == "ready" and row.dst == E.BATCH)
+            e = g.c.engines["b-1" if batch else "e1"]
+            drive = Driver(g)
+            for step in path_to(row.src, batch):
+                await drive(e, step)
+                assert e.state == step.dst, f"on the way to {row.src}: {label(step)}"
+            mark = g.events.mark()
+            await drive(e, row)
+            assert e.state == row.dst
+            published = [(x.event, x.data["state"]) for x in g.events.since(mark, e.name)]
+            assert (row.event, row.dst) in published, published
+            assert hasattr(Cluster, row.action), f"{row.action} is no Cluster method"
+
+    run(go())
+
+
+def test_promotion_tells_the_engine_routes_to_it_and_bumps_the_epoch(tmp_path: Path) -> None:
+    async def go() -> None:
+        async with rig(tmp_path) as g:
+            e = g.c.engines["e1"]
+            await g.c.spawn(e)
+            assert e.inc is not None
+            g.c.ready(e, e.inc)
+            g.c.promote(e, time.monotonic(), cause="no-primary", old=None)
+            assert (g.c.epoch, g.c.primary, e.role) == (1, e, "primary")
+            assert g.hub.sent == [("e1", Promote(epoch=1))]
+            assert g.c.view.target is not None and g.c.view.target.name == "e1"
+            (ev,) = [x for x in g.events.since(0, "e1") if x.event == "promoted"]
+            assert ev.epoch == 1 and ev.data["told"] is True and ev.data["cause"] == "no-primary"
+
+    run(go())
+
+
+def test_losing_the_primary_promotes_the_best_standby_before_it_is_published_dead(
+    tmp_path: Path,
+) -> None:
+    async def go() -> None:
+        async with rig(tmp_path) as g:
+            e1, e2 = g.c.engines["e1"], g.c.engines["e2"]
+            for e in (e1, e2):
+                await g.c.spawn(e)
+                assert e.inc is not None
+                g.c.on_http_beat(e, e.inc)  # heard from: ready, with a fresh heartbeat
+            g.c.promote(e1, time.monotonic(), cause="no-primary", old=None)
+            mark = g.events.mark()
+            assert e1.inc is not None
+            g.c.on_exit(e1, e1.inc, "rank 0 exited with -9")
+            order = [(x.name, x.event) for x in g.events.since(mark)]
+            assert order == [("e2", "promoted"), ("e1", "died")]
+            assert g.c.primary is e2 and e1.role == "standby" and e1.state == E.DEAD
+
+    run(go())
+
+
+def test_an_evicted_engine_that_is_stopped_while_draining_stays_stopped(tmp_path: Path) -> None:
+    async def go() -> None:
+        async with rig(tmp_path) as g:
+            e = g.c.engines["b-1"]
+            await g.c.spawn(e)
+            proc(e).hold = True
+            evicting = asyncio.ensure_future(g.c.evict(e, reason="load 9 > 8", held=False))
+            await proc(e).terminating.wait()
+            assert g.hub.sent[-1] == ("b-1", Drain(grace_s=0.5))
+            await g.c.stop_all()
+            proc(e).release.set()
+            await evicting
+            assert e.state == E.STOPPED
+
+    run(go())
+
+
+@pytest.mark.parametrize("start", [False, True], ids=["dead", "starting"])
+def test_promoting_what_is_not_a_standby_raises_and_changes_nothing(
+    start: bool, tmp_path: Path
+) -> None:
+    async def go() -> None:
+        async with rig(tmp_path) as g:
+            e = g.c.engines["e1"]
+            if start:
+                await g.c.spawn(e)
+            state = e.state
+            with pytest.raises(IllegalTransition, match=f"'promoted' from {state}: no row"):
+                g.c.promote(e, time.monotonic(), cause="no-primary", old=None)
+            assert (g.c.epoch, g.c.primary, e.state, g.hub.sent) == (0, None, state, [])
+
+    run(go())
+
+
+def test_ready_is_ignored_unless_starting(tmp_path: Path) -> None:
+    async def go() -> None:
+        async with rig(tmp_path) as g:
+            e = g.c.engines["e1"]
+            mark = g.events.mark()
+            g.c.ready(e, Incarnation([]))
+            assert e.state == E.DEAD and g.events.since(mark) == []
+
+    run(go())
+
+
+def test_only_move_assigns_a_state() -> None:
+    """`states.move` is the one place a unit's state is set, in the whole package."""
+    package = Path(supervisor.__file__).parent
+    offenders = [
+        f"{path.name}:{n}: {line.strip()}"
+        for path in sorted(package.glob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if " = " in line
+        and ".state" in (lhs := line.split(" = ")[0])
+        and "(" not in lhs
+        and (path.name, line.strip()) != ("states.py", "unit.state = row.dst")
+    ]
+    assert offenders == [], "set states through the table (states.move): " + "; ".join(offenders)
+
+
+def test_table_lookup_names_what_is_wrong() -> None:
+    with pytest.raises(IllegalTransition, match=r"'died' from dead: no row"):
+        ENGINE.lookup(E.DEAD, "died")
+    with pytest.raises(IllegalTransition, match="2 rows"):
+        ENGINE.lookup(E.STARTING, "ready")
+    assert ENGINE.lookup(E.STARTING, "ready", E.BATCH).dst == E.BATCH
+    with pytest.raises(IllegalTransition, match="twice"):
+        Table("engine", [(E.DEAD, "starting", E.STARTING, "spawn")] * 2)
+    unit = Daemon(rank=0, device="cpu", book=RestartBook(RestartSpec()))
+    assert move(unit, DAEMON, "starting").dst == D.STARTING and unit.state == D.STARTING
+
+
+def test_an_inbox_refuses_deliveries_until_a_cluster_is_attached(tmp_path: Path) -> None:
+    async def go() -> None:
+        inbox = Inbox()
+        with pytest.raises(WiringError, match="before Inbox.attach"):
+            inbox.hello(Hello(name="e1", role="standby", pid=1, port=9000, epoch=0))
+        with pytest.raises(WiringError):
+            inbox.epoch()
+        async with rig(tmp_path) as g:
+            inbox.attach(g.c)
+            inbox.kick()
+            assert g.c.wake.is_set() and inbox.epoch() == 0
+
+    run(go())
+
+
+# ---- daemons ----
+
+
+async def drive_daemon(pool: DaemonPool, d: Daemon, row: Row[DaemonState]) -> None:
+    now = time.monotonic()
+    if row.event == "starting":
+        pool.follow(d, Incarnation([FakeProc()]))
+    elif row.event == "serving":
+        pool.served(d, {"fingerprint": "f00d", "adopted": True}, 4096, now)
+    elif row.event in ("dead", "quarantined"):
+        assert d.inc is not None
+        d.book.reset()
+        for _ in range(pool.policy.restart.max_restarts if row.event == "quarantined" else 0):
+            d.book.record(now)
+        pool.exited(d, d.inc, -9, now)
+    elif row.event == "stopped":
+        await pool.stop()
+    else:
+        raise AssertionError(f"no driver for daemon {label(row)}: add one to tests/test_states.py")
+
+
+def daemon_path(state: DaemonState) -> list[Row[DaemonState]]:
+    paths: dict[DaemonState, list[Row[DaemonState]]] = {D.DEAD: []}
+    todo = collections.deque([D.DEAD])
+    while todo:
+        s = todo.popleft()
+        for r in DAEMON.rows:
+            if r.src == s and r.dst not in paths and r.event != "stopped":
+                paths[r.dst] = [*paths[s], r]
+                todo.append(r.dst)
+    return paths[state]
+
+
+@pytest.mark.parametrize("row", DAEMON.rows, ids=label)
+def test_daemon_transition(row: Row[DaemonState], tmp_path: Path) -> None:
+    async def go() -> None:
+        async with bus_at(tmp_path) as bus:
+            events = bus.subscribe()
+            kicks: list[int] = []
+            pool = DaemonPool(policy(), tmp_path, "model", bus, lambda: kicks.append(1), lambda: 3)
+            d = pool.daemons[0]
+            try:
+                for step in daemon_path(row.src):
+                    await drive_daemon(pool, d, step)
+                    assert d.state == step.dst, f"on the way to {row.src}: {label(step)}"
+                while not events.empty():
+                    events.get_nowait()
+                await drive_daemon(pool, d, row)
+                assert d.state == row.dst
+                published = []
+                while not events.empty():
+                    published.append(events.get_nowait())
+                assert (row.event, "daemon.0." + row.event) in [
+                    (x.event, x.topic) for x in published
+                ]
+                assert all(x.epoch == 3 for x in published)
+                assert hasattr(DaemonPool, row.action), f"{row.action} is no DaemonPool method"
+            finally:
+                await pool.stop()
+
+    run(go())
+
+
+def test_a_dead_daemon_with_a_live_spare_follows_the_spare_at_once(tmp_path: Path) -> None:
+    async def go() -> None:
+        async with bus_at(tmp_path) as bus:
+            events = bus.subscribe()
+            pool = DaemonPool(policy(), tmp_path, "model", bus, lambda: None, lambda: 1)
+            d = pool.daemons[0]
+            try:
+                pool.follow(d, Incarnation([FakeProc()]))
+                pool.served(d, {}, 1, time.monotonic())
+                spare = Incarnation([FakeProc()])
+                d.spare = spare
+                assert d.inc is not None
+                pool.exited(d, d.inc, -9, time.monotonic())
+                assert d.state == D.STARTING and d.inc is spare and d.spare is None
+                seen = []
+                while not events.empty():
+                    seen.append(events.get_nowait())
+                assert [(x.event, x.data.get("spare")) for x in seen][-2:] == [
+                    ("dead", None),
+                    ("starting", True),
+                ]
+            finally:
+                await pool.stop()
+
+    run(go())
+
+
+def test_reconcile_starts_a_dead_daemon_once_when_its_backoff_ran_out(tmp_path: Path) -> None:
+    async def go() -> None:
+        async with bus_at(tmp_path) as bus:
+            pool = DaemonPool(policy(), tmp_path, "model", bus, lambda: None, lambda: 1)
+            d = pool.daemons[0]
+            d.next_start = 10.0
+            assert pool.reconcile(now=9.0) == 10.0 and not d.spawning
+            assert pool.reconcile(now=10.0) is None and d.spawning
+            assert pool.reconcile(now=11.0) is None  # the start under way is not repeated
+            await pool.stop()
+
+    run(go())
