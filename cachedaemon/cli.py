@@ -10,8 +10,9 @@ from pathlib import Path
 
 import msgspec
 
-from cachedaemon import logs, protocol
+from cachedaemon import protocol
 from cachedaemon.config import BACKENDS, DTYPES, QUANTIZATIONS
+from holdfast_contract import logs
 from holdfast_contract.errors import HoldfastError
 
 EXAMPLES = {
@@ -110,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logs.configure(args.log_format)
+    logs.setup(args.log_format)
     try:
         return int(COMMANDS[args.cmd](args))
     except HoldfastError as exc:

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import shlex
 import signal
 import sys
 from pathlib import Path
 
 import msgspec
-import structlog
 
 from chaos import report
 from chaos.checks import RUN_METRICS, STATS, TRIAL_METRICS
@@ -20,6 +18,7 @@ from chaos.preflight import preflight
 from chaos.report import Results
 from chaos.runner import RunOptions, run, write_report
 from chaos.scenario import FAULT_KINDS, Plan, load_scenario
+from holdfast_contract import logs
 
 EPILOG = """\
 examples:
@@ -125,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     except ChaosError as exc:
         print(f"chaos: {exc}", file=sys.stderr)
         return 2
-    _logging(args.verbose)
+    logs.setup("console", "info" if args.verbose else "warning")
     results, interrupted = asyncio.run(_until_signalled(plan, opts))
     _summary(results, args.out)
     if interrupted:
@@ -184,12 +183,3 @@ def _kinds() -> int:
         print(f"  {metric:26} {what}")
     print(f"statistics: {', '.join(STATS)}")
     return 0
-
-
-def _logging(verbose: bool) -> None:
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.INFO if verbose else logging.WARNING
-        ),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )

@@ -47,7 +47,6 @@ class EventRecorder:
     def __init__(self, run_dir: Path, mqtt: MqttTarget | None) -> None:
         self.endpoint = f"ipc://{run_dir}/events"
         self.mqtt = mqtt
-        self.garbage = 0
         self._rows: Rows[EventRow] = Rows()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -75,8 +74,7 @@ class EventRecorder:
         try:
             ev = decode_event(data)
         except msgspec.DecodeError:
-            self.garbage += 1
-            return
+            return  # not an event: dropped
         self._rows.append(
             EventRow(ev.ts, time.time(), source, ev.kind, ev.name, ev.event, ev.epoch)
         )
@@ -90,10 +88,8 @@ class EventRecorder:
         try:
             while True:
                 frames = await sock.recv_multipart()
-                if len(frames) == 2:
+                if len(frames) == 2:  # topic, event; anything else is dropped
                     self._add(frames[1], "zmq")
-                else:
-                    self.garbage += 1
         finally:
             sock.close(linger=0)
 

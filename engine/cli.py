@@ -11,12 +11,12 @@ from holdfast_contract.errors import HoldfastError
 
 def main(argv: Sequence[str] | None = None, *, t0: float | None = None) -> int:
     t0 = time.perf_counter() if t0 is None else t0
-    from cachedaemon import logs
     from engine.config import from_args, log_format
+    from holdfast_contract import logs
 
     try:
         cfg = from_args(argv)
-        logs.configure(log_format(cfg))
+        logs.setup(log_format(cfg))
         from engine import app
 
         return app.run(cfg, t0)

@@ -204,9 +204,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--socket", required=True, type=Path, help="unix socket to listen on")
     p.add_argument("--log-format", choices=["console", "json"], default="console")
     args = p.parse_args(argv)
-    from cachedaemon import logs
+    from holdfast_contract import logs
 
-    logs.configure(args.log_format)
+    logs.setup(args.log_format)
     import structlog
 
     log = structlog.get_logger("engine.forkserver")

@@ -1,15 +1,25 @@
-"""Counters the engine exposes at GET /metrics, in Prometheus text format."""
+"""What the engine exposes at GET /metrics, through prometheus_client.
+
+Each engine has its own `CollectorRegistry` (never the process-global one) holding one
+collector, which reads the engine's live figures when scraped: counts kept here (requests by
+status code, generated tokens), startup phases, and what `bind` hands it (name, role, epoch,
+in-flight requests and the model thread's `Stats`). docs/metrics.md lists every metric.
+"""
 
 from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable, Iterator
 
 import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from engine.job import Stats
 
 WINDOW_S = 10.0
+PREFIX = "holdfast_engine_"
 
 
 class Phases(msgspec.Struct):
@@ -23,13 +33,32 @@ class Phases(msgspec.Struct):
     total: float = 0.0  # up to ready (HTTP listening, agent told)
 
 
+class Live(msgspec.Struct, frozen=True):
+    """The engine's figures at the moment of a scrape."""
+
+    name: str
+    role: str
+    epoch: int
+    in_flight: int
+    stats: Stats
+
+
 class Metrics:
+    CONTENT_TYPE = CONTENT_TYPE_LATEST
+
     def __init__(self) -> None:
         self.requests: collections.Counter[str] = collections.Counter()
         self.tokens_total = 0
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self.phases = Phases()
         self.weights_source = ""
+        self._live: Callable[[], Live] | None = None
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def bind(self, live: Callable[[], Live]) -> None:
+        """Where a scrape reads the engine's name, role, epoch, load and model stats."""
+        self._live = live
 
     def count(self, code: int) -> None:
         self.requests[str(code)] += 1
@@ -45,60 +74,66 @@ class Metrics:
             self._recent.popleft()
         return sum(n for _, n in self._recent) / WINDOW_S
 
-    def render(self, *, name: str, role: str, epoch: int, in_flight: int, stats: Stats) -> str:
-        lines: list[str] = []
+    def exposition(self) -> bytes:
+        """The registry in the Prometheus text format (`CONTENT_TYPE`)."""
+        return generate_latest(self.registry)
 
-        def metric(key: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-            lines.append(f"# HELP holdfast_engine_{key} {help_}")
-            lines.append(f"# TYPE holdfast_engine_{key} {kind}")
-            lines.extend(f"holdfast_engine_{key}{labels} {value:g}" for labels, value in samples)
+    # ---- prometheus_client's Collector protocol ----
+    def collect(self) -> Iterator[Metric]:
+        yield from self._counts()
+        if self._live is not None:
+            yield from self._engine(self._live())
+        yield from self._startup()
 
-        info = f'{{name="{name}",role="{role}",weights="{self.weights_source}"}}'
-        metric("info", "gauge", "engine identity", [(info, 1)])
-        metric("epoch", "gauge", "epoch this engine serves under", [("", epoch)])
-        metric(
-            "requests_total",
-            "counter",
-            "HTTP requests answered, by status code",
-            [(f'{{code="{c}"}}', n) for c, n in sorted(self.requests.items())] or [("", 0)],
+    def _counts(self) -> Iterator[Metric]:
+        req = CounterMetricFamily(
+            PREFIX + "requests", "HTTP requests answered, by status code", labels=["code"]
         )
-        metric("in_flight", "gauge", "requests accepted and not finished", [("", in_flight)])
-        metric("queued", "gauge", "requests waiting for the model", [("", stats.waiting)])
-        metric("running", "gauge", "requests in the running batch", [("", stats.running)])
-        metric("waiting", "gauge", "requests waiting for KV cache blocks", [("", stats.waiting)])
-        metric(
-            "max_batch",
-            "gauge",
-            "most requests one step runs (1: one at a time)",
-            [("", stats.max_batch)],
+        for code, n in sorted(self.requests.items()):
+            req.add_metric([code], n)
+        yield req
+        yield CounterMetricFamily(
+            PREFIX + "generated_tokens", "tokens generated", value=self.tokens_total
         )
-        metric(
-            "kv_blocks",
-            "gauge",
-            "KV cache blocks, by state",
-            [('{state="used"}', stats.kv_blocks_used), ('{state="free"}', stats.kv_blocks_free)],
-        )
-        metric("step_ms", "gauge", "wall time of the last model step", [("", stats.step_ms)])
-        metric("steps_total", "counter", "model steps run", [("", stats.steps)])
-        metric("generated_tokens_total", "counter", "tokens generated", [("", self.tokens_total)])
-        metric(
+        yield _gauge(
             "tokens_per_second",
-            "gauge",
             f"tokens generated over the last {WINDOW_S:g} s",
-            [("", self.tokens_per_s())],
+            self.tokens_per_s(),
         )
-        metric(
-            "attach_ms", "gauge", "time to attach (or load) the weights", [("", self.phases.attach)]
+
+    def _engine(self, live: Live) -> Iterator[Metric]:
+        info = GaugeMetricFamily(
+            PREFIX + "info", "engine identity", labels=["name", "role", "weights"]
         )
-        metric("startup_ms", "gauge", "engine start to ready", [("", self.phases.total)])
-        metric(
-            "startup_phase_ms",
-            "gauge",
-            "startup time by phase",
-            [
-                (f'{{phase="{k}"}}', v)
-                for k, v in msgspec.structs.asdict(self.phases).items()
-                if k != "total"
-            ],
+        info.add_metric([live.name, live.role, self.weights_source], 1)
+        yield info
+        st = live.stats
+        yield _gauge("epoch", "epoch this engine serves under", live.epoch)
+        yield _gauge("in_flight", "requests accepted and not finished", live.in_flight)
+        yield _gauge("queued", "requests waiting for the model", st.waiting)
+        yield _gauge("running", "requests in the running batch", st.running)
+        yield _gauge("waiting", "requests waiting for KV cache blocks", st.waiting)
+        yield _gauge("max_batch", "most requests one step runs (1: one at a time)", st.max_batch)
+        blocks = GaugeMetricFamily(
+            PREFIX + "kv_blocks", "KV cache blocks, by state", labels=["state"]
         )
-        return "\n".join(lines) + "\n"
+        blocks.add_metric(["used"], st.kv_blocks_used)
+        blocks.add_metric(["free"], st.kv_blocks_free)
+        yield blocks
+        yield _gauge("step_ms", "wall time of the last model step", st.step_ms)
+        yield CounterMetricFamily(PREFIX + "steps", "model steps run", value=st.steps)
+
+    def _startup(self) -> Iterator[Metric]:
+        yield _gauge("attach_ms", "time to attach (or load) the weights", self.phases.attach)
+        yield _gauge("startup_ms", "engine start to ready", self.phases.total)
+        phases = GaugeMetricFamily(
+            PREFIX + "startup_phase_ms", "startup time by phase", labels=["phase"]
+        )
+        for k, v in msgspec.structs.asdict(self.phases).items():
+            if k != "total":
+                phases.add_metric([k], v)
+        yield phases
+
+
+def _gauge(key: str, help_: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + key, help_, value=value)

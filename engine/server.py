@@ -23,7 +23,7 @@ from engine import api, chat
 from engine.batcher import Post
 from engine.errors import BadRequest, QueueFull, Unavailable
 from engine.job import Generation, Job, OnStep, Stats, Step
-from engine.metrics import Metrics
+from engine.metrics import Live, Metrics
 from engine.replies import ChatReply, CompletionReply, Reply
 from engine.tokenizer import Tokenizer
 
@@ -74,6 +74,7 @@ class EngineServer:
         self._idle.set()
         self.on_state: Callable[[str], None] = lambda state: None
         self._streams: set[asyncio.Future[Any]] = set()
+        metrics.bind(self.live)
 
     # ---- lifecycle ----
     def app(self) -> web.Application:
@@ -219,15 +220,13 @@ class EngineServer:
         }
         return web.json_response(body, status=200 if ok else 503)
 
+    def live(self) -> Live:
+        """What /metrics reads at each scrape."""
+        return Live(self.name, self.role, self.epoch, self.in_flight, self.model.stats())
+
     async def metrics_text(self, request: web.Request) -> web.Response:
-        text = self.metrics.render(
-            name=self.name,
-            role=self.role,
-            epoch=self.epoch,
-            in_flight=self.in_flight,
-            stats=self.model.stats(),
-        )
-        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+        body = self.metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": self.metrics.CONTENT_TYPE})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self._check_serving("generate")

@@ -1,4 +1,5 @@
-"""The health API: /health, /primary, /standby and /cluster, as JSON over aiohttp."""
+"""The health API: /health, /primary, /standby and /cluster as JSON over aiohttp, and
+/metrics in the Prometheus text format (`supervisor.metrics`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import msgspec
 from aiohttp import web
 
 from holdfast_contract.control import ClusterStatus
+from supervisor.metrics import SupervisorMetrics
 
 
 def _json(obj: object, status: int = 200) -> web.Response:
@@ -19,8 +21,11 @@ def _json(obj: object, status: int = 200) -> web.Response:
 class HealthApi:
     """Reads the cluster through `snapshot`; never changes anything."""
 
-    def __init__(self, snapshot: Callable[[], ClusterStatus]) -> None:
+    def __init__(
+        self, snapshot: Callable[[], ClusterStatus], metrics: SupervisorMetrics | None = None
+    ) -> None:
         self._snapshot = snapshot
+        self._metrics = metrics
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -28,6 +33,9 @@ class HealthApi:
         app.router.add_get("/primary", self.primary)
         app.router.add_get("/standby", self.standby)
         app.router.add_get("/cluster", self.cluster)
+        if self._metrics is not None:
+            app.router.add_get("/metrics", self._metrics.handle)
+            app.cleanup_ctx.append(self._metrics.running)  # counts events while serving
         return app
 
     async def health(self, _: web.Request) -> web.Response:

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 from collections.abc import Sequence
 
 import msgspec
-import structlog
 
+from holdfast_contract import logs
 from holdfast_contract.control import (
     ClusterStatus,
     EvictReq,
@@ -36,25 +35,6 @@ EXAMPLES = """examples:
   supervisor restart batch-1
   supervisor stop
 """
-
-
-def configure_logging(fmt: str, level: str) -> None:
-    renderer: structlog.types.Processor = (
-        structlog.processors.JSONRenderer()
-        if fmt == "json"
-        else structlog.dev.ConsoleRenderer(colors=False)
-    )
-    structlog.configure(
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping()[level.upper()]
-        ),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )
 
 
 def parser() -> argparse.ArgumentParser:
@@ -205,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _validate(args.policy, args.schema_only)
         if args.cmd == "run":
             policy = load_policy(args.policy)
-            configure_logging(policy.log.format, policy.log.level)
+            logs.setup(policy.log.format, policy.log.level)
             from supervisor.service import Service
 
             return asyncio.run(Service(policy).run())

@@ -63,6 +63,11 @@ class MqttPublisher:
         self._queue.append(msg)
         self._wake.set()
 
+    @property
+    def queued(self) -> int:
+        """Messages offered and not yet published."""
+        return len(self._queue)
+
     def retained(self) -> list[str]:
         """The retained topics offered so far."""
         return list(self._retained)

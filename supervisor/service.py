@@ -32,6 +32,7 @@ from supervisor.daemons import DaemonPool
 from supervisor.engines import EngineLauncher, ForkServer, wants_forkserver
 from supervisor.errors import StartupError
 from supervisor.events import EventBus
+from supervisor.metrics import SupervisorMetrics
 from supervisor.policy import Policy, split_listen
 from supervisor.router import PrimaryView, Router
 from supervisor.runtime import RuntimeDir
@@ -225,7 +226,8 @@ class Service:
         router = Router(self.policy.router, self.view)
         # a client that hangs up cancels its routed request, so the engine stops generating
         await self._serve_http(router.app(), "router.listen", cancel_on_hangup=True)
-        await self._serve_http(HealthApi(c.snapshot).app(), "api.listen")
+        metrics = SupervisorMetrics(c.bus, router=router, agents=c.hub, control=control)
+        await self._serve_http(HealthApi(c.snapshot, metrics).app(), "api.listen")
 
     async def _control(self, c: Cluster, req: Request) -> ControlReply:
         return await reconcile.handle(c, req, self.stop)

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from conftest import DaemonProc
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.launch import EngineProcess, free_port
 from engine.server import ENDED_EARLY
@@ -222,13 +223,26 @@ def test_bad_requests_get_400_and_the_engine_keeps_serving(
 def test_metrics_count_requests_and_startup_phases(engines: dict[str, EngineProcess]) -> None:
     complete(engines["attached"].url, [3, 4])
     with urllib.request.urlopen(engines["attached"].url + "/metrics", timeout=10) as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain; version=")
         text = resp.read().decode()
-    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
-    assert float(samples['holdfast_engine_requests_total{code="200"}']) >= 1
-    assert float(samples["holdfast_engine_generated_tokens_total"]) >= 1
-    assert float(samples["holdfast_engine_startup_ms"]) > 0
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["holdfast_engine_requests"].type == "counter"
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in families.values()
+        for s in f.samples
+    }
+    assert samples[("holdfast_engine_requests_total", (("code", "200"),))] >= 1
+    assert samples[("holdfast_engine_generated_tokens_total", ())] >= 1
+    assert samples[("holdfast_engine_startup_ms", ())] > 0
     for phase in ("imports", "context_init", "build", "attach", "warmup"):
-        assert f'holdfast_engine_startup_phase_ms{{phase="{phase}"}}' in samples
+        assert ("holdfast_engine_startup_phase_ms", (("phase", phase),)) in samples
+    info = ("name", "attached"), ("role", "primary"), ("weights", "daemon")
+    assert samples[("holdfast_engine_info", info)] == 1
+    assert {s.labels["state"] for s in families["holdfast_engine_kv_blocks"].samples} == {
+        "used",
+        "free",
+    }
 
 
 def test_no_daemon_exits_nonzero_naming_the_socket(tiny_model: Path, tmp_path: Path) -> None:

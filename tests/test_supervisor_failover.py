@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ import aiomqtt
 import msgspec
 import pytest
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from holdfast_contract.events import Event
 from tests.engines.harness import (
@@ -346,6 +348,69 @@ def test_malformed_and_foreign_control_messages(sup: Supervisor) -> None:
         pytest.skip("needs root to act as another uid")
     assert "is not yours" in as_uid(65534, sup.run)
     assert sup.proc.poll() is None and sup.status()["primary"] is not None
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(api: str) -> Samples:
+    with urllib.request.urlopen(api + "/metrics", timeout=10) as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain; version=")
+        text = resp.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def metric(samples: Samples, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels` (0 if none)."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
+
+
+def test_metrics_count_what_the_cluster_went_through(sup: Supervisor) -> None:
+    """After the failovers, fences, evictions and refusals above, /metrics counts them."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"ipc://{sup.run}/agents")
+    sock.send(b"\xc1 no agent sends this")  # counted as malformed by the agent hub
+    deadline = time.monotonic() + 10
+    try:
+        while True:  # events reach the metrics task through a queue: wait until caught up
+            m = scrape(sup.api)
+            epoch = sup.status()["epoch"]
+            total = metric(m, "holdfast_supervisor_promotions_total")
+            agents = metric(m, "holdfast_supervisor_malformed_frames_total", socket="agents")
+            if total == epoch and agents >= 1:
+                break
+            assert time.monotonic() < deadline, (epoch, total, agents)
+            time.sleep(0.01)
+    finally:
+        sock.close(linger=0)
+    sv = "holdfast_supervisor_"
+    assert total >= 4  # boot, kill -9, SIGSTOP, operator: one epoch each
+    for cause in ("exit", "hang", "operator"):
+        assert metric(m, sv + "promotions_total", cause=cause) >= 1, cause
+    assert metric(m, sv + "fences_total", kind="engine", cause="hang") >= 1
+    assert metric(m, sv + "fences_total", kind="engine", cause="operator-promote") >= 1
+    assert metric(m, sv + "fences_total", kind="daemon", cause="hang") >= 1
+    assert metric(m, sv + "quarantines_total", kind="engine") >= 2
+    assert metric(m, sv + "units", kind="engine", state="quarantined") == 2
+    assert metric(m, sv + "evictions_total", reason="load") >= 1
+    assert metric(m, sv + "evictions_total", reason="operator") >= 1
+    assert metric(m, sv + "restarts_total", kind="engine") >= 3
+    assert metric(m, sv + "restarts_total", kind="daemon") >= 2
+    assert metric(m, sv + "malformed_frames_total", socket="control") >= 1
+    assert metric(m, sv + "state_seconds_total", kind="engine", state="primary") > 0
+    assert metric(m, sv + "state_duration_seconds_count", kind="engine", state="starting") >= 3
+    assert metric(m, sv + "router_forwarded_total") > 0
+    assert (sv + "router_retries_total", ()) in m and (sv + "router_failures_total", ()) in m
+    assert metric(m, sv + "mqtt_connected") == 1
+    assert (sv + "mqtt_queue_depth", ()) in m and (sv + "mqtt_dropped_total", ()) in m
+    assert metric(m, sv + "events_total") >= metric(m, sv + "state_duration_seconds_count")
 
 
 def as_uid(uid: int, run: Path) -> str:
