@@ -226,7 +226,7 @@ class Service:
         router = Router(self.policy.router, self.view)
         # a client that hangs up cancels its routed request, so the engine stops generating
         await self._serve_http(router.app(), "router.listen", cancel_on_hangup=True)
-        metrics = SupervisorMetrics(c.bus, router=router, agents=c.hub, control=control)
+        metrics = SupervisorMetrics(c.bus, router=router, agents=hub, control=control)
         await self._serve_http(HealthApi(c.snapshot, metrics).app(), "api.listen")
 
     async def _control(self, c: Cluster, req: Request) -> ControlReply:
