@@ -46,7 +46,7 @@ for stage in $stages; do
     env)
       { nvidia-smi; python3 -V; nproc; free -g; df -h /tmp; uname -r
         python3 -c "import torch, cuda.bindings as cb; print(torch.__version__, torch.version.cuda, cb.__version__, torch.cuda.get_device_capability())"
-        python3 -m pip list 2>/dev/null | grep -iE "^(torch|safetensors|numpy|cuda|msgspec|pyzmq|structlog|tenacity|aiomqtt|paho|rich|pytest|aiohttp|pyyaml) "
+        python3 -m pip list 2>/dev/null | grep -iE "^(torch|safetensors|numpy|cuda|msgspec|pyzmq|structlog|prometheus_client|aiomqtt|paho|rich|pytest|aiohttp|pyyaml) "
         sync; echo 3 > /proc/sys/vm/drop_caches && echo "drop_caches: ok"
       } 2>&1 | tee "$OUT/env.txt" ;;
     checksum-tests)
