@@ -19,6 +19,7 @@ from typing import Any
 
 import structlog
 
+from holdfast_contract.ready import DaemonReady, daemon_ready_path, read_daemon_ready
 from supervisor.backoff import RestartBook
 from supervisor.errors import StartupError
 from supervisor.events import EventBus, UnitState
@@ -157,14 +158,11 @@ class DaemonPool:
         task.add_done_callback(self._tasks.discard)
 
     async def _await_ready(self, d: Daemon, inc: Incarnation) -> None:
-        ready = self.run / f"daemon-{d.rank}.ready"
+        ready = daemon_ready_path(self.run, d.rank)
 
         def check() -> bool:
-            try:
-                info = json.loads(ready.read_text())
-            except (OSError, ValueError):
-                return False
-            return bool(info.get("pid") == inc.pid) or inc.handled
+            info = read_daemon_ready(ready)
+            return (info is not None and info.pid == inc.pid) or inc.handled
 
         watch = DirWatch(self.run)
         try:
@@ -173,8 +171,10 @@ class DaemonPool:
             watch.close()
         if not ok or inc.handled or d.inc is not inc:
             return
-        info = json.loads(ready.read_text())
-        status = await asyncio.to_thread(daemon_status, str(info.get("socket", "")))
+        info = read_daemon_ready(ready)
+        if info is None:  # removed again: the daemon stopped (its exit is handled apart)
+            return
+        status = await asyncio.to_thread(daemon_status, info.socket)
         if inc.handled or d.inc is not inc:
             return  # it died while it was asked for its status
         self.served(d, info, int(getattr(status, "pool_bytes", 0)), time.monotonic())
@@ -182,10 +182,10 @@ class DaemonPool:
         if self.keeper is not None and self.policy.cache.spare and d.spare is None:
             await self.spawn_spare(d)
 
-    def served(self, d: Daemon, info: dict[str, Any], pool_bytes: int, now: float) -> None:
+    def served(self, d: Daemon, info: DaemonReady, pool_bytes: int, now: float) -> None:
         """starting -> serving: its ready file (`info`) names our process."""
-        d.fingerprint = str(info.get("fingerprint", ""))
-        d.adopted = bool(info.get("adopted", False))
+        d.fingerprint = info.fingerprint
+        d.adopted = info.adopted
         d.adoptions += int(d.adopted)
         d.pool_bytes = pool_bytes
         ms = (now - d.died_at) * 1000 if d.died_at else None

@@ -15,6 +15,7 @@ import pytest
 
 import supervisor
 from holdfast_contract.agent_protocol import Drain, Hello, Promote
+from holdfast_contract.ready import DaemonReady
 from supervisor.backoff import RestartBook
 from supervisor.core import Cluster
 from supervisor.daemons import DaemonPool
@@ -300,7 +301,7 @@ async def drive_daemon(pool: DaemonPool, d: Daemon, row: Row[DaemonState]) -> No
     if row.event == "starting":
         pool.follow(d, Incarnation([FakeProc()]))
     elif row.event == "serving":
-        pool.served(d, {"fingerprint": "f00d", "adopted": True}, 4096, now)
+        pool.served(d, DaemonReady(1, None, "s", "f00d", adopted=True), 4096, now)
     elif row.event in ("dead", "quarantined"):
         assert d.inc is not None
         d.book.reset()
@@ -363,7 +364,7 @@ def test_a_dead_daemon_with_a_live_spare_follows_the_spare_at_once(tmp_path: Pat
             d = pool.daemons[0]
             try:
                 pool.follow(d, Incarnation([FakeProc()]))
-                pool.served(d, {}, 1, time.monotonic())
+                pool.served(d, DaemonReady(1, None, "s", ""), 1, time.monotonic())
                 spare = Incarnation([FakeProc()])
                 d.spare = spare
                 assert d.inc is not None
