@@ -8,13 +8,14 @@ import re
 import signal
 from pathlib import Path
 
+from holdfast_contract.env import var
 from supervisor.exitwatch import is_exiting
 from tests.engines.harness import ECHO, Supervisor, complete, get, pid_alive, write_policy
 
 
 def rank_pid(name: str, rank: int) -> int:
     """The pid of engine `name`'s rank `rank`, found by its HOLDFAST_* environment."""
-    want = {f"HOLDFAST_NAME={name}".encode(), f"HOLDFAST_RANK={rank}".encode()}
+    want = {f"{var('name')}={name}".encode(), f"{var('rank')}={rank}".encode()}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -23,7 +24,7 @@ def rank_pid(name: str, rank: int) -> int:
                 env = set(f.read().split(b"\0"))
         except OSError:
             continue
-        if want <= env and b"HOLDFAST_AGENT" not in b"".join(env) and pid_alive(int(entry)):
+        if want <= env and var("agent").encode() not in b"".join(env) and pid_alive(int(entry)):
             return int(entry)
     raise AssertionError(f"no rank {rank} process for {name}")
 
