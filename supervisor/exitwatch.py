@@ -5,8 +5,9 @@ that context down before its parent (or a pidfd) can see it exit: on an H200 und
 SIGKILLed primary was promoted away from 107-156 ms after its last heartbeat, all of it
 spent waiting for the exit. It runs no user code from the first step of that exit: the
 kernel marks the thread PF_EXITING before anything else, and /proc/<pid>/stat shows that
-flag. `ExitWatch` reads the stat of a few processes (the primary's ranks) every few
-milliseconds and reports the first one that is exiting, a zombie, or gone.
+flag (and, before the process has even been on a CPU again, the SIGKILL pending). `ExitWatch`
+reads the stat of a few processes (the primary's ranks) every few milliseconds and reports
+the first one that is killed, exiting, a zombie, or gone.
 
 The stat file is opened once per process and read with pread: a file opened on a process
 keeps naming that process, so a reused pid is never mistaken for it.
@@ -17,9 +18,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 from collections.abc import Callable
 
 PF_EXITING = 0x4  # include/linux/sched.h: getting shut down
+SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
 
 
 def stat_says_exiting(stat: bytes) -> bool:
@@ -30,30 +33,53 @@ def stat_says_exiting(stat: bytes) -> bool:
     return state in (b"Z", b"X", b"x") or bool(flags & PF_EXITING)
 
 
-def open_stat(pid: int) -> int | None:
-    """An fd on the process's stat file; None when the process is already gone."""
-    try:
-        return os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
-    except (FileNotFoundError, ProcessLookupError):
-        return None
+def status_says_killed(status: bytes) -> bool:
+    """Whether /proc/<pid>/status shows SIGKILL pending (SigPnd: the thread's, ShdPnd: the
+    process's): a killed process that has not been on a CPU since, which will run no more
+    user code (a thread handles SIGKILL before any)."""
+    for key in (b"\nSigPnd:", b"\nShdPnd:"):
+        at = status.find(key)
+        if at >= 0 and int(status[at + len(key) :].split(None, 1)[0], 16) & SIGKILL_BIT:
+            return True
+    return False
 
 
-def read_exiting(fd: int) -> bool:
-    try:
-        return stat_says_exiting(os.pread(fd, 1024, 0))
-    except ProcessLookupError:  # reaped: the fd names a process that no longer exists
-        return True
+class Look:
+    """The two files that tell whether one process is done running user code, opened once
+    (a file opened on a process keeps naming it: a reused pid is never mistaken for it)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.fds: list[int] = []
+        try:
+            for name in ("stat", "status"):
+                self.fds.append(os.open(f"/proc/{pid}/{name}", os.O_RDONLY | os.O_CLOEXEC))
+        except (FileNotFoundError, ProcessLookupError):
+            self.close()  # already gone: `done` says so
+
+    def done(self) -> bool:
+        """Killed (SIGKILL pending), exiting, a zombie, or gone."""
+        if len(self.fds) < 2:
+            return True
+        try:
+            stat, status = (os.pread(fd, 4096, 0) for fd in self.fds)
+        except ProcessLookupError:  # reaped: the files name a process that no longer is
+            return True
+        return stat_says_exiting(stat) or status_says_killed(status)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
 
 
 def is_exiting(pid: int) -> bool:
-    """Whether process `pid` is exiting, a zombie, or gone (one look, for checks and tests)."""
-    fd = open_stat(pid)
-    if fd is None:
-        return True
+    """Whether process `pid` is killed, exiting, a zombie, or gone (one look)."""
+    look = Look(pid)
     try:
-        return read_exiting(fd)
+        return look.done()
     finally:
-        os.close(fd)
+        look.close()
 
 
 class ExitWatch:
@@ -66,7 +92,7 @@ class ExitWatch:
         self.interval_s = interval_s
         self._on_exiting = on_exiting
         self._key = ""
-        self._fds: dict[int, int | None] = {}
+        self._looks: list[Look] = []
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -78,25 +104,21 @@ class ExitWatch:
         """Watch `pids` (one group, named `key`) instead of whatever was watched."""
         self.clear()
         self._key = key
-        self._fds = {pid: open_stat(pid) for pid in pids if pid > 0}
+        self._looks = [Look(pid) for pid in pids if pid > 0]
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), name="exit-watch")
 
     def clear(self) -> None:
-        for fd in self._fds.values():
-            if fd is not None:
-                os.close(fd)
-        self._fds, self._key = {}, ""
+        for look in self._looks:
+            look.close()
+        self._looks, self._key = [], ""
 
     def poll(self) -> int | None:
         """The pid of the first watched process that is exiting, or None."""
-        for pid, fd in self._fds.items():
-            if fd is None or read_exiting(fd):
-                return pid
-        return None
+        return next((look.pid for look in self._looks if look.done()), None)
 
     async def _run(self) -> None:
-        while self._fds:
+        while self._looks:
             pid = self.poll()
             if pid is not None:
                 key = self._key

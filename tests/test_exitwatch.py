@@ -8,34 +8,57 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from supervisor.exitwatch import ExitWatch, open_stat, read_exiting, stat_says_exiting
+from supervisor.exitwatch import ExitWatch, Look, stat_says_exiting, status_says_killed
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 
 
-def test_stat_lines_with_odd_names_and_every_exit_sign() -> None:
+def test_stat_and_status_lines_with_odd_names_and_every_exit_sign() -> None:
     running = b"42 (a) b) c) S 1 42 42 0 -1 4194560 0 0 0 0 0 0 0 0 20 0 1 0 1 0 0"
     assert not stat_says_exiting(running)
     assert stat_says_exiting(running.replace(b" S ", b" Z "))
     assert stat_says_exiting(running.replace(b"4194560", str(4194560 | 0x4).encode()))
+    status = b"Name:\tx\nSigQ:\t0/1\nSigPnd:\t%016x\nShdPnd:\t%016x\nSigBlk:\t0\n"
+    assert not status_says_killed(status % (0, 0))
+    assert status_says_killed(status % (0, 0x100))  # SIGKILL pending for the process
+    assert status_says_killed(status % (0x100, 0))  # ... or for the thread
+    assert not status_says_killed(status % (0, 0x4000))  # SIGTERM: it may be handled
 
 
-def test_a_running_process_is_not_exiting_and_a_killed_unreaped_one_is() -> None:
+def test_a_running_process_is_not_done_and_a_killed_unreaped_one_is() -> None:
     child = subprocess.Popen(SLEEPER)
     try:
-        fd = open_stat(child.pid)
-        assert fd is not None and not read_exiting(fd)
+        look = Look(child.pid)
+        assert not look.done()
         child.send_signal(signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while not read_exiting(fd):  # a zombie until waited for: exiting all the same
-            assert time.monotonic() < deadline, "a SIGKILLed child never read as exiting"
-            time.sleep(0.001)
+        assert look.done()  # a zombie until waited for, or SIGKILL pending: done all the same
         child.wait()
-        assert read_exiting(fd)  # reaped: the fd still names it, and it is gone
-        os.close(fd)
+        assert look.done()  # reaped: the files still name it, and it is gone
+        look.close()
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_stopped_process_sent_sigkill_is_done_before_it_runs() -> None:
+    """SIGSTOPped, then SIGKILLed: until it is on a CPU again it may be neither exiting nor
+    a zombie, yet it will run no more user code; the pending SIGKILL says so at once."""
+    child = subprocess.Popen(SLEEPER)
+    try:
+        child.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{child.pid}/stat").read_bytes().split(b") ")[1][:1] != b"T":
+            assert time.monotonic() < deadline, "the child never stopped"
+            time.sleep(0.001)
+        look = Look(child.pid)
+        assert not look.done()
+        os.kill(child.pid, signal.SIGKILL)
+        assert look.done()  # at once: no waiting for it to run
+        look.close()
     finally:
         child.kill()
         child.wait()
