@@ -19,6 +19,7 @@ from cachedaemon.manifest import Manifest
 from cachedaemon.rundir import claim, listen, prepare, write_json_atomic
 
 log = structlog.get_logger("cachedaemon.keeper")
+MAX_POOL_BYTES = 2**63 - 1  # a pool size a reply can carry
 
 
 class _Escrow:
@@ -104,6 +105,12 @@ class Keeper:
             protocol.close_fds(fds)
             return protocol.ErrorReply(
                 f"deposit carries {len(fds)} fds for {len(msg.manifest.chunks)} chunks"
+            ), []
+        sizes = [c.size for c in msg.manifest.chunks]
+        if min(sizes, default=0) < 0 or sum(sizes) > MAX_POOL_BYTES:  # ListPools must carry it
+            protocol.close_fds(fds)
+            return protocol.ErrorReply(
+                f"deposit's chunk sizes must be >= 0 and add up to at most {MAX_POOL_BYTES}"
             ), []
         with self._lock:
             old = self._pools.pop(msg.manifest.fingerprint, None)
