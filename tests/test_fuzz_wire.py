@@ -489,6 +489,28 @@ def test_control_survives_fuzzing(
     record(record_property, "control", counts, t0)
 
 
+def test_a_hello_no_process_can_have_leaves_the_hub_serving(cluster: Supervisor) -> None:
+    """A Hello under an engine's own name whose pid no process can have (past the kernel's
+    pid range) is dropped; it used to end the hub's task, and with it the supervisor.
+    Runs after the fuzz tests of this cluster: it takes e1's identity over."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.IDENTITY, b"e1")
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(f"ipc://{cluster.run}/agents")
+    try:
+        for pid in (2**40, 2**63 - 1, -(2**63)):
+            s.send(sp.encode(sp.Hello("e1", "standby", pid, 1, 0)))
+        mark = cluster.tap.mark()
+        s.send(sp.encode(sp.Hello("e1", "standby", os.getpid(), 1, 0)))  # a pid of another group
+        ev = cluster.wait(lambda e: e.topic == "engine.e1.stray-hello", timeout=30, after=mark)
+        assert ev.data["pid"] == os.getpid()  # the hub read on past the absurd ones
+    finally:
+        s.close(linger=0)
+    assert cluster.proc.poll() is None, cluster.output()
+    assert set(engines_of(cluster)) >= ENGINES
+
+
 # ---- the fork server ----------------------------------------------------------------------
 
 MAX_FORKS = 40  # valid requests with 3 fds fork (into a cwd that does not exist): a few
