@@ -22,6 +22,17 @@ log = structlog.get_logger("cachedaemon.keeper")
 MAX_POOL_BYTES = 2**63 - 1  # a pool size a reply can carry
 
 
+def _dup_all(fds: list[int]) -> list[int]:
+    dups: list[int] = []
+    try:
+        for fd in fds:
+            dups.append(os.dup(fd))
+    except OSError:
+        protocol.close_fds(dups)
+        raise
+    return dups
+
+
 class _Escrow:
     def __init__(self, manifest: Manifest, fds: list[int]) -> None:
         self.manifest = manifest
@@ -46,7 +57,11 @@ class Keeper:
         claim(self.socket_path, ready, f"keeper {self.socket_path}")
         sock = listen(self.socket_path)
         self._server = FrameServer(
-            sock, self._handle, read_timeout=self._timeout, max_fds=protocol.MAX_FDS
+            sock,
+            self._handle,
+            read_timeout=self._timeout,
+            max_fds=protocol.MAX_FDS,
+            close_reply_fds=True,
         )
         self._server.start()
         write_json_atomic(ready, {"pid": os.getpid(), "socket": str(self.socket_path)})
@@ -88,7 +103,9 @@ class Keeper:
                     return protocol.NotFound(msg.fingerprint), []
                 esc.reclaims += 1
                 log.info("pool reclaimed", fingerprint=msg.fingerprint, reclaims=esc.reclaims)
-                return protocol.Reclaimed(esc.manifest), list(esc.fds)
+                # dups, taken under the lock: a withdraw or a new deposit of this pool may
+                # close the escrow's own fds before the reply is sent
+                return protocol.Reclaimed(esc.manifest), _dup_all(esc.fds)
         if isinstance(msg, protocol.Withdraw):
             with self._lock:
                 gone = self._pools.pop(msg.fingerprint, None)

@@ -656,3 +656,43 @@ def test_a_deposit_too_big_to_list_is_refused(tmp_path: Path) -> None:
                 protocol.close_fds(fds)
             assert isinstance(reply, protocol.ErrorReply) and "chunk sizes" in reply.message
         assert protocol.call(path, protocol.ListPools())[0] == protocol.Pools([])
+
+
+def test_reclaims_racing_new_deposits_get_the_pool_s_own_fds(tmp_path: Path) -> None:
+    """Each reclaim, while the same pool is deposited anew over and over, gets fds of one of
+    the deposited pools: the escrow's fds used to be closed by the new deposit before the
+    reply went out (a dropped connection, or whatever file had taken the fd number)."""
+    from cachedaemon.keeper import Keeper
+
+    manifest = Manifest("raced", "memfd", "cpu", "xxh64", (ChunkEntry(4096, 4096),), ())
+    inodes: set[int] = set()
+    stop = threading.Event()
+
+    def redeposit() -> None:
+        while not stop.is_set():
+            fd = os.memfd_create("pool")
+            inodes.add(os.fstat(fd).st_ino)
+            try:
+                protocol.call(path, protocol.Deposit(manifest), [fd])
+            finally:
+                os.close(fd)
+
+    with Keeper(tmp_path / "run" / "keeper.sock") as keeper:
+        path = str(keeper.socket_path)
+        redeposit_once = os.memfd_create("pool")
+        inodes.add(os.fstat(redeposit_once).st_ino)
+        protocol.call(path, protocol.Deposit(manifest), [redeposit_once])
+        os.close(redeposit_once)
+        depositor = threading.Thread(target=redeposit)
+        depositor.start()
+        try:
+            for _ in range(2000):
+                reply, fds = protocol.call(path, protocol.Reclaim("raced"), max_fds=8)
+                try:
+                    assert reply == protocol.Reclaimed(manifest) and len(fds) == 1
+                    assert os.fstat(fds[0]).st_ino in inodes, os.readlink(f"/proc/self/fd/{fds[0]}")
+                finally:
+                    protocol.close_fds(fds)
+        finally:
+            stop.set()
+            depositor.join()
