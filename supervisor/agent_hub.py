@@ -21,7 +21,7 @@ import zmq.asyncio
 from holdfast_contract import agent_protocol as wire
 from holdfast_contract.agent_protocol import Ack, Heartbeat, Hello, StateChange
 
-log = structlog.get_logger("supervisor.agents")
+log = structlog.get_logger("supervisor.agent_hub")
 
 
 class AgentHub:
