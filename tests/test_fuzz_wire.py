@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from cachedaemon import protocol
@@ -61,8 +61,9 @@ def fuzz_settings(examples: int = EXAMPLES) -> Callable[[Any], Any]:
         max_examples=examples,
         deadline=None,
         database=None,
-        derandomize=True,
+        derandomize=True,  # the same frames on every run
         suppress_health_check=list(HealthCheck),
+        phases=(Phase.explicit, Phase.generate),  # no shrinking against a live server
     )
 
 
