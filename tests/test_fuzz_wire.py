@@ -334,7 +334,7 @@ def test_agents_hub_survives_fuzzing(
     sup, pid = cluster, cluster.proc.pid
     endpoint = f"ipc://{sup.run}/agents"
     counts = Counts()
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()  # its own: term() flushes it
     engines = engines_of(sup)
     before = fd_count(pid)
     ident = [f"fz-{i}" for i in range(4)]
@@ -358,7 +358,7 @@ def test_agents_hub_survives_fuzzing(
     for i in ident:
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.IDENTITY, i.encode())
-        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.LINGER, 30_000)  # what is queued still reaches the hub
         s.setsockopt(zmq.SNDTIMEO, 10_000)
         s.connect(endpoint)
         socks.append(s)
@@ -387,9 +387,10 @@ def test_agents_hub_survives_fuzzing(
         batch()
     finally:
         errors = good.stop()
-        for s in socks:
-            s.close(linger=0)
         good_sock.close(linger=0)
+        for s in socks:
+            s.close()
+        ctx.term()  # returns once every frame queued here was handed to the hub's socket
     counts.connections += len(socks)
     assert errors == []
     assert sup.proc.poll() is None, sup.output()
