@@ -41,6 +41,7 @@ class FrameServer:
         max_fds: int = 0,
         max_connections: int = 256,
         refused_read_timeout: float = 1.0,
+        close_reply_fds: bool = False,
     ) -> None:
         self._sock = sock
         self._handler = handler
@@ -49,6 +50,7 @@ class FrameServer:
         self._slots = threading.BoundedSemaphore(max_connections)
         self._refused_slots = threading.BoundedSemaphore(REFUSED_SLOTS)
         self._refused_timeout = refused_read_timeout
+        self._close_reply_fds = close_reply_fds  # the handler's reply fds are dups for us
         self._wake_r, self._wake_w = os.pipe()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -137,4 +139,8 @@ class FrameServer:
                     protocol.send(conn, protocol.ErrorReply(f"bad frame: {exc}"))
                 return
             reply, reply_fds = self._handler(msg, fds)
-            protocol.send(conn, reply, reply_fds)
+            try:
+                protocol.send(conn, reply, reply_fds)
+            finally:
+                if self._close_reply_fds:
+                    protocol.close_fds(reply_fds)

@@ -19,6 +19,18 @@ from cachedaemon.manifest import Manifest
 from cachedaemon.rundir import claim, listen, prepare, write_json_atomic
 
 log = structlog.get_logger("cachedaemon.keeper")
+MAX_POOL_BYTES = 2**63 - 1  # a pool size a reply can carry
+
+
+def _dup_all(fds: list[int]) -> list[int]:
+    dups: list[int] = []
+    try:
+        for fd in fds:
+            dups.append(os.dup(fd))
+    except OSError:
+        protocol.close_fds(dups)
+        raise
+    return dups
 
 
 class _Escrow:
@@ -45,7 +57,11 @@ class Keeper:
         claim(self.socket_path, ready, f"keeper {self.socket_path}")
         sock = listen(self.socket_path)
         self._server = FrameServer(
-            sock, self._handle, read_timeout=self._timeout, max_fds=protocol.MAX_FDS
+            sock,
+            self._handle,
+            read_timeout=self._timeout,
+            max_fds=protocol.MAX_FDS,
+            close_reply_fds=True,
         )
         self._server.start()
         write_json_atomic(ready, {"pid": os.getpid(), "socket": str(self.socket_path)})
@@ -87,7 +103,9 @@ class Keeper:
                     return protocol.NotFound(msg.fingerprint), []
                 esc.reclaims += 1
                 log.info("pool reclaimed", fingerprint=msg.fingerprint, reclaims=esc.reclaims)
-                return protocol.Reclaimed(esc.manifest), list(esc.fds)
+                # dups, taken under the lock: a withdraw or a new deposit of this pool may
+                # close the escrow's own fds before the reply is sent
+                return protocol.Reclaimed(esc.manifest), _dup_all(esc.fds)
         if isinstance(msg, protocol.Withdraw):
             with self._lock:
                 gone = self._pools.pop(msg.fingerprint, None)
@@ -104,6 +122,12 @@ class Keeper:
             protocol.close_fds(fds)
             return protocol.ErrorReply(
                 f"deposit carries {len(fds)} fds for {len(msg.manifest.chunks)} chunks"
+            ), []
+        sizes = [c.size for c in msg.manifest.chunks]
+        if min(sizes, default=0) < 0 or sum(sizes) > MAX_POOL_BYTES:  # ListPools must carry it
+            protocol.close_fds(fds)
+            return protocol.ErrorReply(
+                f"deposit's chunk sizes must be >= 0 and add up to at most {MAX_POOL_BYTES}"
             ), []
         with self._lock:
             old = self._pools.pop(msg.manifest.fingerprint, None)

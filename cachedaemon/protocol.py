@@ -207,16 +207,17 @@ def recv_frame(
 ) -> tuple[bytes, list[int]]:
     """One frame's body and the fds sent with it, undecoded; errors as `recv`."""
     fds: list[int] = []
+    flags = 0
     try:
         if max_fds:
             first, fds, flags, _ = socket.recv_fds(sock, 1, max_fds)
-            if flags & socket.MSG_CTRUNC:
-                raise ProtocolError(f"more than {max_fds} fds sent with one frame")
         else:
             first = sock.recv(1)
     except TimeoutError as exc:
         raise ProtocolError("timed out waiting for a frame") from exc
     try:
+        if flags & socket.MSG_CTRUNC:  # those that fit were installed: closed below
+            raise ProtocolError(f"more than {max_fds} fds sent with one frame")
         if not first:
             raise EOFError("peer closed the connection")
         head = first + _recv_exact(sock, _HEADER.size - 1, "frame header")

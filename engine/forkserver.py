@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
+import structlog
 
 from cachedaemon import protocol
 from cachedaemon.errors import ProtocolError
@@ -45,6 +46,9 @@ from holdfast_contract.forkserver import (
     frame,
 )
 
+log = structlog.get_logger("engine.forkserver")
+
+READ_TIMEOUT = 5.0  # seconds a peer has to send its whole request
 PRELOAD = ("engine.app", "engine.model", "engine.runner", "engine.weights", "engine.hf")
 
 
@@ -61,46 +65,126 @@ def bind(path: Path) -> socket.socket:
     return listener
 
 
+class _Request:
+    """A connection whose request is still arriving: its bytes, its fds, its deadline.
+    Read as it comes, so one slow or silent peer never holds up the others."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        self.buf = bytearray()
+        self.fds: list[int] = []
+        self.deadline = time.monotonic() + READ_TIMEOUT
+
+    def feed(self) -> bytes | None:
+        """Read what has arrived; the body once whole, else None. Raises ProtocolError or
+        EOFError on a bad frame or a closed connection (the fds stay in `fds`)."""
+        size = protocol._HEADER.size
+        length = protocol._HEADER.unpack(self.buf[:size])[0] if len(self.buf) >= size else 0
+        need = size - len(self.buf) if len(self.buf) < size else size + length - len(self.buf)
+        try:
+            if not self.buf:  # the fds ride on the first byte
+                data, fds, flags, _ = socket.recv_fds(self.conn, 1, 3)
+                self.fds += fds
+                if flags & socket.MSG_CTRUNC:
+                    raise ProtocolError("more than 3 fds sent with one frame")
+            else:
+                data = self.conn.recv(need)
+        except BlockingIOError:
+            return None
+        if not data:
+            raise EOFError(f"connection closed mid-frame ({len(self.buf)} bytes)")
+        self.buf += data
+        if len(self.buf) == size:
+            (length,) = protocol._HEADER.unpack(self.buf)
+            if length > MAX_FRAME:
+                raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME}-byte cap")
+        if len(self.buf) < size or len(self.buf) < size + length:
+            return None
+        return bytes(self.buf[size:])
+
+    def close(self) -> None:
+        protocol.close_fds(self.fds)
+        self.conn.close()
+
+
 class Server:
     def __init__(self, listener: socket.socket) -> None:
         self.listener = listener
         self.sel = selectors.DefaultSelector()
         self.sel.register(listener, selectors.EVENT_READ)
         self.children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, conn)
+        self.requests: dict[int, _Request] = {}  # conn fd -> its request, still arriving
 
     def loop(self) -> None:
         while True:
-            for key, _ in self.sel.select():
+            due = min((r.deadline for r in self.requests.values()), default=None)
+            wait = None if due is None else max(0.0, due - time.monotonic())
+            for key, _ in self.sel.select(wait):
                 if key.fileobj is self.listener:
                     self._accept()
-                else:
-                    self._reap(int(key.fd))
+                elif key.fd in self.children:
+                    self._reap(key.fd)
+                elif key.fd in self.requests:
+                    self._read(self.requests[key.fd])
+            now = time.monotonic()
+            for req in [r for r in self.requests.values() if r.deadline <= now]:
+                self._refuse(req, "timed out waiting for a frame")
 
     def _accept(self) -> None:
-        conn, _ = self.listener.accept()
-        if protocol.peer_uid(conn) != os.getuid():
+        try:
+            conn, _ = self.listener.accept()
+        except OSError as e:  # a peer gone before it was accepted, or no fd left for it
+            log.warning("accept failed", error=str(e))
+            return
+        try:
+            ours = protocol.peer_uid(conn) == os.getuid()
+        except OSError:
+            ours = False
+        if not ours:
             conn.close()  # another user
             return
-        conn.settimeout(5.0)
-        fds: list[int] = []
+        conn.setblocking(False)
+        self.requests[conn.fileno()] = _Request(conn)
+        self.sel.register(conn, selectors.EVENT_READ)
+
+    def _read(self, req: _Request) -> None:
         try:
-            body, fds = protocol.recv_frame(conn, max_fds=3, max_frame=MAX_FRAME)
+            body = req.feed()
+        except (OSError, EOFError, ProtocolError) as e:
+            self._refuse(req, str(e))
+            return
+        if body is None:
+            return
+        self._done_reading(req)
+        conn, fds = req.conn, req.fds
+        conn.settimeout(5.0)
+        try:
             spawn = decode_spawn(body)
             if len(fds) != 3:
                 raise EngineError(f"send stdin, stdout and stderr as 3 fds, not {len(fds)}")
             pid = self._fork(spawn, fds, conn)
             conn.sendall(frame(Started(pid)))
-        except (OSError, EOFError, EngineError, ProtocolError, msgspec.MsgspecError) as e:
+        except (OSError, EngineError, msgspec.MsgspecError) as e:
             with contextlib.suppress(OSError):
                 conn.sendall(frame(Refused(str(e))))
             conn.close()
             return
         finally:
-            for fd in fds:
-                os.close(fd)
+            protocol.close_fds(fds)
+            fds.clear()
         pidfd = os.pidfd_open(pid)
         self.children[pidfd] = (pid, conn)
         self.sel.register(pidfd, selectors.EVENT_READ)
+
+    def _done_reading(self, req: _Request) -> None:
+        self.sel.unregister(req.conn)
+        del self.requests[req.conn.fileno()]
+
+    def _refuse(self, req: _Request, why: str) -> None:
+        self._done_reading(req)
+        with contextlib.suppress(OSError):
+            req.conn.sendall(frame(Refused(why)))
+        req.close()
 
     def _reap(self, pidfd: int) -> None:
         pid, conn = self.children.pop(pidfd)
@@ -138,6 +222,8 @@ class Server:
         for pidfd, (_, conn) in self.children.items():
             os.close(pidfd)
             conn.close()
+        for req in self.requests.values():  # other peers' requests, still arriving
+            req.close()
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
         os.environ.clear()
@@ -207,9 +293,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from holdfast_contract import logs
 
     logs.setup(args.log_format)
-    import structlog
-
-    log = structlog.get_logger("engine.forkserver")
     try:
         seconds = preload()
         server = Server(bind(args.socket))

@@ -2,7 +2,9 @@
 
 Engines connect with a DEALER whose identity is their name. A restarted engine reuses its
 name, so the ROUTER hands the identity over to the newest connection. Garbage frames are
-dropped and counted; each decoded message goes to the one handler for its type.
+dropped and counted; each decoded message goes to the one handler for its type. A message
+its handler cannot take (a pid past the kernel's range, say) is dropped, counted and logged:
+no peer's message ends the hub.
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ import contextlib
 from collections.abc import Callable
 
 import msgspec
+import structlog
 import zmq
 import zmq.asyncio
 
 from holdfast_contract import agent_protocol as wire
 from holdfast_contract.agent_protocol import Ack, Heartbeat, Hello, StateChange
+
+log = structlog.get_logger("supervisor.agent_hub")
 
 
 class AgentHub:
@@ -55,7 +60,13 @@ class AgentHub:
             if getattr(msg, "name", None) != ident.decode(errors="replace"):
                 self.malformed += 1  # a name that is not the sender's identity
                 continue
-            self._dispatch(msg)
+            try:
+                self._dispatch(msg)
+            except (ValueError, OverflowError, OSError) as e:
+                self.malformed += 1
+                log.warning(
+                    "agent message dropped", agent=ident.decode(errors="replace"), error=str(e)
+                )
 
     def _dispatch(self, msg: Hello | Heartbeat | StateChange | Ack) -> None:
         if isinstance(msg, Heartbeat):

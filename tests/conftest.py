@@ -156,3 +156,19 @@ def forkserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServerP
         yield server
     finally:
         server.stop()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The `fuzz` properties tests recorded (tests/test_fuzz_wire.py): what each sent."""
+    lines = [
+        str(value)
+        for key in ("passed", "failed")
+        for report in terminalreporter.stats.get(key, [])
+        if getattr(report, "when", "") == "call"
+        for name, value in getattr(report, "user_properties", [])
+        if name == "fuzz"
+    ]
+    if lines:
+        terminalreporter.section("fuzzed socket protocols")
+        for line in lines:
+            terminalreporter.write_line(f"fuzz: {line}")
