@@ -34,6 +34,7 @@ def _print(elector: Elector, event: str) -> None:
         "node": elector.spec.node,
         "role": elector.role.value,
         "epoch": elector.epoch,
+        "cluster_epoch": elector.cluster_epoch,
         "leader": elector.view.leader_node,
         "lease_deadline": deadline,
         "error": str(elector.error) if elector.error else None,

@@ -105,6 +105,7 @@ class Elector:
         self._vacant_since = 0.0
         self._seen: dict[str, float] = {}
         self._published: NodeInfo | None = None
+        self._reported_leader: tuple[str | None, int] = (None, 0)
         self._changed = asyncio.Event()
         self._wake = asyncio.Event()
         self._reconnect = asyncio.Event()
@@ -138,7 +139,13 @@ class Elector:
 
     @property
     def epoch(self) -> int:
+        """The epoch of this node's current or last term; 0 before it first led."""
         return self.term.epoch if self.term is not None else 0
+
+    @property
+    def cluster_epoch(self) -> int:
+        """The epoch of the leader this node sees now (its key's create revision); 0: none."""
+        return self.view.leader.create_revision if self.view.leader is not None else 0
 
     def set_healthy(self, healthy: bool) -> None:
         """Whether this node's pool is whole: an unhealthy node does not campaign."""
@@ -157,7 +164,19 @@ class Elector:
     # state
     def _set(self, role: Role, event: str) -> None:
         self.role = role
-        log.info("fleet." + event, node=self.spec.node, role=role.value, epoch=self.epoch)
+        self._report(event)
+
+    def _report(self, event: str) -> None:
+        """One change, logged and handed to `on_change`: a role change, or `leader` when
+        the leader this node sees changed (what a router follows)."""
+        log.info(
+            "fleet." + event,
+            node=self.spec.node,
+            role=self.role.value,
+            epoch=self.epoch,
+            leader=self.view.leader_node,
+            cluster_epoch=self.cluster_epoch,
+        )
         if self.on_change is not None:
             self.on_change(self, event)
         self._notify()
@@ -202,6 +221,7 @@ class Elector:
                 if self.role == Role.LEADER:
                     self._step_down("session_lost")
                 if self.role == Role.FOLLOWER:
+                    self.view.load([])  # stale: a new session reads the keys afresh
                     self._set(move(self.role, "session_lost"), "session_lost")
                 log.warning(
                     "fleet.etcd_failed", node=self.spec.node, error=str(exc), retry_in_s=delay
@@ -328,6 +348,10 @@ class Elector:
 
     async def _decide_once(self) -> None:
         now, me, view = self.clock(), self._me(), self.view
+        leader = (view.leader_node, self.cluster_epoch)
+        if leader != self._reported_leader:
+            self._reported_leader = leader
+            self._report("leader")
         if me != self._published:
             await self.etcd.put(
                 self.spec.node_key(me.node), msgspec.json.encode(me), lease=self.lease

@@ -151,19 +151,24 @@ class EtcdClient:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         tried: list[str] = []
-        for i in range(len(self.endpoints)):
-            index = (self._current + i) % len(self.endpoints)
+        count, start = len(self.endpoints), self._current
+        for i in range(count):
+            index = (start + i) % count
             left = deadline - loop.time()
             if left <= 0:
                 break
+            # one endpoint cut off must not eat the whole deadline: half of what is left,
+            # all of it for the last one
+            budget = left if i == count - 1 else left / 2
             url = self.endpoints[index] + path
             try:
                 async with self.session.post(
-                    url, json=body, timeout=aiohttp.ClientTimeout(total=left)
+                    url, json=body, timeout=aiohttp.ClientTimeout(total=budget)
                 ) as resp:
                     data = await resp.read()
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
                 tried.append(f"{self.endpoints[index]} ({type(exc).__name__}: {exc})")
+                self._current = (index + 1) % count  # the next call starts elsewhere
                 continue
             self._current = index
             if resp.status != 200:
