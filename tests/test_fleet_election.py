@@ -105,6 +105,11 @@ def test_priority_rules() -> None:
     assert yield_to(a, nodes, {"b": 10.0}, now=12.0, wait_s=2.0) == "b"
     assert yield_to(b, nodes, {"a": 0.0}, now=99.0, wait_s=2.0) is None
     assert yield_to(a, sick, {"b": 0.0}, now=99.0, wait_s=2.0) is None
+    # a leader whose pool is not whole hands over to any healthy node, once it has stayed so
+    even = {"a": a, "c": NodeInfo("c", "fp", priority=0)}
+    assert yield_to(a, even, {"c": 0.0}, now=99.0, wait_s=2.0) is None
+    assert yield_to(a, even, {"c": 0.0}, now=99.0, wait_s=2.0, unhealthy_since=98.0) is None
+    assert yield_to(a, even, {"c": 0.0}, now=99.0, wait_s=2.0, unhealthy_since=97.0) == "c"
 
 
 def test_illegal_move_raises() -> None:
@@ -242,6 +247,35 @@ def test_unhealthy_node_does_not_campaign(etcd: Etcd) -> None:
             assert not a.is_leader() and a.view.leader is None
             a.set_healthy(True)
             await a.wait_for(Elector.is_leader, DEADLINE)
+
+    asyncio.run(main())
+
+
+def test_leader_whose_pool_stays_broken_hands_over(etcd: Etcd) -> None:
+    async def main() -> None:
+        async with elector(spec(etcd.endpoint, "n1")) as a:
+            await a.wait_for(Elector.is_leader, DEADLINE)
+            async with elector(spec(etcd.endpoint, "n2")) as b:
+                await b.wait_for(lambda e: e.view.leader_node == "n1", DEADLINE)
+                a.set_healthy(False)
+                await b.wait_for(Elector.is_leader, DEADLINE)
+                assert [r for _, r, _ in a.stepdowns] == ["yield_to_n2"]
+                assert not a.is_leader()
+
+    asyncio.run(main())
+
+
+def test_leader_key_deleted_behind_its_back_steps_it_down(etcd: Etcd) -> None:
+    async def main() -> None:
+        async with elector(spec(etcd.endpoint, "n1")) as a:
+            await a.wait_for(Elector.is_leader, DEADLINE)
+            first = a.epoch
+            async with EtcdClient([etcd.endpoint]) as raw:
+                await raw.delete(a.spec.leader_key)
+            await a.wait_for(lambda e: len(e.stepdowns) == 1, DEADLINE)
+            assert a.stepdowns[0][1] == "key_gone"
+            await a.wait_for(Elector.is_leader, DEADLINE)  # and campaigns again
+            assert a.epoch > first
 
     asyncio.run(main())
 

@@ -97,10 +97,19 @@ def yield_to(
     seen_since: dict[str, float],
     now: float,
     wait_s: float,
+    unhealthy_since: float | None = None,
 ) -> str | None:
-    """The node a leader hands leadership to: the highest-priority healthy node that has
-    been seen healthy for `wait_s` (no flapping on a node that just came up). None: keep."""
-    for node in higher(me, nodes):
-        if now - seen_since.get(node.node, now) >= wait_s:
+    """The node a leader hands leadership to, or None to keep it: the highest-priority
+    healthy node seen healthy for `wait_s` (no flapping on a node that just came up) that
+    either has a higher priority, or any such node once this leader's own pool has not
+    been whole for `wait_s` (a local failover, quicker than that, moves nothing)."""
+    sick = unhealthy_since is not None and now - unhealthy_since >= wait_s
+    ready = [
+        n
+        for n in nodes.values()
+        if n.node != me.node and n.healthy and now - seen_since.get(n.node, now) >= wait_s
+    ]
+    for node in sorted(ready, key=lambda n: -n.priority):
+        if node.priority > me.priority or sick:
             return node.node
     return None

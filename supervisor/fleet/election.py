@@ -55,13 +55,15 @@ class View:
         self.spec = spec
         self.leader: KeyValue | None = None
         self.nodes: dict[str, NodeInfo] = {}
+        self.revision = 0  # the store revision this view is current as of
 
-    def load(self, kvs: list[KeyValue]) -> None:
-        self.leader, self.nodes = None, {}
+    def load(self, kvs: list[KeyValue], revision: int = 0) -> None:
+        self.leader, self.nodes, self.revision = None, {}, revision
         for kv in kvs:
             self.apply(kv, deleted=False)
 
     def apply(self, kv: KeyValue, *, deleted: bool) -> None:
+        self.revision = max(self.revision, kv.mod_revision)
         key = kv.key.decode()
         if key == self.spec.leader_key:
             self.leader = None if deleted else kv
@@ -91,6 +93,7 @@ class Elector:
     ) -> None:
         self.etcd, self.spec, self.fingerprint, self.clock = etcd, spec, fingerprint, clock
         self.healthy = healthy
+        self._unhealthy_since: float | None = None if healthy else clock()
         self.on_change = on_change
         self.max_backoff_s = max_backoff_s
         self.role = Role.STARTING
@@ -148,7 +151,12 @@ class Elector:
         return self.view.leader.create_revision if self.view.leader is not None else 0
 
     def set_healthy(self, healthy: bool) -> None:
-        """Whether this node's pool is whole: an unhealthy node does not campaign."""
+        """Whether this node's pool is whole: an unhealthy node does not campaign, and a
+        leader unhealthy for ttl_s hands over to a healthy node."""
+        if healthy:
+            self._unhealthy_since = None
+        elif self._unhealthy_since is None:
+            self._unhealthy_since = self.clock()
         self.healthy = healthy
         self._wake.set()
 
@@ -206,7 +214,7 @@ class Elector:
 
     # the loop
     async def _run(self) -> None:
-        delay = min(0.1, self.spec.renew_s)
+        first = delay = min(0.1, self.spec.renew_s)
         while True:
             try:
                 await self._session()
@@ -218,6 +226,8 @@ class Elector:
                 return
             except EtcdError as exc:
                 self.failures.append((self.clock(), str(exc)))
+                if self.role != Role.STARTING:  # it had joined: start over from a short wait
+                    delay = first
                 if self.role == Role.LEADER:
                     self._step_down("session_lost")
                 if self.role == Role.FOLLOWER:
@@ -327,7 +337,7 @@ class Elector:
 
     async def _follow(self) -> None:
         revision, kvs = await self.etcd.get_prefix(self.spec.root)
-        self.view.load(kvs)
+        self.view.load(kvs, revision)
         self._wake.set()
         async for event in self.etcd.watch(self.spec.root, revision + 1):
             self.view.apply(event.kv, deleted=event.type == "DELETE")
@@ -383,10 +393,13 @@ class Elector:
     async def _lead(self, now: float, me: NodeInfo) -> None:
         assert self.term is not None
         leader = self.view.leader
+        if leader is None and self.view.revision > self.term.epoch:
+            self._step_down("key_gone")  # deleted behind this node's back
+            return
         if leader is not None and leader.create_revision != self.term.epoch:
             self._step_down("key_replaced")
             return
-        target = yield_to(me, self.view.nodes, self._seen, now, self._ttl)
+        target = yield_to(me, self.view.nodes, self._seen, now, self._ttl, self._unhealthy_since)
         if target is not None:
             self._step_down("yield_to_" + target)
             await self.etcd.delete_if_created(self.spec.leader_key, self.term.epoch)
