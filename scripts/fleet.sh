@@ -11,6 +11,11 @@
 #   scripts/fleet.sh rejoin NODE   ... and back
 #   scripts/fleet.sh exec NODE CMD...  runs CMD inside NODE's namespace
 #   scripts/fleet.sh health        each etcd member's /health
+#   scripts/fleet.sh endpoints     the etcd endpoints, comma-separated
+#
+# HF_FLEET_STATE: where etcd data, logs and pids go (default /tmp/hf-fleet).
+# HF_FLEET_ETCD_FLAGS: more etcd flags, e.g. "--heartbeat-interval 50 --election-timeout 500"
+# (etcd grants no lease shorter than 1.5 x its election timeout: that lets ttl_s be 1).
 #
 # Example:
 #   sudo scripts/fleet.sh up 3 && sudo scripts/fleet.sh exec n1 python3 -m supervisor.fleet \
@@ -60,13 +65,15 @@ start_member() {  # INDEX
     --listen-client-urls "http://$ip:2379" --advertise-client-urls "http://$ip:2379" \
     --listen-peer-urls "http://$ip:2380" --initial-advertise-peer-urls "http://$ip:2380" \
     --initial-cluster "$cluster" --initial-cluster-token hf-fleet \
-    --initial-cluster-state new </dev/null >"$STATE/e$i/etcd.log" 2>&1 &
+    --initial-cluster-state new ${HF_FLEET_ETCD_FLAGS:-} </dev/null >"$STATE/e$i/etcd.log" 2>&1 &
   echo $! >"$STATE/e$i/pid"
 }
 
 healthy() {  # INDEX: 0 when the member answers healthy
-  local ip="$NET.$((200 + $1))"
-  ip netns exec "hf-e$1" curl -sf -m 2 "http://$ip:2379/health" | grep -q '"health":"true"'
+  ip netns exec "hf-e$1" python3 - "http://$NET.$((200 + $1)):2379/health" <<'PY' 2>/dev/null
+import sys, urllib.request
+sys.exit(b'"health":"true"' not in urllib.request.urlopen(sys.argv[1], timeout=2).read())
+PY
 }
 
 wait_healthy() {
@@ -85,7 +92,6 @@ up() {
   [[ $n =~ ^[1-9][0-9]?$ ]] || die "usage: fleet.sh up N (1-99 nodes)"
   need
   command -v etcd >/dev/null || die "etcd not installed: apt-get install -y etcd-server"
-  command -v curl >/dev/null || die "curl not installed: apt-get install -y curl"
   ip link show $BRIDGE >/dev/null 2>&1 && die "a fleet is up already ($BRIDGE); run fleet.sh down"
   mkdir -p "$STATE"
   ip link add $BRIDGE type bridge

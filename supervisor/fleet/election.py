@@ -22,61 +22,23 @@ from types import TracebackType
 import msgspec
 import structlog
 
-from supervisor.errors import SupervisorError
 from supervisor.fleet.decide import NodeInfo, Role, Term, may_campaign, move, yield_to
-from supervisor.fleet.etcd import EtcdClient, EtcdError, EtcdUnavailable, KeyValue, LeaseLost
+from supervisor.fleet.errors import (
+    DuplicateNode,
+    EtcdError,
+    EtcdUnavailable,
+    FingerprintMismatch,
+    FleetError,
+    JoinRefused,
+    LeaseLost,
+)
+from supervisor.fleet.etcd import EtcdClient
+from supervisor.fleet.registry import View, check_fingerprint, register
 from supervisor.fleet.spec import ClusterSpec
 
 log = structlog.get_logger("holdfast.fleet")
 Clock = Callable[[], float]
-
-
-class FleetError(SupervisorError):
-    """This node cannot join its cluster as configured."""
-
-
-class DuplicateNode(FleetError):
-    """Another live supervisor holds this node name."""
-
-
-class FingerprintMismatch(FleetError):
-    """The cluster serves another model."""
-
-
-class Fingerprint(msgspec.Struct, frozen=True):
-    fingerprint: str
-    node: str
-
-
-class View:
-    """What this node knows of the cluster's keys, kept current by the watch."""
-
-    def __init__(self, spec: ClusterSpec) -> None:
-        self.spec = spec
-        self.leader: KeyValue | None = None
-        self.nodes: dict[str, NodeInfo] = {}
-        self.revision = 0  # the store revision this view is current as of
-
-    def load(self, kvs: list[KeyValue], revision: int = 0) -> None:
-        self.leader, self.nodes, self.revision = None, {}, revision
-        for kv in kvs:
-            self.apply(kv, deleted=False)
-
-    def apply(self, kv: KeyValue, *, deleted: bool) -> None:
-        self.revision = max(self.revision, kv.mod_revision)
-        key = kv.key.decode()
-        if key == self.spec.leader_key:
-            self.leader = None if deleted else kv
-        elif key.startswith(self.spec.nodes_prefix):
-            name = key[len(self.spec.nodes_prefix) :]
-            if deleted:
-                self.nodes.pop(name, None)
-            else:
-                self.nodes[name] = msgspec.json.decode(kv.value, type=NodeInfo)
-
-    @property
-    def leader_node(self) -> str | None:
-        return None if self.leader is None else self.leader.value.decode()
+__all__ = ["DuplicateNode", "Elector", "FingerprintMismatch", "FleetError"]
 
 
 class Elector:
@@ -99,7 +61,7 @@ class Elector:
         self.role = Role.STARTING
         self.term: Term | None = None
         self.view = View(spec)
-        self.error: FleetError | None = None
+        self.error: JoinRefused | None = None
         self.failures: list[tuple[float, str]] = []  # (clock, why) each failed session start
         self.stepdowns: list[tuple[float, str, float]] = []  # (clock, reason, lease deadline)
         self.lease = 0
@@ -116,6 +78,7 @@ class Elector:
 
     async def __aenter__(self) -> Elector:
         self._task = asyncio.create_task(self._run(), name=f"elector-{self.spec.node}")
+        self._task.add_done_callback(lambda _: self._notify())  # a crash wakes the waiters
         return self
 
     async def __aexit__(
@@ -123,9 +86,10 @@ class Elector:
     ) -> None:
         if self.role is Role.STOPPED:
             return
+        crash: BaseException | None = None
         if self._task is not None:
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            (crash,) = await asyncio.gather(self._task, return_exceptions=True)
         if self.role == Role.LEADER:
             self._step_down("stop")
         if self.role != Role.FAILED:
@@ -135,6 +99,8 @@ class Elector:
                 await self.etcd.revoke(self.lease, timeout=self.spec.renew_s)
             except EtcdError as exc:
                 log.warning("lease not revoked", node=self.spec.node, error=str(exc))
+        if isinstance(crash, Exception):
+            raise crash  # a bug in the elector: never hidden
 
     # what the supervisor asks
     def is_leader(self) -> bool:
@@ -166,6 +132,8 @@ class Elector:
             while not predicate(self):
                 if self.error is not None:
                     raise self.error
+                if self._task is not None and self._task.done() and not self._task.cancelled():
+                    raise RuntimeError(f"elector {self.spec.node} died") from self._task.exception()
                 changed = self._changed
                 await changed.wait()
 
@@ -218,7 +186,7 @@ class Elector:
         while True:
             try:
                 await self._session()
-            except FleetError as exc:
+            except JoinRefused as exc:
                 self.error = exc
                 self._set(move(self.role, "refused"), "refused")
                 log.error("fleet.refused", node=self.spec.node, error=str(exc))
@@ -263,33 +231,10 @@ class Elector:
 
     async def _join(self) -> None:
         me = self._me()
-        mine = msgspec.json.encode(Fingerprint(self.fingerprint, self.spec.node))
-        created, kv = await self.etcd.put_if_absent(self.spec.fingerprint_key, mine)
-        stored = msgspec.json.decode(kv.value, type=Fingerprint)
-        if stored.fingerprint != self.fingerprint:
-            raise FingerprintMismatch(
-                f"cluster {self.spec.name!r} serves model fingerprint {stored.fingerprint} "
-                f"(first set by node {stored.node!r}, etcd key {self.spec.fingerprint_key}); "
-                f"node {self.spec.node!r} has {self.fingerprint}; give this node its own "
-                "cluster.name, or the same model"
-            )
-        key = self.spec.node_key(self.spec.node)
+        await check_fingerprint(self.etcd, self.spec, self.fingerprint)
         deadline = self.clock() + self._ttl + self.spec.margin_s
-        while True:
-            created, kv = await self.etcd.put_if_absent(
-                key, msgspec.json.encode(me), lease=self.lease
-            )
-            if created:
-                self._published = me
-                return
-            if self.clock() >= deadline:  # a crashed holder's lease would have expired
-                other = msgspec.json.decode(kv.value, type=NodeInfo)
-                raise DuplicateNode(
-                    f"cluster {self.spec.name!r}: node name {self.spec.node!r} is held by "
-                    f"a live supervisor (pid {other.pid} on {other.host}, lease "
-                    f"{kv.lease:x}); give this node another cluster.node"
-                )
-            await asyncio.sleep(self.spec.renew_s)
+        await register(self.etcd, self.spec, me, self.lease, self.clock, deadline)
+        self._published = me
 
     async def _renew(self) -> None:
         """Renew the lease every renew_s; each try's deadline is the leader's deadline, so

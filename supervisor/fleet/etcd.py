@@ -19,26 +19,11 @@ from typing import Any, Literal, TypeVar
 import aiohttp
 import msgspec
 
-from supervisor.errors import SupervisorError
+from supervisor.fleet.errors import EtcdError, EtcdUnavailable, LeaseLost
 
 T = TypeVar("T")
+__all__ = ["EtcdClient", "EtcdError", "EtcdUnavailable", "KeyValue", "LeaseLost", "WatchEvent"]
 NOT_FOUND = 5  # gRPC status code etcd answers for a lease that does not exist (any more)
-
-
-class EtcdError(SupervisorError):
-    """etcd answered with an error; `code` is its gRPC status code."""
-
-    def __init__(self, message: str, code: int = 0) -> None:
-        self.code = code
-        super().__init__(message)
-
-
-class EtcdUnavailable(EtcdError):
-    """No endpoint answered within the request's deadline."""
-
-
-class LeaseLost(EtcdError):
-    """The lease expired or was revoked: keys attached to it are gone."""
 
 
 class KeyValue(msgspec.Struct, frozen=True):
