@@ -4,6 +4,7 @@ epochs, step-down before the lease can expire, priority, and the refusals."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -191,6 +192,27 @@ def test_leader_steps_down_before_its_lease_can_expire(etcd: Etcd) -> None:
             await a.wait_for(lambda e: a.is_leader() or b.is_leader(), DEADLINE)
             now = a if a.is_leader() else b
             assert now.epoch > first
+
+    asyncio.run(main())
+
+
+def test_leader_is_not_leader_past_its_hold_on_its_own_clock(etcd: Etcd) -> None:
+    """is_leader() reads the clock at each call: once the last renewal is older than
+    hold_s, no flag or pending renewal keeps it true."""
+    skew = [0.0]
+
+    def clock() -> float:
+        return time.monotonic() + skew[0]
+
+    async def main() -> None:
+        async with elector(spec(etcd.endpoint, "n1"), clock=clock) as a:
+            await a.wait_for(Elector.is_leader, DEADLINE)
+            assert a.term is not None
+            # the clock jumps past the hold of every renewal sent so far, in flight or not
+            skew[0] = 2.0 * a.spec.ttl_s
+            assert not a.is_leader()  # at once, before the elector's loop runs again
+            await a.wait_for(lambda e: e.stepdowns != [], DEADLINE)
+            assert a.stepdowns[0][1] == "renewal_stale"
 
     asyncio.run(main())
 
