@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# A fleet of nodes on one machine, for tests: network namespaces joined by a bridge, and a
+# 3-member etcd cluster in namespaces of its own. Needs root and iproute2. Traffic stays
+# between these namespaces: the bridge has no address in the host's namespace.
+#
+#   scripts/fleet.sh up N          nodes hf-n1..hf-nN (10.77.0.1..N), etcd in hf-e1..hf-e3
+#                                  (10.77.0.201..203:2379); prints HF_FLEET_ETCD=<endpoints>
+#   scripts/fleet.sh down          removes namespaces, links, etcd processes and data dirs;
+#                                  safe to run again, or when nothing is up
+#   scripts/fleet.sh isolate NODE  cuts NODE (hf-n2 or n2) off: its link to the bridge down
+#   scripts/fleet.sh rejoin NODE   ... and back
+#   scripts/fleet.sh exec NODE CMD...  runs CMD inside NODE's namespace
+#   scripts/fleet.sh health        each etcd member's /health
+#   scripts/fleet.sh endpoints     the etcd endpoints, comma-separated
+#
+# HF_FLEET_STATE: where etcd data, logs and pids go (default /tmp/hf-fleet).
+# HF_FLEET_ETCD_FLAGS: more etcd flags, e.g. "--heartbeat-interval 50 --election-timeout 500"
+# (etcd grants no lease shorter than 1.5 x its election timeout: that lets ttl_s be 1).
+#
+# Example:
+#   sudo scripts/fleet.sh up 3 && sudo scripts/fleet.sh exec n1 python3 -m supervisor.fleet \
+#       elect --etcd 10.77.0.201:2379,10.77.0.202:2379,10.77.0.203:2379 --cluster demo \
+#       --node n1 --fingerprint abc
+set -euo pipefail
+
+STATE=${HF_FLEET_STATE:-/tmp/hf-fleet}  # etcd data, logs, pids
+BRIDGE=hf-br0
+NET=10.77.0
+MEMBERS=3
+
+die() { echo "fleet.sh: $*" >&2; exit 1; }
+
+need() {
+  [ "$(id -u)" = 0 ] || die "needs root (network namespaces); run it with sudo"
+  command -v ip >/dev/null || die "needs iproute2's ip: apt-get install -y iproute2"
+}
+
+ns_name() { case $1 in hf-*) echo "$1" ;; *) echo "hf-$1" ;; esac; }
+
+# host-side end of a namespace's veth: hf-n2 -> hfv-n2
+host_if() { echo "hfv-${1#hf-}"; }
+
+endpoints() {
+  local i out=""
+  for i in $(seq 1 $MEMBERS); do out+="${out:+,}$NET.$((200 + i)):2379"; done
+  echo "$out"
+}
+
+add_ns() {  # NAME ADDRESS
+  local ns=$1 addr=$2 hif
+  hif=$(host_if "$ns")
+  ip netns add "$ns"
+  ip -n "$ns" link set lo up
+  ip link add "$hif" type veth peer name eth0 netns "$ns"
+  ip link set "$hif" master $BRIDGE up
+  ip -n "$ns" addr add "$addr/24" dev eth0
+  ip -n "$ns" link set eth0 up
+}
+
+start_member() {  # INDEX
+  local i=$1 ns="hf-e$1" ip="$NET.$((200 + $1))" cluster="" j
+  for j in $(seq 1 $MEMBERS); do cluster+="${cluster:+,}e$j=http://$NET.$((200 + j)):2380"; done
+  mkdir -p "$STATE/e$i"
+  ip netns exec "$ns" setsid etcd --name "e$i" --data-dir "$STATE/e$i/data" \
+    --listen-client-urls "http://$ip:2379" --advertise-client-urls "http://$ip:2379" \
+    --listen-peer-urls "http://$ip:2380" --initial-advertise-peer-urls "http://$ip:2380" \
+    --initial-cluster "$cluster" --initial-cluster-token hf-fleet \
+    --initial-cluster-state new ${HF_FLEET_ETCD_FLAGS:-} </dev/null >"$STATE/e$i/etcd.log" 2>&1 &
+  echo $! >"$STATE/e$i/pid"
+}
+
+healthy() {  # INDEX: 0 when the member answers healthy
+  ip netns exec "hf-e$1" python3 - "http://$NET.$((200 + $1)):2379/health" <<'PY' 2>/dev/null
+import sys, urllib.request
+sys.exit(b'"health":"true"' not in urllib.request.urlopen(sys.argv[1], timeout=2).read())
+PY
+}
+
+wait_healthy() {
+  local deadline=$((SECONDS + ${HF_FLEET_TIMEOUT:-60})) i ok
+  while :; do
+    ok=1
+    for i in $(seq 1 $MEMBERS); do healthy "$i" || ok=0; done
+    [ $ok = 1 ] && return 0
+    [ $SECONDS -lt $deadline ] || { tail -n 20 "$STATE"/e*/etcd.log >&2; die "etcd not healthy"; }
+    sleep 0.2
+  done
+}
+
+up() {
+  local n=${1:-} i
+  [[ $n =~ ^[1-9][0-9]?$ ]] || die "usage: fleet.sh up N (1-99 nodes)"
+  need
+  command -v etcd >/dev/null || die "etcd not installed: apt-get install -y etcd-server"
+  ip link show $BRIDGE >/dev/null 2>&1 && die "a fleet is up already ($BRIDGE); run fleet.sh down"
+  mkdir -p "$STATE"
+  ip link add $BRIDGE type bridge
+  ip link set $BRIDGE up
+  for i in $(seq 1 "$n"); do add_ns "hf-n$i" "$NET.$i"; done
+  for i in $(seq 1 $MEMBERS); do add_ns "hf-e$i" "$NET.$((200 + i))"; done
+  echo "$n" >"$STATE/nodes"
+  for i in $(seq 1 $MEMBERS); do start_member "$i"; done
+  wait_healthy
+  echo "HF_FLEET_ETCD=$(endpoints)"
+}
+
+stop_member() {  # PIDFILE: kill it only if it is still our etcd
+  local pid
+  pid=$(cat "$1" 2>/dev/null) || return 0
+  if [ -r "/proc/$pid/cmdline" ] && tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q "^etcd --name e"; then
+    kill -9 "$pid" 2>/dev/null || true
+    while [ -e "/proc/$pid" ] && ! grep -q '^State:.*Z' "/proc/$pid/status" 2>/dev/null; do
+      sleep 0.05
+    done
+  fi
+}
+
+down() {
+  need
+  local f ns
+  for f in "$STATE"/e*/pid; do [ -e "$f" ] && stop_member "$f"; done
+  for ns in $(ip netns list | awk '{print $1}' | grep -E '^hf-(n|e)[0-9]+$' || true); do
+    ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
+    ip netns del "$ns"
+  done
+  for f in $(ip -o link show | awk -F': ' '{print $2}' | cut -d@ -f1 | grep -E '^hfv-' || true); do
+    ip link del "$f" 2>/dev/null || true
+  done
+  ip link del $BRIDGE 2>/dev/null || true
+  rm -rf "$STATE"
+}
+
+link() {  # NODE up|down
+  need
+  local ns
+  ns=$(ns_name "${1:-}")
+  ip netns list | grep -qw "$ns" || die "no namespace $ns; is the fleet up (fleet.sh up N)?"
+  ip link set "$(host_if "$ns")" "$2"
+}
+
+cmd=${1:-}
+shift || true
+case $cmd in
+  up) up "$@" ;;
+  down) down ;;
+  isolate) link "${1:-}" down ;;
+  rejoin) link "${1:-}" up ;;
+  exec)
+    need
+    ns=$(ns_name "${1:-}")
+    shift
+    exec ip netns exec "$ns" "$@"
+    ;;
+  health) for i in $(seq 1 $MEMBERS); do healthy "$i" && echo "e$i healthy" || echo "e$i unhealthy"; done ;;
+  endpoints) endpoints ;;
+  *) die "usage: fleet.sh up N | down | isolate NODE | rejoin NODE | exec NODE CMD... | health | endpoints" ;;
+esac

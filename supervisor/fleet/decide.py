@@ -1,0 +1,115 @@
+"""The election's decisions as plain functions of a snapshot and a clock reading.
+
+`Term` answers whether a leader may still serve; `may_campaign` and `yield_to` apply the
+priority rule. The elector (election.py) only carries these out against etcd.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class Role(enum.Enum):
+    STARTING = "starting"  # no etcd session yet (or between sessions)
+    FOLLOWER = "follower"  # in a session, not leader
+    LEADER = "leader"  # holds the leader key and its renewal is fresh
+    FAILED = "failed"  # refused to join (duplicate node name, fingerprint mismatch)
+    STOPPED = "stopped"
+
+
+class IllegalMove(RuntimeError):
+    """A state change the table does not allow: a bug in the elector."""
+
+
+# (from, event) -> to; the only ways the role changes.
+MOVES: dict[tuple[Role, str], Role] = {
+    (Role.STARTING, "joined"): Role.FOLLOWER,
+    (Role.STARTING, "refused"): Role.FAILED,
+    (Role.STARTING, "stop"): Role.STOPPED,
+    (Role.FOLLOWER, "won"): Role.LEADER,
+    (Role.FOLLOWER, "session_lost"): Role.STARTING,
+    (Role.FOLLOWER, "stop"): Role.STOPPED,
+    (Role.LEADER, "stepped_down"): Role.FOLLOWER,
+    (Role.LEADER, "stop"): Role.STOPPED,
+    (Role.FAILED, "stop"): Role.FAILED,
+}
+
+
+def move(role: Role, event: str) -> Role:
+    try:
+        return MOVES[(role, event)]
+    except KeyError:
+        raise IllegalMove(f"no move from {role.value} on {event!r}") from None
+
+
+class NodeInfo(msgspec.Struct, frozen=True):
+    """What a node publishes under /<prefix>/<cluster>/nodes/<node> (on its lease)."""
+
+    node: str
+    fingerprint: str
+    priority: int = 0
+    healthy: bool = True
+    pid: int = 0
+    host: str = ""
+
+
+class Term(msgspec.Struct, frozen=True):
+    """One leadership: its epoch (the leader key's create revision) and the send time of
+    the lease's last successful renewal. etcd restarts the lease's TTL when the renewal
+    arrives, which is after it was sent, so the lease cannot expire before
+    `renewed_at + ttl`; the leader serves only until `renewed_at + hold_s`
+    (hold_s = ttl - margin)."""
+
+    epoch: int
+    renewed_at: float
+    hold_s: float
+
+    @property
+    def deadline(self) -> float:
+        return self.renewed_at + self.hold_s
+
+    def holds(self, now: float) -> bool:
+        return now < self.deadline
+
+
+def higher(me: NodeInfo, nodes: dict[str, NodeInfo]) -> list[NodeInfo]:
+    """Healthy nodes of higher priority than `me`, highest first."""
+    found = [n for n in nodes.values() if n.node != me.node and n.healthy]
+    return sorted((n for n in found if n.priority > me.priority), key=lambda n: -n.priority)
+
+
+def may_campaign(
+    me: NodeInfo, nodes: dict[str, NodeInfo], vacant_since: float, now: float, wait_s: float
+) -> bool:
+    """With the leader key vacant: a healthy node campaigns unless a healthy node of higher
+    priority is registered, and even then once the key has stayed vacant `wait_s` (that
+    node may be stuck)."""
+    if not me.healthy:
+        return False
+    return not higher(me, nodes) or now - vacant_since >= wait_s
+
+
+def yield_to(
+    me: NodeInfo,
+    nodes: dict[str, NodeInfo],
+    seen_since: dict[str, float],
+    now: float,
+    wait_s: float,
+    unhealthy_since: float | None = None,
+) -> str | None:
+    """The node a leader hands leadership to, or None to keep it: the highest-priority
+    healthy node seen healthy for `wait_s` (no flapping on a node that just came up) that
+    either has a higher priority, or any such node once this leader's own pool has not
+    been whole for `wait_s` (a local failover, quicker than that, moves nothing)."""
+    sick = unhealthy_since is not None and now - unhealthy_since >= wait_s
+    ready = [
+        n
+        for n in nodes.values()
+        if n.node != me.node and n.healthy and now - seen_since.get(n.node, now) >= wait_s
+    ]
+    for node in sorted(ready, key=lambda n: -n.priority):
+        if node.priority > me.priority or sick:
+            return node.node
+    return None

@@ -1,0 +1,360 @@
+"""One node's part in the cluster election, carried out against etcd.
+
+`async with Elector(etcd, spec, fingerprint) as e:` joins the cluster: a session lease
+(TTL `spec.ttl_s`, renewed every `spec.renew_s`) carries this node's registration and,
+while it leads, the leader key. Joining checks the cluster's model fingerprint and that no
+live node holds the same node name. `e.is_leader()` is true only while the lease's last
+successful renewal was sent less than `spec.hold_s` ago, whatever etcd's state: a leader
+cut off from etcd stops serving before its lease can expire, so no other node can be
+elected while it still serves. `e.epoch` is the leader key's create revision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Callable
+from types import TracebackType
+
+import msgspec
+import structlog
+
+from supervisor.fleet.decide import NodeInfo, Role, Term, may_campaign, move, yield_to
+from supervisor.fleet.errors import (
+    DuplicateNode,
+    EtcdError,
+    EtcdUnavailable,
+    FingerprintMismatch,
+    FleetError,
+    JoinRefused,
+    LeaseLost,
+)
+from supervisor.fleet.etcd import EtcdClient
+from supervisor.fleet.registry import View, check_fingerprint, register
+from supervisor.fleet.spec import ClusterSpec
+
+log = structlog.get_logger("holdfast.fleet")
+Clock = Callable[[], float]
+__all__ = ["DuplicateNode", "Elector", "FingerprintMismatch", "FleetError"]
+
+
+class Elector:
+    def __init__(
+        self,
+        etcd: EtcdClient,
+        spec: ClusterSpec,
+        fingerprint: str,
+        *,
+        healthy: bool = True,
+        clock: Clock = time.monotonic,
+        on_change: Callable[[Elector, str], None] | None = None,
+        max_backoff_s: float = 5.0,
+    ) -> None:
+        self.etcd, self.spec, self.fingerprint, self.clock = etcd, spec, fingerprint, clock
+        self.healthy = healthy
+        self._unhealthy_since: float | None = None if healthy else clock()
+        self.on_change = on_change
+        self.max_backoff_s = max_backoff_s
+        self.role = Role.STARTING
+        self.term: Term | None = None
+        self.view = View(spec)
+        self.error: JoinRefused | None = None
+        self.failures: list[tuple[float, str]] = []  # (clock, why) each failed session start
+        self.stepdowns: list[tuple[float, str, float]] = []  # (clock, reason, lease deadline)
+        self.lease = 0
+        self._renewed_at = 0.0
+        self._ttl = float(spec.ttl_s)
+        self._vacant_since = 0.0
+        self._seen: dict[str, float] = {}
+        self._published: NodeInfo | None = None
+        self._reported_leader: tuple[str | None, int] = (None, 0)
+        self._changed = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._reconnect = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Elector:
+        self._task = asyncio.create_task(self._run(), name=f"elector-{self.spec.node}")
+        self._task.add_done_callback(lambda _: self._notify())  # a crash wakes the waiters
+        return self
+
+    async def __aexit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.role is Role.STOPPED:
+            return
+        crash: BaseException | None = None
+        if self._task is not None:
+            self._task.cancel()
+            (crash,) = await asyncio.gather(self._task, return_exceptions=True)
+        if self.role == Role.LEADER:
+            self._step_down("stop")
+        if self.role != Role.FAILED:
+            self._set(move(self.role, "stop"), "stop")
+        if self.lease:
+            try:  # frees the leader key and the node name at once
+                await self.etcd.revoke(self.lease, timeout=self.spec.renew_s)
+            except EtcdError as exc:
+                log.warning("lease not revoked", node=self.spec.node, error=str(exc))
+        if isinstance(crash, Exception):
+            raise crash  # a bug in the elector: never hidden
+
+    # what the supervisor asks
+    def is_leader(self) -> bool:
+        return self.role == Role.LEADER and self.term is not None and self.term.holds(self.clock())
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of this node's current or last term; 0 before it first led."""
+        return self.term.epoch if self.term is not None else 0
+
+    @property
+    def cluster_epoch(self) -> int:
+        """The epoch of the leader this node sees now (its key's create revision); 0: none."""
+        return self.view.leader.create_revision if self.view.leader is not None else 0
+
+    def set_healthy(self, healthy: bool) -> None:
+        """Whether this node's pool is whole: an unhealthy node does not campaign, and a
+        leader unhealthy for ttl_s hands over to a healthy node."""
+        if healthy:
+            self._unhealthy_since = None
+        elif self._unhealthy_since is None:
+            self._unhealthy_since = self.clock()
+        self.healthy = healthy
+        self._wake.set()
+
+    async def wait_for(self, predicate: Callable[[Elector], bool], timeout: float) -> None:
+        """Until `predicate(self)`; the join error if joining was refused; TimeoutError."""
+        async with asyncio.timeout(timeout):
+            while not predicate(self):
+                if self.error is not None:
+                    raise self.error
+                if self._task is not None and self._task.done() and not self._task.cancelled():
+                    raise RuntimeError(f"elector {self.spec.node} died") from self._task.exception()
+                changed = self._changed
+                await changed.wait()
+
+    # state
+    def _set(self, role: Role, event: str) -> None:
+        self.role = role
+        self._report(event)
+
+    def _report(self, event: str) -> None:
+        """One change, logged and handed to `on_change`: a role change, or `leader` when
+        the leader this node sees changed (what a router follows)."""
+        log.info(
+            "fleet." + event,
+            node=self.spec.node,
+            role=self.role.value,
+            epoch=self.epoch,
+            leader=self.view.leader_node,
+            cluster_epoch=self.cluster_epoch,
+        )
+        if self.on_change is not None:
+            self.on_change(self, event)
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()  # wakes every waiter; later ones wait on a fresh event
+        self._changed = asyncio.Event()
+
+    def _step_down(self, reason: str) -> None:
+        deadline = self._renewed_at + self._ttl
+        self.stepdowns.append((self.clock(), reason, deadline))
+        self._set(move(self.role, "stepped_down"), "stepped_down." + reason)
+
+    @property
+    def _hold_s(self) -> float:
+        return self._ttl - self.spec.margin_s
+
+    def _me(self) -> NodeInfo:
+        return NodeInfo(
+            self.spec.node,
+            self.fingerprint,
+            self.spec.priority,
+            self.healthy,
+            os.getpid(),
+            socket.gethostname(),
+        )
+
+    # the loop
+    async def _run(self) -> None:
+        first = delay = min(0.1, self.spec.renew_s)
+        while True:
+            try:
+                await self._session()
+            except JoinRefused as exc:
+                self.error = exc
+                self._set(move(self.role, "refused"), "refused")
+                log.error("fleet.refused", node=self.spec.node, error=str(exc))
+                await self._drop_lease()
+                return
+            except EtcdError as exc:
+                self.failures.append((self.clock(), str(exc)))
+                if self.role != Role.STARTING:  # it had joined: start over from a short wait
+                    delay = first
+                if self.role == Role.LEADER:
+                    self._step_down("session_lost")
+                if self.role == Role.FOLLOWER:
+                    self.view.load([])  # stale: a new session reads the keys afresh
+                    self._set(move(self.role, "session_lost"), "session_lost")
+                log.warning(
+                    "fleet.etcd_failed", node=self.spec.node, error=str(exc), retry_in_s=delay
+                )
+                self._notify()
+                await self._drop_lease()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.max_backoff_s)
+
+    async def _drop_lease(self) -> None:
+        if self.lease:
+            lease, self.lease = self.lease, 0
+            with contextlib.suppress(EtcdError):  # else it expires by itself within ttl_s
+                await self.etcd.revoke(lease, timeout=self.spec.renew_s)
+
+    async def _session(self) -> None:
+        sent = self.clock()
+        self.lease, granted = await self.etcd.grant(self.spec.ttl_s)
+        self._renewed_at, self._ttl = sent, float(min(granted, self.spec.ttl_s))
+        await self._join()
+        self._set(move(self.role, "joined"), "joined")
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self._renew())
+                tasks.create_task(self._watch())
+                tasks.create_task(self._decide())
+        except* EtcdError as group:
+            raise group.exceptions[0] from None
+
+    async def _join(self) -> None:
+        me = self._me()
+        await check_fingerprint(self.etcd, self.spec, self.fingerprint)
+        deadline = self.clock() + self._ttl + self.spec.margin_s
+        await register(self.etcd, self.spec, me, self.lease, self.clock, deadline)
+        self._published = me
+
+    async def _renew(self) -> None:
+        """Renew the lease every renew_s; each try's deadline is the leader's deadline, so
+        a leader cut off from etcd regains control in time to step down."""
+        while True:
+            if self.role == Role.LEADER and self.term and not self.term.holds(self.clock()):
+                self._step_down("renewal_stale")
+                self._wake.set()
+            sent = self.clock()
+            timeout = self.spec.renew_s
+            if self.role == Role.LEADER and self.term and self.term.deadline > sent:
+                timeout = min(timeout, self.term.deadline - sent)
+            try:
+                await self.etcd.keepalive(self.lease, timeout=timeout)
+                self._renewed_at = sent
+                if self.term is not None and self.role == Role.LEADER:
+                    self.term = msgspec.structs.replace(self.term, renewed_at=sent)
+            except LeaseLost:
+                raise
+            except EtcdUnavailable as exc:
+                self._reconnect.set()  # the watch may hang on an endpoint that is cut off
+                if self.clock() >= self._renewed_at + self._ttl:
+                    raise LeaseLost(f"lease {self.lease:x} expired unrenewed: {exc}") from exc
+                continue  # no sleep: the request itself waited
+            await asyncio.sleep(max(0.0, sent + self.spec.renew_s - self.clock()))
+
+    async def _watch(self) -> None:
+        """Follow the cluster's keys; start over when the stream breaks or a renewal
+        failed (the stream's endpoint may be the one cut off)."""
+        while True:
+            self._reconnect.clear()
+            stream = asyncio.create_task(self._follow())
+            reconnect = asyncio.create_task(self._reconnect.wait())
+            try:
+                await asyncio.wait({stream, reconnect}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stream.cancel()
+                reconnect.cancel()
+                results = await asyncio.gather(stream, reconnect, return_exceptions=True)
+            if isinstance(results[0], EtcdError):
+                log.info("fleet.watch_restarting", node=self.spec.node, error=str(results[0]))
+                await asyncio.sleep(self.spec.renew_s)
+            elif isinstance(results[0], BaseException) and not stream.cancelled():
+                raise results[0]
+
+    async def _follow(self) -> None:
+        revision, kvs = await self.etcd.get_prefix(self.spec.root)
+        self.view.load(kvs, revision)
+        self._wake.set()
+        async for event in self.etcd.watch(self.spec.root, revision + 1):
+            self.view.apply(event.kv, deleted=event.type == "DELETE")
+            self._wake.set()
+
+    async def _decide(self) -> None:
+        while True:
+            try:
+                async with asyncio.timeout(self.spec.renew_s):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                await self._decide_once()
+            except EtcdUnavailable as exc:  # the renewals decide whether the session lives
+                log.info("fleet.decide_failed", node=self.spec.node, error=str(exc))
+
+    async def _decide_once(self) -> None:
+        now, me, view = self.clock(), self._me(), self.view
+        leader = (view.leader_node, self.cluster_epoch)
+        if leader != self._reported_leader:
+            self._reported_leader = leader
+            self._report("leader")
+        if me != self._published:
+            await self.etcd.put(
+                self.spec.node_key(me.node), msgspec.json.encode(me), lease=self.lease
+            )
+            self._published = me
+        for name in list(self._seen):
+            if name not in view.nodes or not view.nodes[name].healthy:
+                del self._seen[name]
+        for name, info in view.nodes.items():
+            if info.healthy:
+                self._seen.setdefault(name, now)
+        if view.leader is None and self._vacant_since == 0.0:
+            self._vacant_since = now
+        elif view.leader is not None:
+            self._vacant_since = 0.0
+        if self.role == Role.LEADER and self.term is not None:
+            await self._lead(now, me)
+        elif view.leader is not None and view.leader.lease == self.lease:
+            # a term this node gave up (stale renewal) while the key outlived it: clear it
+            await self.etcd.delete_if_created(self.spec.leader_key, view.leader.create_revision)
+        elif (
+            view.leader is None
+            and self._renewed_at + self._hold_s > now  # a stale lease may expire mid-term
+            and may_campaign(me, view.nodes, self._vacant_since, now, self._ttl)
+        ):
+            await self._campaign()
+        self._notify()
+
+    async def _lead(self, now: float, me: NodeInfo) -> None:
+        assert self.term is not None
+        leader = self.view.leader
+        if leader is None and self.view.revision > self.term.epoch:
+            self._step_down("key_gone")  # deleted behind this node's back
+            return
+        if leader is not None and leader.create_revision != self.term.epoch:
+            self._step_down("key_replaced")
+            return
+        target = yield_to(me, self.view.nodes, self._seen, now, self._ttl, self._unhealthy_since)
+        if target is not None:
+            self._step_down("yield_to_" + target)
+            await self.etcd.delete_if_created(self.spec.leader_key, self.term.epoch)
+
+    async def _campaign(self) -> None:
+        sent = self.clock()
+        created, kv = await self.etcd.put_if_absent(
+            self.spec.leader_key, self.spec.node.encode(), lease=self.lease
+        )
+        if created and kv.lease == self.lease:
+            self.term = Term(kv.create_revision, min(self._renewed_at, sent), self._hold_s)
+            self.view.leader = kv
+            self._set(move(self.role, "won"), "won")

@@ -1,0 +1,284 @@
+"""A thin asyncio client for etcd v3 through its JSON gateway (`/v3/...`, etcd 3.4+).
+
+Only what the election needs: leases (grant, keepalive, revoke), a put-if-absent
+transaction, get (one key or a prefix), a delete guarded by the key's create revision, and
+a watch from a revision. Every request has its own deadline; a connection failure moves on
+to the next endpoint, and `EtcdUnavailable` names every endpoint tried. Wire replies are
+decoded once, here, into frozen structs (int64 fields arrive as JSON strings, bytes as
+base64: msgspec's lax mode converts both).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import Any, Literal, TypeVar
+
+import aiohttp
+import msgspec
+
+from supervisor.fleet.errors import EtcdError, EtcdUnavailable, LeaseLost
+
+T = TypeVar("T")
+__all__ = ["EtcdClient", "EtcdError", "EtcdUnavailable", "KeyValue", "LeaseLost", "WatchEvent"]
+NOT_FOUND = 5  # gRPC status code etcd answers for a lease that does not exist (any more)
+
+
+class KeyValue(msgspec.Struct, frozen=True):
+    key: bytes = b""
+    value: bytes = b""
+    create_revision: int = 0
+    mod_revision: int = 0
+    version: int = 0
+    lease: int = 0
+
+
+class WatchEvent(msgspec.Struct, frozen=True):
+    type: Literal["PUT", "DELETE"] = "PUT"
+    kv: KeyValue = msgspec.field(default_factory=KeyValue)
+
+
+class _Header(msgspec.Struct, frozen=True):
+    revision: int = 0
+
+
+class _Range(msgspec.Struct, frozen=True):
+    header: _Header = msgspec.field(default_factory=_Header)
+    kvs: list[KeyValue] = msgspec.field(default_factory=list)
+
+
+class _Lease(msgspec.Struct, frozen=True):
+    ID: int = 0
+    TTL: int = 0
+
+
+class _KeepAlive(msgspec.Struct, frozen=True):
+    result: _Lease = msgspec.field(default_factory=_Lease)
+
+
+class _TxnPart(msgspec.Struct, frozen=True):
+    response_range: _Range | None = None
+
+
+class _Txn(msgspec.Struct, frozen=True):
+    header: _Header = msgspec.field(default_factory=_Header)
+    succeeded: bool = False
+    responses: list[_TxnPart] = msgspec.field(default_factory=list)
+
+
+class _WatchResult(msgspec.Struct, frozen=True):
+    header: _Header = msgspec.field(default_factory=_Header)
+    created: bool = False
+    canceled: bool = False
+    compact_revision: int = 0
+    cancel_reason: str = ""
+    events: list[WatchEvent] = msgspec.field(default_factory=list)
+
+
+class _WatchFrame(msgspec.Struct, frozen=True):
+    result: _WatchResult | None = None
+    error: dict[str, Any] | None = None
+
+
+class _Error(msgspec.Struct, frozen=True):
+    message: str = ""
+    error: str = ""
+    code: int = 0
+
+
+def b64(data: str | bytes) -> str:
+    raw = data.encode() if isinstance(data, str) else data
+    return base64.b64encode(raw).decode()
+
+
+def prefix_end(prefix: str) -> str:
+    """etcd's range_end for every key starting with `prefix` (its last byte plus one)."""
+    raw = prefix.encode()
+    return b64(raw[:-1] + bytes([raw[-1] + 1]))
+
+
+def _url(endpoint: str) -> str:
+    return endpoint.rstrip("/") if "://" in endpoint else f"http://{endpoint}"
+
+
+class EtcdClient:
+    """`async with EtcdClient(["127.0.0.1:2379"]) as etcd: ...`"""
+
+    def __init__(self, endpoints: list[str], *, timeout_s: float = 1.0) -> None:
+        if not endpoints:
+            raise ValueError("no etcd endpoints; list at least one HOST:PORT")
+        self.endpoints = [_url(e) for e in endpoints]
+        self.timeout_s = timeout_s
+        self._current = 0
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> EtcdClient:
+        self._session = aiohttp.ClientSession()
+        return self
+
+    async def __aexit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("EtcdClient used outside `async with`")
+        return self._session
+
+    async def _call(self, path: str, body: dict[str, Any], kind: type[T], timeout: float) -> T:
+        """POST to each endpoint in turn, starting with the last one that answered."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        tried: list[str] = []
+        count, start = len(self.endpoints), self._current
+        for i in range(count):
+            index = (start + i) % count
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            # one endpoint cut off must not eat the whole deadline: half of what is left,
+            # all of it for the last one
+            budget = left if i == count - 1 else left / 2
+            url = self.endpoints[index] + path
+            try:
+                async with self.session.post(
+                    url, json=body, timeout=aiohttp.ClientTimeout(total=budget)
+                ) as resp:
+                    data = await resp.read()
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                tried.append(f"{self.endpoints[index]} ({type(exc).__name__}: {exc})")
+                self._current = (index + 1) % count  # the next call starts elsewhere
+                continue
+            self._current = index
+            if resp.status != 200:
+                err = msgspec.json.decode(data, type=_Error, strict=False)
+                raise EtcdError(f"etcd {path}: {err.message or err.error}", err.code)
+            return msgspec.json.decode(data, type=kind, strict=False)
+        raise EtcdUnavailable(
+            f"etcd unreachable within {timeout:.2f} s: {'; '.join(tried) or 'no time left'}; "
+            "check cluster.etcd and that etcd runs"
+        )
+
+    async def grant(self, ttl_s: int, *, timeout: float | None = None) -> tuple[int, int]:
+        """A new lease: (id, granted TTL in seconds; etcd may raise a TTL to its minimum)."""
+        reply = await self._call("/v3/lease/grant", {"TTL": ttl_s}, _Lease, self._t(timeout))
+        return reply.ID, reply.TTL
+
+    async def keepalive(self, lease: int, *, timeout: float | None = None) -> int:
+        """Renew `lease` once; its TTL again. LeaseLost if it has expired."""
+        body = {"ID": str(lease)}
+        reply = await self._call("/v3/lease/keepalive", body, _KeepAlive, self._t(timeout))
+        if reply.result.TTL <= 0:
+            raise LeaseLost(f"etcd lease {lease:x} expired", NOT_FOUND)
+        return reply.result.TTL
+
+    async def revoke(self, lease: int, *, timeout: float | None = None) -> None:
+        """Revoke `lease` (its keys are deleted); a lease already gone is not an error."""
+        try:
+            await self._call("/v3/lease/revoke", {"ID": str(lease)}, _Header, self._t(timeout))
+        except EtcdError as exc:
+            if exc.code != NOT_FOUND or isinstance(exc, EtcdUnavailable):
+                raise
+
+    async def put(
+        self, key: str, value: bytes, *, lease: int = 0, timeout: float | None = None
+    ) -> int:
+        """Put unconditionally; the new revision."""
+        body = {"key": b64(key), "value": b64(value), "lease": str(lease)}
+        reply = await self._call("/v3/kv/put", body, _Range, self._t(timeout))
+        return reply.header.revision
+
+    async def put_if_absent(
+        self, key: str, value: bytes, *, lease: int = 0, timeout: float | None = None
+    ) -> tuple[bool, KeyValue]:
+        """Create `key` only if it does not exist: (created, the key as it now is)."""
+        k = b64(key)
+        body = {
+            "compare": [{"key": k, "target": "CREATE", "create_revision": "0"}],
+            "success": [
+                {"request_put": {"key": k, "value": b64(value), "lease": str(lease)}},
+                {"request_range": {"key": k}},
+            ],
+            "failure": [{"request_range": {"key": k}}],
+        }
+        reply = await self._call("/v3/kv/txn", body, _Txn, self._t(timeout))
+        kvs = [
+            kv for part in reply.responses if part.response_range for kv in part.response_range.kvs
+        ]
+        if not kvs:  # deleted again between the put and the range of the same txn: impossible
+            raise EtcdError(f"etcd txn on {key} returned no key")
+        return reply.succeeded, kvs[-1]
+
+    async def get(self, key: str, *, timeout: float | None = None) -> KeyValue | None:
+        reply = await self._call("/v3/kv/range", {"key": b64(key)}, _Range, self._t(timeout))
+        return reply.kvs[0] if reply.kvs else None
+
+    async def get_prefix(
+        self, prefix: str, *, timeout: float | None = None
+    ) -> tuple[int, list[KeyValue]]:
+        """Every key under `prefix`, and the store revision they were read at."""
+        body = {"key": b64(prefix), "range_end": prefix_end(prefix)}
+        reply = await self._call("/v3/kv/range", body, _Range, self._t(timeout))
+        return reply.header.revision, reply.kvs
+
+    async def delete_if_created(
+        self, key: str, create_revision: int, *, timeout: float | None = None
+    ) -> bool:
+        """Delete `key` only if it is still the one created at `create_revision`."""
+        k = b64(key)
+        body = {
+            "compare": [{"key": k, "target": "CREATE", "create_revision": str(create_revision)}],
+            "success": [{"request_delete_range": {"key": k}}],
+        }
+        reply = await self._call("/v3/kv/txn", body, _Txn, self._t(timeout))
+        return reply.succeeded
+
+    async def delete(self, key: str, *, timeout: float | None = None) -> None:
+        await self._call("/v3/kv/deleterange", {"key": b64(key)}, _Header, self._t(timeout))
+
+    async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[WatchEvent]:
+        """Events on keys under `prefix` from `start_revision` on, until the stream breaks
+        (EtcdUnavailable) or the revision was compacted (EtcdError). No deadline: the
+        caller owns the task and cancels it."""
+        body = {
+            "create_request": {
+                "key": b64(prefix),
+                "range_end": prefix_end(prefix),
+                "start_revision": str(start_revision),
+            }
+        }
+        url = self.endpoints[self._current] + "/v3/watch"
+        try:
+            async with self.session.post(
+                url, json=body, timeout=aiohttp.ClientTimeout(total=None, connect=self.timeout_s)
+            ) as resp:
+                async for line in resp.content:
+                    if not line.strip():
+                        continue
+                    frame = msgspec.json.decode(line, type=_WatchFrame, strict=False)
+                    result = _watch_result(frame, prefix)
+                    for event in result.events:
+                        yield event
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise EtcdUnavailable(f"etcd watch on {url} broke: {type(exc).__name__}") from exc
+        raise EtcdUnavailable(f"etcd watch on {url} ended")
+
+    def _t(self, timeout: float | None) -> float:
+        return self.timeout_s if timeout is None else timeout
+
+
+def _watch_result(frame: _WatchFrame, prefix: str) -> _WatchResult:
+    if frame.error is not None or frame.result is None:
+        raise EtcdError(f"etcd watch on {prefix}: {frame.error}")
+    if frame.result.canceled or frame.result.compact_revision:
+        raise EtcdError(
+            f"etcd watch on {prefix} canceled: {frame.result.cancel_reason or 'compacted'} "
+            f"(compact revision {frame.result.compact_revision})"
+        )
+    return frame.result
