@@ -69,8 +69,9 @@ class _Request:
     """A connection whose request is still arriving: its bytes, its fds, its deadline.
     Read as it comes, so one slow or silent peer never holds up the others."""
 
-    def __init__(self, conn: socket.socket) -> None:
+    def __init__(self, conn: socket.socket, refusal: str = "") -> None:
         self.conn = conn
+        self.refusal = refusal  # read it all the same, then refuse it with this
         self.buf = bytearray()
         self.fds: list[int] = []
         self.deadline = time.monotonic() + READ_TIMEOUT
@@ -137,14 +138,16 @@ class Server:
             log.warning("accept failed", error=str(e))
             return
         try:
-            ours = protocol.peer_uid(conn) == os.getuid()
+            uid: int | None = protocol.peer_uid(conn)
         except OSError:
-            ours = False
-        if not ours:
-            conn.close()  # another user
-            return
+            uid = None
+        refusal = ""
+        if uid != os.getuid():  # another user: its request is read, then refused with why
+            refusal = (
+                f"peer uid {uid} is not this fork server's uid {os.getuid()}; connect as that user"
+            )
         conn.setblocking(False)
-        self.requests[conn.fileno()] = _Request(conn)
+        self.requests[conn.fileno()] = _Request(conn, refusal)
         self.sel.register(conn, selectors.EVENT_READ)
 
     def _read(self, req: _Request) -> None:
@@ -154,6 +157,9 @@ class Server:
             self._refuse(req, str(e))
             return
         if body is None:
+            return
+        if req.refusal:  # read first, so the peer's write never meets a closed socket
+            self._refuse(req, req.refusal)
             return
         self._done_reading(req)
         conn, fds = req.conn, req.fds

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -176,3 +178,46 @@ def test_policy_forkserver_true_needs_the_engine_command(tmp_path: Path, tiny_mo
     )
     with pytest.raises(PolicyError, match=r"\$\.engines\.forkserver: true needs engines.command"):
         load_policy(policy)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="switching uid needs root")
+def test_a_peer_of_another_uid_reads_why_it_is_refused(tiny_model: Path) -> None:
+    """Its request is read before the refusal, so it gets the reason, never a broken pipe."""
+    nobody = 65534
+    home = Path(tempfile.mkdtemp(prefix="holdfast-fs-"))  # /tmp: every user can reach it
+    os.chmod(home, 0o755)
+    server = ForkServerProc(home / "forkserver.sock")
+    try:
+        server.wait_ready()
+        os.chmod(server.sock, 0o777)  # only the server's own uid check stands in the way
+        said = _ask_as(nobody, server.sock, tiny_model)
+    finally:
+        server.stop()
+        shutil.rmtree(home, ignore_errors=True)
+    assert said == f"peer uid {nobody} is not this fork server's uid 0; connect as that user"
+
+
+def _ask_as(uid: int, sock: Path, tiny_model: Path) -> str:
+    """What the fork server at `sock` answers a whole request sent by a process of `uid`."""
+    spawn = fs.Spawn(argv=disk_flags(tiny_model), env=child_env(), cwd=os.getcwd())
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the peer: uid nobody, sends a whole request with its 3 fds
+        os.close(r)
+        result = "the child failed"
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            null = os.open(os.devnull, os.O_RDWR)
+            reply = raw_request(sock, fs.frame(spawn), [null, null, null])
+            result = reply.message if isinstance(reply, fs.Refused) else repr(reply)
+        except BaseException as e:
+            result = f"{type(e).__name__}: {e}"
+        finally:
+            os.write(w, result.encode())
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        said = f.read().decode()
+    os.waitpid(pid, 0)
+    return said
