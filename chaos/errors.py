@@ -36,3 +36,8 @@ class PoolTimeout(ClusterError):
 
 class VictimAbsent(FaultError):
     """The fault's victim does not exist now, by the policy's own rule (the fault is skipped)."""
+
+
+class VictimComing(FaultError):
+    """The fault's victim is on its way back (a batch engine evicted a moment ago, or
+    starting): the trial waits for the pool again, then injects."""

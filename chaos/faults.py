@@ -17,8 +17,8 @@ import structlog
 
 from chaos.broker import OwnBroker
 from chaos.cluster import Supervisor
-from chaos.errors import FaultError, VictimAbsent
-from chaos.pool import absent_batch
+from chaos.errors import FaultError, VictimAbsent, VictimComing
+from chaos.pool import absent_batch, coming_batch
 from chaos.procs import ProcRef, wait_gone
 from chaos.scenario import FaultSpec
 from holdfast_contract.control import ClusterStatus
@@ -77,6 +77,9 @@ def _engine(ctx: FaultContext, state: str) -> Victim:
         why = absent_batch(ctx.view, ctx.sup.policy)
         if why is not None:
             raise VictimAbsent(why)
+        coming = coming_batch(ctx.view)
+        if coming:
+            raise VictimComing(f"no batch engine ready yet ({', '.join(coming)})")
     if not found:
         raise FaultError(f"no {state} engine to target; the policy runs none ready right now")
     return _own(ctx, "engine", found[0].name, found[0].pid)

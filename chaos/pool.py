@@ -19,9 +19,10 @@ RUNNING = frozenset({"starting", "standby", "primary", "batch", "draining"})
 
 
 def primary_load(view: ClusterStatus) -> int:
-    """The primary's in-flight plus queued requests, as its last heartbeat said."""
+    """The primary's requests in flight (queued ones included), as its last heartbeat said:
+    the figure the supervisor's load rule reads."""
     primary = view.engine(view.primary or "")
-    return primary.in_flight + primary.queued if primary is not None else 0
+    return primary.in_flight if primary is not None else 0
 
 
 def kept_out(engine: EngineStatus, view: ClusterStatus, policy: Policy) -> str | None:
@@ -73,3 +74,13 @@ def absent_batch(view: ClusterStatus, policy: Policy) -> str | None:
     if not batch or any(r is None for r in reasons):
         return None
     return f"every batch engine is out by the load rule ({reasons[0]})"
+
+
+def coming_batch(view: ClusterStatus) -> list[str]:
+    """Batch engines on their way back: evicted (the load rule brings them back once the
+    load has stayed low for respawn_hold_s) or starting."""
+    return [
+        f"{e.name} {e.state}"
+        for e in view.engines
+        if e.role == "batch" and e.state in ("evicted", "starting")
+    ]

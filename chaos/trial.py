@@ -11,7 +11,7 @@ import structlog
 
 from chaos.broker import OwnBroker
 from chaos.cluster import Supervisor, describe_exit
-from chaos.errors import ClusterError, PoolTimeout
+from chaos.errors import ClusterError, PoolTimeout, VictimComing
 from chaos.evidence import DaemonLogs, fence_before_promote
 from chaos.faults import FaultContext, Injection, heal, inject
 from chaos.load import LoadGenerator
@@ -82,17 +82,27 @@ async def wait_ready(h: Harness, timeout: float, since: float) -> ClusterStatus:
 
 async def run_trial(h: Harness, index: int, fault: FaultSpec) -> TrialRow:
     sc = h.scenario
-    try:
-        await wait_ready(h, sc.ready_timeout_s, time.time())
-    except PoolTimeout as exc:
-        return not_injected(h, index, fault, str(exc), outcome="failed")
-    await asyncio.sleep(sc.settle_s)
-    view = await h.sup.cluster()
-    if view is None:
-        raise ClusterError(f"the health API {h.sup.api} stopped answering")
-    ctx = FaultContext(h.sup, h.broker, view, fault)
-    h.logs.set_mark()
-    injection = await inject(fault.kind, ctx)
+    since, until = time.time(), time.monotonic() + sc.ready_timeout_s
+    while True:  # until the pool is whole and the victim there (one on its way: wait again)
+        try:
+            await wait_ready(h, max(0.0, until - time.monotonic()), since)
+        except PoolTimeout as exc:
+            return not_injected(h, index, fault, str(exc), outcome="failed")
+        await asyncio.sleep(sc.settle_s)
+        view = await h.sup.cluster()
+        if view is None:
+            raise ClusterError(f"the health API {h.sup.api} stopped answering")
+        ctx = FaultContext(h.sup, h.broker, view, fault)
+        h.logs.set_mark()
+        try:
+            injection = await inject(fault.kind, ctx)
+            break
+        except VictimComing as exc:
+            if time.monotonic() >= until:
+                why = f"{exc}, still after ready_timeout_s={sc.ready_timeout_s:g}s"
+                return not_injected(h, index, fault, why, outcome="failed")
+            h.status(str(exc))
+            await h.recorder.changed(WAKE_S)
     ranks = _ranks(view, injection) if fault.kind in ENGINE_KILLS else None
     log.info("fault", index=index, kind=fault.kind, victims=[v.name for v in injection.victims])
     deadline = time.monotonic() + sc.trial_timeout_s

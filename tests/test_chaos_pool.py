@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from chaos.pool import absent_batch, missing
+from chaos.pool import absent_batch, coming_batch, missing, primary_load
 from holdfast_contract.control import ClusterStatus, DaemonStatus, EngineStatus
 from supervisor.policy import load_policy
 
@@ -63,6 +63,25 @@ def test_the_load_rule_decides_whether_a_batch_engine_is_missing(
     if not whole:
         assert lacking == [f"batch 0/1 running (batch-1 {batch_state})"]
     assert (absent_batch(view, POLICY) is not None) == skip
+
+
+@pytest.mark.parametrize(
+    ("batch_state", "coming"),
+    [("evicted", ["batch-1 evicted"]), ("starting", ["batch-1 starting"]), ("batch", [])],
+)
+def test_a_batch_engine_evicted_or_starting_is_on_its_way_back(
+    batch_state: str, coming: list[str]
+) -> None:
+    """kill-batch then waits for it (a trial right after memory-pressure found the batch
+    engine evicted with the load already low, and must not fail for want of a victim)."""
+    assert coming_batch(_view(3, batch_state)) == coming
+
+
+def test_the_primary_load_is_its_requests_in_flight_queued_ones_included() -> None:
+    """The supervisor's rule: queued requests are among those in flight, not added twice."""
+    primary = EngineStatus("e1", "primary", "primary", 10, 0, 0, None, in_flight=16, queued=15)
+    view = ClusterStatus(epoch=1, primary="e1", engines=[primary], daemons=[])
+    assert primary_load(view) == 16
 
 
 def test_missing_names_every_unit_and_its_state() -> None:
