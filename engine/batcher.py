@@ -11,6 +11,9 @@ H200) now and then until every graph exists.
 
 Callbacks for one step's tokens go out together through `post` (the server passes
 `loop.call_soon_threadsafe`), so a step of 128 requests costs the event loop one wakeup.
+They go out once the next step is queued on the device (or the loop has nothing left to
+run): the event loop streams step N's tokens while the GPU computes step N+1, instead of
+taking the GIL from the model thread while it prepares that step.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class BatchEngine:
         self._stopping = False
         self._requests: dict[int, Request] = {}
         self._step_ms, self._steps = 0.0, 0
+        self._pending: list[Callable[[], None]] = []  # the last step's callbacks, not yet out
         self._thread = threading.Thread(target=self._loop, name="model", daemon=True)
 
     def start(self) -> None:
@@ -128,11 +132,13 @@ class BatchEngine:
         while True:
             with self._lock:
                 if self._stopping:
+                    self._flush()
                     self.scheduler.abort_all("cancelled", self._done_now)
                     return
                 self.scheduler.reap(self._done_now)
                 plan = self.scheduler.plan()
             if plan is None:
+                self._flush()
                 if not self.runner.capture_next():
                     self._wake.wait()
                 self._wake.clear()
@@ -144,7 +150,7 @@ class BatchEngine:
     def _step(self, plan: Plan) -> None:
         t0 = time.perf_counter()
         try:
-            steps = self.runner.step(plan)
+            steps = self.runner.step(plan, launched=self._flush)
         except Exception as e:  # a bug in a step fails its requests, not the engine
             log.exception("step failed", requests=len(plan.seqs), prefill=len(plan.prefill))
             self._fail(plan, e)
@@ -156,7 +162,14 @@ class BatchEngine:
             self.scheduler.record(plan, steps, lambda seq: out.append(self._finisher(seq)))
             self._step_ms = (time.perf_counter() - t0) * 1e3
             self._steps += 1
-        self.post(lambda: _run_all(out))
+        self._pending += out  # out with the next step's launch, or when the loop idles
+
+    def _flush(self) -> None:
+        """Post the callbacks held back from the last step (before anything else is posted,
+        so a request's tokens always come before its end)."""
+        if self._pending:
+            out, self._pending = self._pending, []
+            self.post(lambda: _run_all(out))
 
     def _tell(self, out: list[Callable[[], None]], seq: Seq, step: Step) -> None:
         on_step = self._requests[seq.id].on_step
@@ -170,9 +183,11 @@ class BatchEngine:
 
     def _done_now(self, seq: Seq) -> None:
         finish = self._finisher(seq)
+        self._flush()
         self.post(finish)
 
     def _fail(self, plan: Plan, error: Exception) -> None:
+        self._flush()
         with self._lock:
             for seq in plan.seqs:
                 self.scheduler.drop(seq)

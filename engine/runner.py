@@ -13,6 +13,7 @@ Decode steps on one CUDA device replay CUDA graphs captured at a set of batch si
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import structlog
 import torch
@@ -75,8 +76,9 @@ class Runner:
         raise BadRequest("this model serves /v1/completions only")
 
     # ---- rank 0 ----
-    def step(self, plan: Plan) -> list[Step]:
-        """Run one step of `plan` on every rank; the sampled token of each request."""
+    def step(self, plan: Plan, launched: Callable[[], None] | None = None) -> list[Step]:
+        """Run one step of `plan` on every rank; the sampled token of each request.
+        `launched` runs once the step is queued on the device, before waiting for it."""
         ids, batch = self._inputs(plan)
         try:
             if self.tp.size > 1:
@@ -87,6 +89,8 @@ class Runner:
                 raise
             log.critical("tensor-parallel group broken; exiting", error=str(e))
             os._exit(3)
+        if launched is not None:
+            launched()
         if self.device.type == "cuda":  # wait with the GIL released: heartbeats go on
             torch.cuda.current_stream(self.device).synchronize()
         rows = packed.tolist()
