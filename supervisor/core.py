@@ -204,11 +204,11 @@ class Cluster:
         e.in_flight = e.queued = 0
         if self.primary is e:
             self.primary = None
-            if self.exit_watch is not None:
-                self.exit_watch.clear()
             self.view.set(None)
             silent_ms = round((t_detect - e.last_beat) * 1000, 1) if e.last_beat else None
             self._promote_best(t_detect, cause=cause, old=e.name, silent_ms=silent_ms)
+            if self.primary is None and self.exit_watch is not None:
+                self.exit_watch.clear()  # none promoted (a promotion watches its own)
         tail = inc.tail()
         if counted and e.book.record():
             self._move(
@@ -271,8 +271,6 @@ class Cluster:
         self.epoch += 1
         s.role = "primary"
         self.primary = s
-        if self.exit_watch is not None and s.inc is not None:
-            self.exit_watch.watch(s.name, [p.pid for p in s.inc.procs])
         told = self.hub.send(s.name, Promote(epoch=self.epoch))
         self.view.set(Target(s.name, s.port, self.epoch), await_ack=told)
         self._move(
@@ -284,6 +282,8 @@ class Cluster:
             silent_ms=silent_ms,
             promote_ms=round((time.monotonic() - t_detect) * 1000, 3),
         )
+        if self.exit_watch is not None and s.inc is not None:  # once routed and told
+            self.exit_watch.watch(s.name, [p.pid for p in s.inc.procs])
 
     async def hand_over(self, new: Engine) -> None:
         """`supervisor promote NEW`: fence the primary (it restarts at once, as a standby,
