@@ -25,6 +25,7 @@ from holdfast_contract import forkserver as fs
 from holdfast_contract.errors import ForkServerError
 from supervisor.errors import PolicyError
 from supervisor.policy import load_policy
+from tests.as_user import as_user
 
 
 def complete(url: str, prompt: list[int]) -> list[int]:
@@ -200,24 +201,11 @@ def test_a_peer_of_another_uid_reads_why_it_is_refused(tiny_model: Path) -> None
 def _ask_as(uid: int, sock: Path, tiny_model: Path) -> str:
     """What the fork server at `sock` answers a whole request sent by a process of `uid`."""
     spawn = fs.Spawn(argv=disk_flags(tiny_model), env=child_env(), cwd=os.getcwd())
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the peer: uid nobody, sends a whole request with its 3 fds
-        os.close(r)
-        result = "the child failed"
-        try:
-            os.setgid(uid)
-            os.setuid(uid)
-            null = os.open(os.devnull, os.O_RDWR)
-            reply = raw_request(sock, fs.frame(spawn), [null, null, null])
-            result = reply.message if isinstance(reply, fs.Refused) else repr(reply)
-        except BaseException as e:
-            result = f"{type(e).__name__}: {e}"
-        finally:
-            os.write(w, result.encode())
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        said = f.read().decode()
-    os.waitpid(pid, 0)
+
+    def ask() -> str:  # the peer sends a whole request with its 3 fds
+        null = os.open(os.devnull, os.O_RDWR)
+        reply = raw_request(sock, fs.frame(spawn), [null, null, null])
+        return reply.message if isinstance(reply, fs.Refused) else repr(reply)
+
+    said: str = as_user(uid, ask)
     return said

@@ -14,6 +14,7 @@ import pytest
 
 from cachedaemon import protocol
 from cachedaemon.frameserver import REFUSED_SLOTS, FrameServer, Reply
+from tests.as_user import as_user
 
 pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="switching uid needs root")
 NOBODY = 65534
@@ -46,25 +47,7 @@ def serve() -> Iterator[Callable[..., str]]:
 
 def as_nobody(work: Callable[[], Any]) -> Any:
     """What `work` returns (or raises, as text) run in a forked child of uid 65534."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        result: Any = "the child failed"
-        try:
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            result = work()
-        except BaseException as e:
-            result = f"{type(e).__name__}: {e}"
-        finally:  # never back into pytest
-            os.write(w, json.dumps(result).encode())
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        text = f.read().decode()
-    os.waitpid(pid, 0)
-    return json.loads(text)
+    return as_user(NOBODY, work)
 
 
 def test_a_refused_peer_slow_to_send_reads_the_explanation(serve: Callable[..., str]) -> None:
