@@ -229,8 +229,10 @@ def test_rejoining_node_of_equal_priority_stays_follower(etcd: Etcd) -> None:
                 await b.wait_for(
                     lambda e: e.role is Role.FOLLOWER and "n1" in e.view.nodes, DEADLINE
                 )
-                # an observation window, not a wait for something: leadership must not move
-                await asyncio.sleep(3 * a.spec.ttl_s)
+                # leadership must not move while the rejoined node renews its lease through
+                # three whole TTLs (counted in renewals, four per TTL, not in seconds)
+                start = b.renewals
+                await b.wait_for(lambda e: e.renewals >= start + 12, DEADLINE)
                 assert a.is_leader() and not b.is_leader() and b.stepdowns == []
 
     asyncio.run(main())
@@ -265,7 +267,8 @@ def test_unhealthy_node_does_not_campaign(etcd: Etcd) -> None:
     async def main() -> None:
         async with elector(spec(etcd.endpoint, "n1"), healthy=False) as a:
             await a.wait_for(lambda e: e.role is Role.FOLLOWER and "n1" in e.view.nodes, DEADLINE)
-            await asyncio.sleep(2 * a.spec.ttl_s)  # observation window: nobody leads
+            start = a.renewals  # nobody leads through two whole TTLs of its renewals
+            await a.wait_for(lambda e: e.renewals >= start + 8, DEADLINE)
             assert not a.is_leader() and a.view.leader is None
             a.set_healthy(True)
             await a.wait_for(Elector.is_leader, DEADLINE)

@@ -65,6 +65,7 @@ class Elector:
         self.failures: list[tuple[float, str]] = []  # (clock, why) each failed session start
         self.stepdowns: list[tuple[float, str, float]] = []  # (clock, reason, lease deadline)
         self.lease = 0
+        self.renewals = 0  # successful lease renewals: a clock for watching nothing happen
         self._renewed_at = 0.0
         self._ttl = float(spec.ttl_s)
         self._vacant_since = 0.0
@@ -252,6 +253,8 @@ class Elector:
                 self._renewed_at = sent
                 if self.term is not None and self.role == Role.LEADER:
                     self.term = msgspec.structs.replace(self.term, renewed_at=sent)
+                self.renewals += 1
+                self._notify()
             except LeaseLost:
                 raise
             except EtcdUnavailable as exc:
