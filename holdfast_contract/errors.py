@@ -15,9 +15,5 @@ class EnvError(ContractError):
     """A HOLDFAST_* variable is missing or malformed; the message names the variable."""
 
 
-class FrameError(ContractError):
-    """A frame on a unix socket is garbage, truncated, oversized or unexpected."""
-
-
 class ForkServerError(ContractError):
     """No engine fork server answers, or it refused the request; the message says which."""

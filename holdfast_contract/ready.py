@@ -27,10 +27,6 @@ def daemon_ready_path(run: Path, rank: int) -> Path:
     return run / f"daemon-{rank}.ready"
 
 
-def encode_ready(ready: DaemonReady) -> bytes:
-    return msgspec.json.encode(ready)
-
-
 def read_daemon_ready(path: Path) -> DaemonReady | None:
     """The ready file at `path`, or None while there is none or it is not one."""
     try:

@@ -95,11 +95,6 @@ class ExitWatch:
         self._looks: list[Look] = []
         self._task: asyncio.Task[None] | None = None
 
-    @property
-    def watching(self) -> str:
-        """The key of the group watched now, '' for none."""
-        return self._key
-
     def watch(self, key: str, pids: list[int]) -> None:
         """Watch `pids` (one group, named `key`) instead of whatever was watched."""
         self.clear()

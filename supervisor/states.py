@@ -142,5 +142,4 @@ DAEMON = Table[DaemonState](
     ],
 )
 
-READY_ENGINE = frozenset({E.STANDBY, E.PRIMARY, E.BATCH})
 RUNNING = frozenset({*_RUNNING_ENGINE, E.DRAINING})
