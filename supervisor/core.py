@@ -173,16 +173,24 @@ class Cluster:
     # ---- failures ----
     def _exiting(self, name: str, pid: int) -> None:
         """The primary's process `pid` has begun to exit (it runs no more user code): kill
-        the rest of its group without waiting for the exits, and promote now."""
+        the rest of its group without waiting for the exits, and promote now.
+
+        Rank 0 serves HTTP: once it is exiting nothing of the group can answer a client,
+        so the standby is routed to first and the group killed after. Another rank
+        leaves rank 0 able to answer, so that group is killed before the promotion."""
         e = self.engines.get(name)
         inc = e.inc if e is not None else None
         if e is None or inc is None or inc.handled or e is not self.primary:
             return
         t_detect = time.monotonic()
-        for p in inc.procs:
-            p.kill_group()
         rank = next((i for i, p in enumerate(inc.procs) if p.pid == pid), 0)
+        if rank != 0:
+            for p in inc.procs:
+                p.kill_group()
         self.down(e, inc, cause="exit", detail=f"rank {rank} is exiting", t_detect=t_detect)
+        if rank == 0:
+            for p in inc.procs:
+                p.kill_group()
 
     def on_exit(self, e: Engine, inc: Incarnation, detail: str) -> None:
         """A rank of `e` exited: the group is already killed; handle it now."""

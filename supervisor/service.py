@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import sys
@@ -206,6 +207,9 @@ class Service:
             router=self.policy.router.listen,
             api=self.policy.api.listen,
         )
+        # what start-up built lives as long as the supervisor: out of the collector's
+        # sight, a full collection no longer walks it in the middle of a promotion
+        gc.freeze()
 
     def _bind(self, rd: RuntimeDir, make: Callable[[], T]) -> T:
         try:
