@@ -1,0 +1,154 @@
+"""A fleet run: build the fleet, run the faults in order, tear it all down, and the figures.
+
+Used by bench/fleet.py (two timing configurations, JSON under bench/results/fleet/) and by
+`chaos run` for a scenario with a `fleet:` section (chaos/scenarios/fleet.yaml).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+
+from chaos.fleet import analysis
+from chaos.fleet.faults import RUNNERS, Ctx, FleetTrial
+from chaos.fleet.harness import FleetRun
+from chaos.fleet.net import FleetError, ns_pids
+from chaos.fleet.nodes import NodeOptions
+
+log = structlog.get_logger("chaos.fleet")
+
+MEASURES = (
+    "failover_ms",
+    "stopped_serving_ms",
+    "stepped_down_ms",
+    "serve_again_ms",
+    "rejoin_ms",
+    "overlap_ms",
+    "failed_requests",
+    "failed_elsewhere",
+    "leader_changes",
+)
+
+
+class FleetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The fleet a run builds (a scenario's `fleet:` section)."""
+
+    nodes: int = 3
+    ttl_s: int = 2
+    etcd_flags: str = ""  # e.g. "--heartbeat-interval 50 --election-timeout 500"
+    client_interval_ms: float = 25.0  # each client: one request, then this pause
+    observe_s: float | None = None  # after a rejoin, the leader must stay put; None: 1.25 x ttl_s
+
+
+class Step(msgspec.Struct, frozen=True):
+    kind: str
+    trials: int
+    hold_s: float
+
+
+class FleetResults(msgspec.Struct):
+    config: FleetConfig
+    trials: list[FleetTrial]
+    figures: dict[str, Any]
+    errors: list[str]
+    rows: int = 0
+
+
+def make_checkpoint(dest: Path) -> Path:
+    """The tiny generated checkpoint every node serves (made once, read by each node's own
+    cache daemon)."""
+    if not (dest / "model.safetensors").exists():
+        subprocess.run(
+            [sys.executable, "-m", "cachedaemon", "make-checkpoint", str(dest), "--preset", "tiny"],
+            check=True,
+            capture_output=True,
+        )
+    return dest
+
+
+def run_fleet(
+    base: Path,
+    config: FleetConfig,
+    steps: list[Step],
+    *,
+    base_policy: dict[str, Any] | None = None,
+    on_trial: Callable[[FleetTrial], None] | None = None,
+) -> FleetResults:
+    opts = NodeOptions(make_checkpoint(base / "checkpoint"), config.ttl_s)
+    trials: list[FleetTrial] = []
+    errors: list[str] = []
+    began = time.monotonic()
+    run = FleetRun(
+        base,
+        opts,
+        nodes=config.nodes,
+        etcd_flags=config.etcd_flags,
+        interval_s=config.client_interval_ms / 1000.0,
+        base_policy=base_policy,
+    )
+    rows: list[Any] = []
+    started_ms: float | None = None
+    try:
+        with run:
+            started_ms = analysis.ms(run.started, time.monotonic())
+            for step in steps:
+                ctx = Ctx(run, step.hold_s, config.observe_s or 1.25 * config.ttl_s)
+                for _ in range(step.trials):
+                    try:
+                        trial = RUNNERS[step.kind](ctx, len(trials))
+                    except FleetError as exc:
+                        errors.append(f"{step.kind} trial {len(trials)}: {exc}")
+                        log.error("trial_failed", kind=step.kind, error=str(exc))
+                        raise
+                    trials.append(trial)
+                    if on_trial is not None:
+                        on_trial(trial)
+            rows = run.clients.since(0)
+    except FleetError as exc:
+        if not errors:
+            errors.append(f"the fleet could not be started: {exc}")
+        rows = run.clients.since(0)
+    left = [f"{ns}: {ns_pids(ns)}" for ns in _namespaces()]
+    figures = _figures(trials, rows, started_ms, time.monotonic() - began)
+    figures["left_behind"] = left
+    return FleetResults(config, trials, figures, errors, len(rows))
+
+
+def _namespaces() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith("hf-")]
+
+
+def _figures(
+    trials: list[FleetTrial], rows: list[Any], started_ms: float | None, wall_s: float
+) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "wall_s": round(wall_s, 1),
+        "first_leader_ms": started_ms,
+        "requests": len(rows),
+        "answered_ok": sum(1 for r in rows if r.ok),
+        "overlap_ms_whole_run": analysis.overlap_ms(rows),
+        "epochs_answered_by_two_nodes": sum(
+            1 for nodes in analysis.epoch_nodes(rows).values() if len(nodes) > 1
+        ),
+        "per_fault": {},
+    }
+    for kind in dict.fromkeys(t.kind for t in trials):
+        mine = [t for t in trials if t.kind == kind]
+        per: dict[str, Any] = {"trials": len(mine)}
+        for measure in MEASURES:
+            values = [getattr(t, measure) for t in mine]
+            if any(v is not None for v in values):
+                per[measure] = analysis.summary([None if v is None else float(v) for v in values])
+        kept = [t.leader_kept for t in mine if t.leader_kept is not None]
+        if kept:
+            per["leader_kept"] = f"{sum(kept)} of {len(kept)}"
+        out["per_fault"][kind] = per
+    return out
