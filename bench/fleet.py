@@ -37,8 +37,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from chaos.fleet.faults import FleetTrial  # noqa: E402
+from chaos.fleet.kinds import FleetConfig  # noqa: E402
 from chaos.fleet.net import missing  # noqa: E402
-from chaos.fleet.run import FleetConfig, Step, run_fleet  # noqa: E402
+from chaos.fleet.run import Step, run_fleet  # noqa: E402
 
 CONFIGS = {
     "ttl2": FleetConfig(ttl_s=2),

@@ -22,13 +22,6 @@ from chaos.fleet.harness import FleetRun
 from chaos.fleet.load import Row
 from chaos.fleet.net import FleetError
 
-FLEET_FAULTS: dict[str, str] = {
-    "kill-node": "SIGKILL every process in the leader node's namespace, then start it again",
-    "partition-node": "cut the leader node off the network for hold_s, then rejoin it",
-    "kill-etcd-member": "SIGKILL one etcd member of three (in turn) for hold_s, then restart it",
-    "kill-etcd-all": "SIGKILL all three etcd members for hold_s, then restart them",
-    "pause-leader-supervisor": "SIGSTOP the leader node's supervisor for hold_s, then SIGCONT",
-}
 SLACK_S = 10.0  # on top of ttl_s-derived deadlines: two busy cores, etcd's own expiry check
 
 
@@ -225,7 +218,7 @@ def pause_leader_supervisor(ctx: Ctx, index: int) -> FleetTrial:
     return _finish(ctx, trial, mark, {victim.name})
 
 
-RUNNERS: dict[str, Callable[[Ctx, int], FleetTrial]] = {
+RUNNERS: dict[str, Callable[[Ctx, int], FleetTrial]] = {  # one per kinds.FLEET_FAULTS
     "kill-node": kill_node,
     "partition-node": partition_node,
     "kill-etcd-member": kill_etcd_member,

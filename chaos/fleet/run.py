@@ -19,6 +19,7 @@ import structlog
 from chaos.fleet import analysis
 from chaos.fleet.faults import RUNNERS, Ctx, FleetTrial
 from chaos.fleet.harness import FleetRun
+from chaos.fleet.kinds import FleetConfig
 from chaos.fleet.net import FleetError, ns_pids
 from chaos.fleet.nodes import NodeOptions
 
@@ -35,16 +36,6 @@ MEASURES = (
     "failed_elsewhere",
     "leader_changes",
 )
-
-
-class FleetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The fleet a run builds (a scenario's `fleet:` section)."""
-
-    nodes: int = 3
-    ttl_s: int = 2
-    etcd_flags: str = ""  # e.g. "--heartbeat-interval 50 --election-timeout 500"
-    client_interval_ms: float = 25.0  # each client: one request, then this pause
-    observe_s: float | None = None  # after a rejoin, the leader must stay put; None: 1.25 x ttl_s
 
 
 class Step(msgspec.Struct, frozen=True):
