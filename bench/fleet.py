@@ -96,6 +96,7 @@ def main() -> int:
     p.add_argument("--etcd-all-trials", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="2 kill-node trials, 1 of each other kind")
     p.add_argument("--configs", default="ttl2,ttl1", help="comma-separated: ttl2, ttl1")
+    p.add_argument("--keep", type=Path, help="keep node logs and the response log in this dir")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "fleet")
     args = p.parse_args()
     why = missing()
@@ -115,8 +116,13 @@ def main() -> int:
         config = CONFIGS[name]
         print(f"{name}: ttl_s={config.ttl_s} etcd flags={config.etcd_flags!r}", flush=True)
         started = datetime.datetime.now(datetime.UTC)
-        with tempfile.TemporaryDirectory(prefix="hf-fleet-") as tmp:
-            results = run_fleet(Path(tmp), config, steps(args, config.ttl_s), on_trial=show)
+        if args.keep is not None:  # node logs, policies and responses.jsonl kept there
+            work = args.keep / name
+            work.mkdir(parents=True, exist_ok=True)
+            results = run_fleet(work, config, steps(args, config.ttl_s), on_trial=show)
+        else:
+            with tempfile.TemporaryDirectory(prefix="hf-fleet-") as tmp:
+                results = run_fleet(Path(tmp), config, steps(args, config.ttl_s), on_trial=show)
         doc = {
             "command": shlex.join([sys.executable, *sys.argv]),
             "date": started.strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -19,7 +19,7 @@ import msgspec
 
 from chaos.fleet import analysis
 from chaos.fleet.harness import FleetRun
-from chaos.fleet.load import Row
+from chaos.fleet.load import REQUEST_TIMEOUT_S, Row
 from chaos.fleet.net import FleetError
 
 SLACK_S = 10.0  # on top of ttl_s-derived deadlines: two busy cores, etcd's own expiry check
@@ -47,6 +47,7 @@ class FleetTrial(msgspec.Struct):
     failed_elsewhere: int = 0  # clients of the victim's router (dead, cut off, stopped)
     overlap_ms: float = 0.0
     shared_epochs: int = 0  # cluster epochs answered by more than one node
+    etcd_leader: bool | None = None  # kill-etcd-member: the member killed led etcd's raft
     note: str = ""
 
 
@@ -54,6 +55,7 @@ class Ctx(msgspec.Struct):
     run: FleetRun
     hold_s: float
     observe_s: float  # after a rejoin: how long the leader must stay put
+    count: int = 0  # trials of this step so far
 
     @property
     def ttl_s(self) -> int:
@@ -69,7 +71,7 @@ def _begin(ctx: Ctx, kind: str, index: int, victim: str | None = None) -> tuple[
 def _newer(ctx: Ctx, trial: FleetTrial, mark: int, routers: set[str]) -> Row:
     row = ctx.run.clients.wait(
         lambda r: r.ok and r.router in routers and r.cluster_epoch > trial.old_epoch,
-        ctx.ttl_s * 3 + SLACK_S,
+        ctx.ttl_s * 3 + SLACK_S + REQUEST_TIMEOUT_S,  # clients stuck on the old leader time out
         after=mark,
     )
     if row is None:
@@ -158,8 +160,16 @@ def partition_node(ctx: Ctx, index: int) -> FleetTrial:
 
 
 def kill_etcd_member(ctx: Ctx, index: int) -> FleetTrial:
-    member = index % 3 + 1
+    """A member that follows in etcd's raft, and on every second trial the raft leader
+    (etcd elects another: lease renewals wait for it)."""
+    ctx.run.steady(ctx.ttl_s * 3 + SLACK_S)
+    raft = ctx.run.fleet.etcd_leader()
+    if raft is None:
+        raise FleetError("kill-etcd-member: no etcd member says who leads its raft")
+    ctx.count += 1
+    member = raft if ctx.count % 2 == 0 else raft % 3 + 1
     trial, mark = _begin(ctx, "kill-etcd-member", index, victim=f"e{member}")
+    trial.etcd_leader = member == raft
     trial.injected = time.monotonic()
     ctx.run.fleet.stop_member(member)
     try:

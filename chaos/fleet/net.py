@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import shutil
 import signal
 import subprocess
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -159,6 +161,24 @@ class Fleet:
 
     def member_pid(self, index: int) -> int:
         return int((self.state / f"e{index}" / "pid").read_text())
+
+    def etcd_leader(self) -> int | None:
+        """The member (1-3) that leads etcd's raft now, asked of each member's status from
+        the client namespace; None when no member answers."""
+
+        def ask() -> int | None:
+            for i, endpoint in enumerate(self.endpoints, 1):
+                req = urllib.request.Request(f"http://{endpoint}/v3/maintenance/status", b"{}")
+                try:
+                    with urllib.request.urlopen(req, timeout=1.0) as r:
+                        status = json.loads(r.read())
+                except (OSError, ValueError):
+                    continue
+                if status.get("leader") == status.get("header", {}).get("member_id"):
+                    return i
+            return None
+
+        return in_ns(CLIENT_NS, ask)
 
     @staticmethod
     def address(node: str) -> str:

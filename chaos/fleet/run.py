@@ -106,6 +106,9 @@ def run_fleet(
         if not errors:
             errors.append(f"the fleet could not be started: {exc}")
         rows = run.clients.since(0)
+    with (base / "responses.jsonl").open("wb") as out:  # every response, for a post-mortem
+        for row in rows:
+            out.write(msgspec.json.encode(msgspec.structs.asdict(row)) + b"\n")
     left = [f"{ns}: {ns_pids(ns)}" for ns in _namespaces()]
     figures = _figures(trials, rows, started_ms, time.monotonic() - began)
     figures["left_behind"] = left
@@ -138,6 +141,14 @@ def _figures(
             values = [getattr(t, measure) for t in mine]
             if any(v is not None for v in values):
                 per[measure] = analysis.summary([None if v is None else float(v) for v in values])
+        for led, label in ((False, "raft_follower_killed"), (True, "raft_leader_killed")):
+            which = [t for t in mine if t.etcd_leader is led]
+            if which:
+                per[label] = {
+                    "trials": len(which),
+                    "leader_changes": sum(t.leader_changes for t in which),
+                    "failed_requests": sum(t.failed_requests for t in which),
+                }
         kept = [t.leader_kept for t in mine if t.leader_kept is not None]
         if kept:
             per["leader_kept"] = f"{sum(kept)} of {len(kept)}"
