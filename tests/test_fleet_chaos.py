@@ -6,7 +6,8 @@ the safety properties asserted on the response log and the nodes' own views:
 - never two cluster epochs answering at once (overlap 0), and each epoch one node's;
 - 0 failed requests through the routers of surviving nodes;
 - a new leader's cluster epoch is larger than the old one's; a killed, cut-off or paused
-  node comes back as a follower and does not take leadership back (equal priority);
+  node comes back as a follower and does not take leadership back (equal priority); a
+  killed node's pool runs on its own cache daemon again, in its own namespace;
 - one etcd member down moves nothing; all of them down stops serving, and serving resumes
   under a newer epoch once etcd is back;
 - nothing left behind: no namespace, no process.
@@ -57,6 +58,8 @@ def violations(trials: list[FleetTrial]) -> list[str]:
                 out.append(f"{head}: no failover or no rejoin measured")
             if t.leader_kept is not True:
                 out.append(f"{head}: the rejoined node took leadership back ({t.note})")
+        if t.kind == "kill-node" and t.own_cache is not True:
+            out.append(f"{head}: the restarted node does not serve from its own cache daemon")
         if t.kind == "partition-node" and t.stepped_down_ms is None:
             out.append(f"{head}: the cut-off leader never stepped down")
         if t.kind == "kill-etcd-member" and (

@@ -47,6 +47,7 @@ class FleetTrial(msgspec.Struct):
     failed_elsewhere: int = 0  # clients of the victim's router (dead, cut off, stopped)
     overlap_ms: float = 0.0
     shared_epochs: int = 0  # cluster epochs answered by more than one node
+    own_cache: bool | None = None  # kill-node: the restarted node serves from its own daemon
     etcd_leader: bool | None = None  # kill-etcd-member: the member killed led etcd's raft
     note: str = ""
 
@@ -125,6 +126,7 @@ def kill_node(ctx: Ctx, index: int) -> FleetTrial:
     victim.start()
     back = ctx.run.follower_of(victim.name, trial.new_leader, trial.new_epoch, 60 + SLACK_S)
     trial.rejoin_ms = analysis.ms(restarted, back)
+    trial.own_cache = ctx.run.own_cache(victim.name)
     ctx.run.resume_clients(victim.name)
     trial.leader_kept = _kept(ctx, trial)
     return _finish(ctx, trial, mark, {victim.name})

@@ -11,7 +11,7 @@ from types import TracebackType
 from typing import Any
 
 from chaos.fleet.load import Clients
-from chaos.fleet.net import CLIENT_NS, Fleet, FleetError, in_ns
+from chaos.fleet.net import CLIENT_NS, Fleet, FleetError, in_ns, ns_pids
 from chaos.fleet.nodes import Node, NodeOptions, Prober, Status, _get, leader_of, node_policy
 
 START_TIMEOUT_S = 120.0
@@ -113,6 +113,17 @@ class FleetRun:
                     f"{timeout:g} s; it says {view}; log: {self.nodes[node].log}"
                 )
             time.sleep(0.05)  # the node's state is only readable by asking its API
+
+    def own_cache(self, node: str) -> bool:
+        """Whether `node`'s pool runs on its own cache: its /cluster lists a serving cache
+        daemon, and every daemon and engine process it lists lives in the node's namespace."""
+        view = in_ns(self.nodes[node].ns, lambda: _get(f"{self.nodes[node].api}/cluster"))
+        if view is None or not view.get("daemons"):
+            return False
+        mine = set(ns_pids(self.nodes[node].ns))
+        daemons = view["daemons"]
+        pids = [d["pid"] for d in daemons] + [e["pid"] for e in view.get("engines", []) if e["pid"]]
+        return all(d["state"] == "serving" for d in daemons) and set(pids) <= mine
 
     def role_of(self, node: str) -> str | None:
         """`node`'s role as it reports it, asked from its own namespace."""

@@ -149,8 +149,9 @@ def _figures(
                     "leader_changes": sum(t.leader_changes for t in which),
                     "failed_requests": sum(t.failed_requests for t in which),
                 }
-        kept = [t.leader_kept for t in mine if t.leader_kept is not None]
-        if kept:
-            per["leader_kept"] = f"{sum(kept)} of {len(kept)}"
+        for flag in ("leader_kept", "own_cache"):
+            seen = [v for t in mine if (v := getattr(t, flag)) is not None]
+            if seen:
+                per[flag] = f"{sum(seen)} of {len(seen)}"
         out["per_fault"][kind] = per
     return out
