@@ -78,7 +78,8 @@ def show(trial: FleetTrial) -> None:
     keys = ("failover_ms", "stopped_serving_ms", "serve_again_ms", "rejoin_ms", "overlap_ms")
     got = " ".join(f"{k}={getattr(trial, k)}" for k in keys if getattr(trial, k) is not None)
     print(
-        f"  {trial.kind} #{trial.index} victim={trial.victim} {trial.old_leader}@"
+        f"  {trial.kind} #{trial.index} victim={trial.victim}"
+        f"{' (raft leader)' if trial.etcd_leader else ''} {trial.old_leader}@"
         f"{trial.old_epoch}->{trial.new_leader}@{trial.new_epoch} {got} "
         f"failed={trial.failed_requests} (victim's clients {trial.failed_elsewhere})",
         flush=True,

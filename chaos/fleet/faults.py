@@ -165,9 +165,11 @@ def kill_etcd_member(ctx: Ctx, index: int) -> FleetTrial:
     """A member that follows in etcd's raft, and on every second trial the raft leader
     (etcd elects another: lease renewals wait for it)."""
     ctx.run.steady(ctx.ttl_s * 3 + SLACK_S)
-    raft = ctx.run.fleet.etcd_leader()
-    if raft is None:
-        raise FleetError("kill-etcd-member: no etcd member says who leads its raft")
+    deadline = time.monotonic() + SLACK_S
+    while (raft := ctx.run.fleet.etcd_leader()) is None:
+        if time.monotonic() > deadline:
+            raise FleetError(f"kill-etcd-member: etcd elected no raft leader in {SLACK_S:g} s")
+        time.sleep(0.05)  # etcd's own election: only its status says when it is over
     ctx.count += 1
     member = raft if ctx.count % 2 == 0 else raft % 3 + 1
     trial, mark = _begin(ctx, "kill-etcd-member", index, victim=f"e{member}")

@@ -94,7 +94,8 @@ def markdown(report: FleetReport) -> str:
                   "| rejoin ms | failed | overlap ms |", "|" + " --- |" * 9]  # fmt: skip
         for t in results.trials:
             lines.append(
-                f"| {t.index} | {t.kind} | {t.victim} | {t.old_leader}@{t.old_epoch} -> "
+                f"| {t.index} | {t.kind} | {t.victim}{' (raft leader)' if t.etcd_leader else ''} | "
+                f"{t.old_leader}@{t.old_epoch} -> "
                 f"{t.new_leader}@{t.new_epoch} | {_num(t.failover_ms)} | "
                 f"{_num(t.stopped_serving_ms)} | {_num(t.rejoin_ms)} | {t.failed_requests} | "
                 f"{t.overlap_ms} |"
