@@ -24,8 +24,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import shlex
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -74,6 +76,20 @@ def machine() -> dict[str, Any]:
             "python": platform.python_version()}  # fmt: skip
 
 
+def source() -> str:
+    """The commit measured (with `+dirty` when the tree differs from it), or why unknown."""
+    git = ["git", "-C", str(REPO)]
+    try:
+        head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True)  # fmt: skip
+    except OSError as exc:
+        return f"unknown ({exc})"
+    if head.returncode != 0:
+        return "unknown (not a git checkout)"
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def show(trial: FleetTrial) -> None:
     keys = ("failover_ms", "stopped_serving_ms", "serve_again_ms", "rejoin_ms", "overlap_ms")
     got = " ".join(f"{k}={getattr(trial, k)}" for k in keys if getattr(trial, k) is not None)
@@ -91,9 +107,9 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--kill-trials", type=int, default=30)
-    p.add_argument("--partition-trials", type=int, default=5)
-    p.add_argument("--etcd-member-trials", type=int, default=3)
-    p.add_argument("--pause-trials", type=int, default=3)
+    p.add_argument("--partition-trials", type=int, default=3)
+    p.add_argument("--etcd-member-trials", type=int, default=4)
+    p.add_argument("--pause-trials", type=int, default=2)
     p.add_argument("--etcd-all-trials", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="2 kill-node trials, 1 of each other kind")
     p.add_argument("--configs", default="ttl2,ttl1", help="comma-separated: ttl2, ttl1")
@@ -117,6 +133,7 @@ def main() -> int:
         config = CONFIGS[name]
         print(f"{name}: ttl_s={config.ttl_s} etcd flags={config.etcd_flags!r}", flush=True)
         started = datetime.datetime.now(datetime.UTC)
+        load_before = list(os.getloadavg())
         if args.keep is not None:  # node logs, policies and responses.jsonl kept there
             work = args.keep / name
             work.mkdir(parents=True, exist_ok=True)
@@ -128,6 +145,9 @@ def main() -> int:
             "command": shlex.join([sys.executable, *sys.argv]),
             "date": started.strftime("%Y-%m-%dT%H:%M:%SZ"),
             "machine": machine(),
+            "source": source(),
+            "loadavg_before": load_before,
+            "loadavg_after": list(os.getloadavg()),
             "config": name,
             **msgspec.to_builtins(results),
         }
