@@ -5,13 +5,15 @@ namespace, both to that node's router). `scripts/fleet.sh down` always runs at t
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from chaos.fleet.load import Clients
-from chaos.fleet.net import CLIENT_NS, Fleet, FleetError, in_ns, ns_pids
+from chaos.fleet.net import CLIENT_NS, Fleet, FleetError, alive, in_ns, ns_pids
 from chaos.fleet.nodes import Node, NodeOptions, Prober, Status, _get, leader_of, node_policy
 
 START_TIMEOUT_S = 120.0
@@ -137,6 +139,27 @@ class FleetRun:
     def resume_clients(self, node: str) -> None:
         self.clients.resume(self.outside[node])
         self.clients.resume(self.inside[node])
+
+    def repair(self, timeout: float) -> list[str]:
+        """After a trial that failed midway: every node linked, running and not stopped,
+        every etcd member up, every client sending; then one leader agreed. What was done."""
+        done = []
+        for i in range(1, 4):
+            if not alive(self.fleet.member_pid(i)):
+                self.fleet.start_member(i)
+                done.append(f"etcd e{i} started")
+        for name, node in self.nodes.items():
+            self.fleet.rejoin(name)  # idempotent: up is up
+            pid = node.pid
+            if pid is None:
+                node.stop()  # whatever the dead supervisor left in the namespace
+                node.start()
+                done.append(f"{name} started again (it had exited: see {node.log})")
+            else:
+                os.kill(pid, signal.SIGCONT)
+            self.resume_clients(name)
+        self.steady(timeout)
+        return done
 
     def close(self) -> None:
         """Clients, supervisors, namespaces and etcd: all of it, whatever failed."""

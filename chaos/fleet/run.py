@@ -38,6 +38,9 @@ MEASURES = (
 )
 
 
+REPAIR_TIMEOUT_S = 120.0
+
+
 class Step(msgspec.Struct, frozen=True):
     kind: str
     trials: int
@@ -75,6 +78,7 @@ def run_fleet(
     opts = NodeOptions(make_checkpoint(base / "checkpoint"), config.ttl_s)
     trials: list[FleetTrial] = []
     errors: list[str] = []
+    failed: dict[str, int] = {}  # kind: trials that could not finish
     began = time.monotonic()
     run = FleetRun(
         base,
@@ -92,19 +96,23 @@ def run_fleet(
             for step in steps:
                 ctx = Ctx(run, step.hold_s, config.observe_s or 1.25 * config.ttl_s)
                 for _ in range(step.trials):
+                    index = len(trials) + len(errors)
                     try:
-                        trial = RUNNERS[step.kind](ctx, len(trials))
-                    except FleetError as exc:
-                        errors.append(f"{step.kind} trial {len(trials)}: {exc}")
+                        trial = RUNNERS[step.kind](ctx, index)
+                    except FleetError as exc:  # the fleet is repaired and the run goes on
+                        errors.append(f"{step.kind} trial {index}: {exc}")
+                        failed[step.kind] = failed.get(step.kind, 0) + 1
                         log.error("trial_failed", kind=step.kind, error=str(exc))
-                        raise
+                        repaired = run.repair(REPAIR_TIMEOUT_S)
+                        errors[-1] += f" (then: {'; '.join(repaired) or 'nothing to repair'})"
+                        continue
                     trials.append(trial)
                     if on_trial is not None:
                         on_trial(trial)
             rows = run.clients.since(0)
     except FleetError as exc:
-        if not errors:
-            errors.append(f"the fleet could not be started: {exc}")
+        stage = "the run stopped" if trials or errors else "the fleet could not be started"
+        errors.append(f"{stage}: {exc}")
         rows = run.clients.since(0)
     with (base / "responses.jsonl").open("wb") as out:  # every response, for a post-mortem
         for row in rows:
@@ -112,6 +120,7 @@ def run_fleet(
     left = [f"{ns}: {ns_pids(ns)}" for ns in _namespaces()]
     figures = _figures(trials, rows, started_ms, time.monotonic() - began)
     figures["left_behind"] = left
+    figures["failed_trials"] = failed
     return FleetResults(config, trials, figures, errors, len(rows))
 
 
