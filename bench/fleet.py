@@ -113,6 +113,7 @@ def main() -> int:
     p.add_argument("--etcd-all-trials", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="2 kill-node trials, 1 of each other kind")
     p.add_argument("--configs", default="ttl2,ttl1", help="comma-separated: ttl2, ttl1")
+    p.add_argument("--note", default="", help="kept in the result: what was measured, if not HEAD")
     p.add_argument("--keep", type=Path, help="keep node logs and the response log in this dir")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "fleet")
     args = p.parse_args()
@@ -146,6 +147,7 @@ def main() -> int:
             "date": started.strftime("%Y-%m-%dT%H:%M:%SZ"),
             "machine": machine(),
             "source": source(),
+            "note": args.note,
             "loadavg_before": load_before,
             "loadavg_after": list(os.getloadavg()),
             "config": name,
