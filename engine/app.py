@@ -84,7 +84,6 @@ def build_llama(
     from engine.kvcache import BlockPool, KVCache
     from engine.model import LlamaForCausalLM, TPGroup
     from engine.modelargs import check_tp, read_model_args
-    from engine.prewarm import Prewarm
     from engine.runner import Runner
     from engine.scheduler import Scheduler
     from engine.weights import load_weights
@@ -96,12 +95,8 @@ def build_llama(
         args, tp, getattr(torch, cfg.dtype), fp8=cfg.quantization == "fp8-block", device=str(device)
     )
     phases.build = clock.lap()
-    fp8 = cfg.quantization == "fp8-block"
-    prewarm = Prewarm.start(args, tp, getattr(torch, cfg.dtype), fp8, device)
     report = load_weights(module, cfg)
     phases.attach = clock.lap()
-    if prewarm is not None:
-        prewarm.join()
     log.info(
         "weights",
         source=report.source,

@@ -51,14 +51,7 @@ from holdfast_contract.forkserver import (
 log = structlog.get_logger("engine.forkserver")
 
 READ_TIMEOUT = 5.0  # seconds a peer has to send its whole request
-PRELOAD = (
-    "engine.app",
-    "engine.model",
-    "engine.prewarm",
-    "engine.runner",
-    "engine.weights",
-    "engine.hf",
-)
+PRELOAD = ("engine.app", "engine.model", "engine.runner", "engine.weights", "engine.hf")
 
 
 # ---- server ----

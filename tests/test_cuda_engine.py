@@ -244,25 +244,3 @@ def test_supervisor_on_cuda_fails_over_and_survives_a_daemon_kill(
     finally:
         if sup.proc.poll() is None:
             sup.stop(signal.SIGKILL)
-
-
-@pytest.mark.parametrize("fp8", [False, True])
-def test_the_prewarm_shadow_runs_and_frees_its_memory(tiny_model: Path, fp8: bool) -> None:
-    """The one-layer shadow warms up without error, and its memory is back once joined."""
-    from engine.model import TPGroup
-    from engine.modelargs import read_model_args
-    from engine.prewarm import Prewarm
-
-    device = torch.device("cuda:0")
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory_reserved(device)
-    p = Prewarm.start(read_model_args(tiny_model), TPGroup(), torch.bfloat16, fp8, device)
-    assert p is not None
-    p.join()
-    assert p.error is None
-    assert p.ms > 0
-    assert torch.cuda.memory_reserved(device) == before
-    assert (
-        Prewarm.start(read_model_args(tiny_model), TPGroup(0, 2), torch.bfloat16, fp8, device)
-        is None
-    )
