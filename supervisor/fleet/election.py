@@ -52,12 +52,14 @@ class Elector:
         clock: Clock = time.monotonic,
         on_change: Callable[[Elector, str], None] | None = None,
         max_backoff_s: float = 5.0,
+        api: str = "",
     ) -> None:
         self.etcd, self.spec, self.fingerprint, self.clock = etcd, spec, fingerprint, clock
         self.healthy = healthy
         self._unhealthy_since: float | None = None if healthy else clock()
         self.on_change = on_change
         self.max_backoff_s = max_backoff_s
+        self.api = api
         self.role = Role.STARTING
         self.term: Term | None = None
         self.view = View(spec)
@@ -116,6 +118,17 @@ class Elector:
     def cluster_epoch(self) -> int:
         """The epoch of the leader this node sees now (its key's create revision); 0: none."""
         return self.view.leader.create_revision if self.view.leader is not None else 0
+
+    @property
+    def term_deadline(self) -> float | None:
+        """While leading: the clock reading at which `is_leader()` turns false unless a
+        renewal moves it (what in-flight streams are cut at)."""
+        return self.term.deadline if self.role == Role.LEADER and self.term else None
+
+    @property
+    def lease_age_s(self) -> float | None:
+        """Seconds since the last successful renewal was sent; None without a session."""
+        return self.clock() - self._renewed_at if self.lease else None
 
     def set_healthy(self, healthy: bool) -> None:
         """Whether this node's pool is whole: an unhealthy node does not campaign, and a
@@ -179,6 +192,8 @@ class Elector:
             self.healthy,
             os.getpid(),
             socket.gethostname(),
+            self.spec.advertise,
+            self.api,
         )
 
     # the loop
