@@ -41,7 +41,11 @@ NOT_LEADER = "X-Holdfast-Not-Leader"  # on a 421: the receiving node no longer l
 
 
 class NotLeader(Exception):
-    """The node forwarded to answered that it does not lead (before any byte)."""
+    """The node forwarded to does not lead (said before any byte of an answer)."""
+
+
+class LeadershipEnded(Exception):
+    """This node's term ended while a response from its local primary was under way."""
 
 
 UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError, NotLeader)
@@ -66,6 +70,13 @@ class Target:
     node: str = ""
     cluster_epoch: int = 0
     remote: bool = False
+
+
+def not_leader() -> web.Response:
+    """421 to another node's router: this node does not lead; retry on the next leader."""
+    resp = error(421, "this node does not lead the cluster", "not_leader")
+    resp.headers[NOT_LEADER] = "1"
+    return resp
 
 
 def choose(current: Target | None, after_epoch: int) -> Target | None:
@@ -130,9 +141,9 @@ class PrimaryView:
         """Whether a request another node's router forwarded here must be refused (421)."""
         return False
 
-    def serving(self, target: Target) -> contextlib.AbstractContextManager[None]:
-        """Held while a response from `target` streams (a cluster leader cuts it when its
-        term ends)."""
+    def serving(self, target: Target) -> contextlib.AbstractAsyncContextManager[None]:
+        """Held while a request to `target` is under way; a cluster leader raises
+        LeadershipEnded out of it when its term ends."""
         return contextlib.nullcontext()
 
     async def next_after(self, epoch: int, deadline: float) -> Target | None:
@@ -191,9 +202,7 @@ class Router:
                 "invalid_request_error",
             )
         if FORWARDED_BY in request.headers and self.view.misdirected():
-            resp = error(421, "this node does not lead the cluster", "not_leader")
-            resp.headers[NOT_LEADER] = "1"
-            return resp
+            return not_leader()
         deadline = time.monotonic() + self.spec.retry_deadline_s
         target = choose(self.view.route(), -1) or await self.view.next_after(-1, deadline)
         tries = attempts(self.spec)
@@ -211,6 +220,8 @@ class Router:
                     raise NotLeader(f"{target.node or target.name} is not leading here")
                 return await self._forward(request, body, target)
             except UPSTREAM_ERRORS as e:
+                if isinstance(e, NotLeader) and FORWARDED_BY in request.headers:
+                    return not_leader()  # the router that sent it retries on the next leader
                 reason = f"primary {target.name} failed before answering: {type(e).__name__}"
                 if attempt + 1 < tries:
                     self.retried += 1
@@ -221,6 +232,22 @@ class Router:
 
     async def _forward(
         self, request: web.Request, body: bytes, target: Target
+    ) -> web.StreamResponse:
+        sent: list[web.StreamResponse] = []  # the response, once its first byte went out
+        try:
+            async with self.view.serving(target):
+                return await self._relay(request, body, target, sent)
+        except LeadershipEnded:
+            if not sent:
+                raise NotLeader(f"the term of {target.node} ended before an answer") from None
+            self.broken += 1
+            log.warning("stream_cut", engine=target.name, node=target.node, why="term ended")
+            if request.transport is not None:
+                request.transport.abort()  # the client sees a cut, not a short answer
+            return sent[0]
+
+    async def _relay(
+        self, request: web.Request, body: bytes, target: Target, sent: list[web.StreamResponse]
     ) -> web.StreamResponse:
         url = f"http://{target.host}:{target.port}{request.rel_url}"
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
@@ -245,15 +272,15 @@ class Router:
                     resp.headers["X-Holdfast-Cluster-Epoch"] = str(target.cluster_epoch)
             first = await up.content.readany()  # upstream failures up to here are retried
             await resp.prepare(request)
+            sent.append(resp)
             self.forwarded += 1
             chunk = first
-            with self.view.serving(target):
-                try:
-                    while chunk:
-                        await resp.write(chunk)
-                        chunk = await up.content.readany()
-                    await resp.write_eof()
-                except UPSTREAM_ERRORS as e:  # after the first byte: too late to retry
-                    self.broken += 1
-                    log.warning("stream_broken", engine=target.name, error=type(e).__name__)
+            try:
+                while chunk:
+                    await resp.write(chunk)
+                    chunk = await up.content.readany()
+                await resp.write_eof()
+            except UPSTREAM_ERRORS as e:  # after the first byte: too late to retry
+                self.broken += 1
+                log.warning("stream_broken", engine=target.name, error=type(e).__name__)
             return resp

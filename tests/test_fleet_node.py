@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -23,6 +25,7 @@ from holdfast_contract.events import Event
 from supervisor.fleet.node import term_floor
 from tests.engines.harness import Supervisor, get, write_policy
 from tests.fleet_etcd import Etcd, free_port
+from tests.test_supervisor_mqtt import PREFIX, Broker, Subscriber
 
 DEADLINE = 90.0  # generous: two shared cores
 
@@ -37,6 +40,17 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
 
 
 @pytest.fixture
+def mqtt() -> Iterator[Broker]:
+    """A mosquitto of our own on a free port."""
+    b = Broker(free_port())
+    b.start()
+    try:
+        yield b
+    finally:
+        b.stop()
+
+
+@pytest.fixture
 def started() -> Iterator[list[Supervisor]]:
     sups: list[Supervisor] = []
     try:
@@ -47,12 +61,12 @@ def started() -> Iterator[list[Supervisor]]:
 
 
 def node(
-    base: Path, model: Path, name: str, cluster: dict[str, Any] | None, **sections: Any
+    base: Path, checkpoint: Path, name: str, cluster: dict[str, Any] | None, **sections: Any
 ) -> Supervisor:
     d = base / name
     d.mkdir()
     extra = {"cluster": {"node": name, **cluster}} if cluster is not None else {}
-    return Supervisor(write_policy(d / "policy.yaml", model, d / "run", **extra, **sections))
+    return Supervisor(write_policy(d / "policy.yaml", checkpoint, d / "run", **extra, **sections))
 
 
 def fleet_event(event: str, **data: Any) -> Callable[[Event], bool]:
@@ -63,15 +77,15 @@ def fleet_event(event: str, **data: Any) -> Callable[[Event], bool]:
     )
 
 
-def ask(router: str) -> tuple[int, dict[str, str], dict[str, Any]]:
+def ask(router: str, **extra: Any) -> tuple[int, dict[str, str], dict[str, Any]]:
     """POST a completion; status, response headers, body."""
     req = urllib.request.Request(
         f"{router}/v1/completions",
-        data=json.dumps({"prompt": "hi"}).encode(),
+        data=json.dumps({"prompt": "hi", **extra}).encode(),
         headers={"Content-Type": "application/json"},
     )
     try:
-        with urllib.request.urlopen(req, timeout=30) as r:
+        with urllib.request.urlopen(req, timeout=DEADLINE) as r:
             return r.status, dict(r.headers), json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), {"error": e.read().decode(errors="replace")}
@@ -104,6 +118,14 @@ def kill_all(sup: Supervisor) -> list[int]:
     return tree
 
 
+def metric(api: str, name: str) -> float:
+    with urllib.request.urlopen(f"{api}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"no {name} in {api}/metrics")
+
+
 def running_in(run: Path) -> list[str]:
     """Command lines of live processes that name the runtime dir `run`."""
     found = []
@@ -127,11 +149,23 @@ def leader_of(a: Supervisor, b: Supervisor) -> tuple[Supervisor, Supervisor, Eve
 
 
 def test_two_nodes_elect_one_and_the_follower_routes_to_the_leader(
-    tmp_path: Path, tiny_model: Path, etcd: Etcd, started: list[Supervisor]
+    tmp_path: Path, tiny_model: Path, etcd: Etcd, started: list[Supervisor], mqtt: Broker
 ) -> None:
     cluster = {"name": f"two-{uuid.uuid4().hex[:6]}", "etcd": [etcd.endpoint]}
-    started += [node(tmp_path, tiny_model, n, cluster) for n in ("n1", "n2")]
-    leader, follower, _ = leader_of(*started)
+    prefix = f"{PREFIX}/{cluster['name']}"
+    events = {"mqtt": {"host": "127.0.0.1", "port": mqtt.port, "prefix": prefix}}
+    sub = Subscriber(mqtt.port)
+    try:
+        started += [node(tmp_path, tiny_model, n, cluster, events=events) for n in ("n1", "n2")]
+        leader, follower, _ = leader_of(*started)
+        lead, follow = leader.policy["cluster"]["node"], follower.policy["cluster"]["node"]
+        # events with the node's name, and each node's retained state, on MQTT
+        sub.wait(f"{prefix}/events", b"became-leader")
+        sub.wait(f"{prefix}/events", b"follower-of")
+        sub.wait(f"{prefix}/node/{lead}/state", b'"role":"leader"')
+        sub.wait(f"{prefix}/node/{follow}/state", b'"role":"follower"')
+    finally:
+        sub.close()
 
     codes = {s.policy["cluster"]["node"]: get(f"{s.api}/primary")[0] for s in started}
     assert sorted(codes.values()) == [200, 503], codes
@@ -164,7 +198,8 @@ def test_leader_killed_whole_the_other_node_leads_with_a_larger_epoch(
     tmp_path: Path, tiny_model: Path, etcd: Etcd, started: list[Supervisor]
 ) -> None:
     cluster = {"name": f"kill-{uuid.uuid4().hex[:6]}", "etcd": [etcd.endpoint]}
-    started += [node(tmp_path, tiny_model, n, cluster) for n in ("n1", "n2")]
+    slow = {"retry_deadline_s": DEADLINE}  # a request may wait out the whole failover
+    started += [node(tmp_path, tiny_model, n, cluster, router=slow) for n in ("n1", "n2")]
     leader, follower, _ = leader_of(*started)
     status, headers, before = ask(follower.router)
     assert status == 200, before
@@ -173,11 +208,13 @@ def test_leader_killed_whole_the_other_node_leads_with_a_larger_epoch(
     mark = follower.tap.mark()
     tree = kill_all(leader)
     assert tree, "the leader's supervisor had no children"
-    follower.wait(fleet_event("became-leader"), timeout=DEADLINE, after=mark)
-
-    assert get(f"{follower.api}/primary")[0] == 200
+    # sent while the dead leader still holds its lease: the forward fails before the
+    # first byte, and the router waits for the next leader (this node) and retries
     status, headers, after = ask(follower.router)
     assert status == 200, after
+    follower.wait(fleet_event("became-leader"), timeout=DEADLINE, after=mark)
+    assert get(f"{follower.api}/primary")[0] == 200
+    assert metric(follower.api, "holdfast_supervisor_router_retries_total") >= 1
     assert headers["X-Holdfast-Node"] == follower.policy["cluster"]["node"]
     assert int(headers["X-Holdfast-Cluster-Epoch"]) > old_epoch
     assert int(headers["X-Holdfast-Epoch"]) > int(before["epoch"])
@@ -243,3 +280,58 @@ def test_duplicate_node_name_exits_naming_the_first(
     assert f"node name 'n1' is held by a live supervisor (pid {one.proc.pid}" in out, out
     assert not running_in(two.run)
     assert get(f"{one.api}/primary")[0] == 200  # the first is untouched
+
+
+def test_a_leader_that_loses_its_term_cuts_the_request_under_way(
+    tmp_path: Path, tiny_model: Path, started: list[Supervisor]
+) -> None:
+    (tmp_path / "etcd").mkdir()
+    frozen = Etcd(tmp_path / "etcd")  # its own: this test freezes it
+    try:
+        cluster = {"name": "cut", "etcd": [frozen.endpoint]}
+        sup = node(tmp_path, tiny_model, "n1", cluster, router={"retry_deadline_s": 2.0})
+        started.append(sup)
+        won = sup.wait(fleet_event("became-leader"), timeout=DEADLINE)
+        answers: list[tuple[int, dict[str, str], dict[str, Any]]] = []
+        client = threading.Thread(target=lambda: answers.append(ask(sup.router, sleep_s=600)))
+        client.start()
+        until(lambda: any(e["in_flight"] for e in get(f"{sup.api}/cluster")[1]["engines"]))
+        mark = sup.tap.mark()
+        frozen.stop()  # no renewal succeeds: the term ends at its hold deadline
+        client.join(DEADLINE)
+        status, _, body = answers[0]
+        # cut before its first byte (the engine would sleep 600 s), then no leader to retry on
+        assert status == 502 and "NotLeader" in body["error"], body
+        down = sup.wait(fleet_event("stepped-down"), timeout=DEADLINE, after=mark)
+        assert down.data["reason"] == "renewal_stale"
+        assert get(f"{sup.api}/primary")[0] == 503
+        frozen.cont()
+        again = sup.wait(fleet_event("became-leader"), timeout=DEADLINE, after=mark)
+        assert again.epoch > won.epoch
+    finally:
+        frozen.kill()
+
+
+def until(ok: Callable[[], bool]) -> None:
+    """Poll a condition on a health API (nothing to wait on): a generous deadline."""
+    deadline = time.monotonic() + DEADLINE
+    while not ok():
+        assert time.monotonic() < deadline, "condition not met"
+        time.sleep(0.05)
+
+
+def test_another_model_in_the_same_cluster_exits_naming_both(
+    tmp_path: Path, tiny_model: Path, etcd: Etcd, started: list[Supervisor]
+) -> None:
+    cluster = {"name": f"model-{uuid.uuid4().hex[:6]}", "etcd": [etcd.endpoint]}
+    one = node(tmp_path, tiny_model, "n1", cluster)
+    started.append(one)
+    one.wait(fleet_event("became-leader"), timeout=DEADLINE)
+    # the same checkpoint served as bfloat16: another cache fingerprint
+    two = node(tmp_path, tiny_model, "n2", cluster, model={"dtype": "bfloat16"})
+    started.append(two)
+    assert two.proc.wait(DEADLINE) != 0
+    out = two.output()
+    assert f"cluster {cluster['name']!r} serves model fingerprint" in out, out
+    assert "first set by node 'n1'" in out and "node 'n2' has" in out
+    assert not running_in(two.run)

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
@@ -30,7 +30,7 @@ from supervisor.fleet.election import Elector
 from supervisor.fleet.etcd import EtcdClient
 from supervisor.fleet.spec import ClusterSpec
 from supervisor.policy import split_listen
-from supervisor.router import PrimaryView, Target
+from supervisor.router import LeadershipEnded, PrimaryView, Target
 from supervisor.states import EngineState
 
 log = structlog.get_logger("holdfast.fleet")
@@ -60,7 +60,7 @@ class FleetView(PrimaryView):
         super().__init__()
         self.node = node
         self.elector: Elector | None = None
-        self._streams: set[asyncio.Task[Any]] = set()
+        self._scopes: set[asyncio.Timeout] = set()
 
     def route(self) -> Target | None:
         e = self.elector
@@ -86,41 +86,48 @@ class FleetView(PrimaryView):
     def misdirected(self) -> bool:
         return self.elector is None or not self.elector.is_leader()
 
-    @contextlib.contextmanager
-    def serving(self, target: Target) -> Iterator[None]:
-        """A local stream lives while this node leads: checked at each term deadline
-        (renewals move it), and cut at once when the node steps down."""
-        task = asyncio.current_task()
-        if target.remote or task is None:
+    @contextlib.asynccontextmanager
+    async def serving(self, target: Target) -> AsyncIterator[None]:
+        """A request to the local primary lives while this node leads: looked at again at
+        each term deadline (renewals move it), cut at once when the node steps down."""
+        e = self.elector
+        if target.remote or e is None:
             yield
             return
         loop = asyncio.get_running_loop()
         handle: asyncio.TimerHandle | None = None
-
-        def check() -> None:
-            nonlocal handle
-            e = self.elector
-            deadline = e.term_deadline if e is not None and e.is_leader() else None
-            if deadline is None:
-                task.cancel()
-                return
-            handle = loop.call_later(max(0.0, deadline - e.clock()), check) if e else None
-
-        check()
-        self._streams.add(task)
         try:
-            yield
-        finally:
-            self._streams.discard(task)
-            if handle is not None:
-                handle.cancel()
+            async with asyncio.timeout(None) as scope:
+
+                def check() -> None:
+                    nonlocal handle
+                    deadline = e.term_deadline if e.is_leader() else None
+                    if deadline is None:
+                        scope.reschedule(loop.time())  # expires now
+                    else:
+                        handle = loop.call_later(max(0.0, deadline - e.clock()), check)
+
+                check()
+                self._scopes.add(scope)
+                try:
+                    yield
+                finally:
+                    self._scopes.discard(scope)
+                    if handle is not None:
+                        handle.cancel()
+        except TimeoutError:
+            if scope.expired():
+                raise LeadershipEnded(f"node {self.node} stopped leading") from None
+            raise
 
     def changed(self, stepped_down: bool) -> None:
         """The elector saw a change: wake waiting requests; cut local streams if this
         node stopped leading."""
         if stepped_down:
-            for task in list(self._streams):
-                task.cancel()
+            now = asyncio.get_running_loop().time()
+            for scope in list(self._scopes):
+                if not scope.expired():  # one expiring already must not be rescheduled
+                    scope.reschedule(now)
         self.wake()
 
 
