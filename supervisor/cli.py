@@ -50,6 +50,10 @@ def parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run",
         help="run a policy until SIGINT/SIGTERM or `supervisor stop`",
+        description="Run a policy until SIGINT/SIGTERM or `supervisor stop`. With a "
+        "`cluster:` section the node joins its cluster through etcd: one node leads and "
+        "serves; the others' routers forward to it (docs/fleet.md). Exits 1 if the "
+        "cluster refuses it (node name taken, another model).",
         epilog="example: supervisor run policies/demo.yaml",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
