@@ -77,12 +77,14 @@ def fleet_event(event: str, **data: Any) -> Callable[[Event], bool]:
     )
 
 
-def ask(router: str, **extra: Any) -> tuple[int, dict[str, str], dict[str, Any]]:
+def ask(
+    router: str, headers: dict[str, str] | None = None, **extra: Any
+) -> tuple[int, dict[str, str], dict[str, Any]]:
     """POST a completion; status, response headers, body."""
     req = urllib.request.Request(
         f"{router}/v1/completions",
         data=json.dumps({"prompt": "hi", **extra}).encode(),
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **(headers or {})},
     )
     try:
         with urllib.request.urlopen(req, timeout=DEADLINE) as r:
@@ -186,12 +188,18 @@ def test_two_nodes_elect_one_and_the_follower_routes_to_the_leader(
     # the leader re-promoted its primary into its term: the engine answers in that epoch
     assert int(headers["X-Holdfast-Epoch"]) == body["epoch"] >= term_floor(lead_view["epoch"])
 
+    # a router forwards only once: what another router sent to a follower is refused
+    status, headers, _ = ask(follower.router, headers={"X-Holdfast-Forwarded-By": lead})
+    assert status == 421 and headers["X-Holdfast-Not-Leader"] == "1"
+
     out = follower.cli("status", "--cluster", "--json", "--api", follower.policy["api"]["listen"])
     rows = {r["node"]: r for r in json.loads(out.stdout)["nodes"]}
     assert rows[lead_view["node"]]["role"] == "leader"
     assert rows[follow_view["node"]]["role"] == "follower"
     assert rows[lead_view["node"]]["epoch"] == lead_view["epoch"]
     assert all(r["lease_age_s"] is not None for r in rows.values())
+    table = follower.cli("status", "--cluster", "--api", follower.policy["api"]["listen"])
+    assert f"leader {lead_view['node']}" in table.stdout and "follower" in table.stdout
 
 
 def test_leader_killed_whole_the_other_node_leads_with_a_larger_epoch(
