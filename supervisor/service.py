@@ -115,7 +115,8 @@ class Service:
         os.umask(0o077)  # every socket and file we create is ours alone
         rd = RuntimeDir.acquire(self.policy.cache.runtime_dir)
         try:
-            bus = EventBus(rd.endpoint("events"), self.policy.events)
+            node = self.policy.cluster.node if self.policy.cluster is not None else ""
+            bus = EventBus(rd.endpoint("events"), self.policy.events, node)
         except zmq.ZMQError as e:
             rd.release()
             raise StartupError(

@@ -166,6 +166,8 @@ def test_two_nodes_elect_one_and_the_follower_routes_to_the_leader(
         sub.wait(f"{prefix}/events", b"follower-of")
         sub.wait(f"{prefix}/node/{lead}/state", b'"role":"leader"')
         sub.wait(f"{prefix}/node/{follow}/state", b'"role":"follower"')
+        for name in (lead, follow):  # each node's own birth (and Last Will) topic
+            sub.wait(f"{prefix}/node/{name}/status", b"online")
     finally:
         sub.close()
 
