@@ -141,7 +141,6 @@ class Node:
         host, _ = split_listen(spec.advertise)
         self.api = f"{host}:{split_listen(api)[1]}"  # the health API, on the advertised host
         self.elector: Elector | None = None
-        self.started = time.monotonic()
 
     async def run(self, fingerprint: str) -> None:
         """Join, campaign and follow until cancelled; raises JoinRefused if refused."""
