@@ -8,7 +8,8 @@ the engine (Triton included), the CUDA context, building the model, loading the 
 (from disk here: the weights' phase is measured by bench/engine_startup.py), the KV cache,
 and the runner's warm-up, under cProfile. The trials share a fresh TRITON_CACHE_DIR: the
 first compiles the kernels, the later ones load them from Triton's disk cache, as an
-engine restarted on the same machine does. `--eager` warms up without the Triton kernels.
+engine restarted on the same machine does; the Triton preparation the fork server does
+before forking (engine.forkserver.prepare_kernels) is timed with the imports. `--eager` warms up without the Triton kernels.
 """
 
 from __future__ import annotations
@@ -49,9 +50,15 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     from engine.model import LlamaForCausalLM, TPGroup
     from engine.modelargs import read_model_args
     from engine.paged_decode import triton_ready
-    from engine.runner import Runner
+    from engine.runner import Runner, unpack
+    from engine.scheduler import Plan, Seq
 
     out["triton"] = triton_ready()
+    if out["triton"] and not args.eager:  # as the fork server does before it forks
+        from engine import fused, paged_decode
+        from engine.forkserver import prepare_kernels
+
+        prepare_kernels([paged_decode._kernel(), *fused._kernels().values()])
     lap("import_engine")
     device = torch.device(args.device)
 
@@ -77,10 +84,16 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     lap("kv_cache_and_runner")
     prof = cProfile.Profile()
     prof.enable()
-    runner.warmup()
+    # Runner.warmup, its prefill and its decode timed apart
+    seq = Seq((0,), 2, ignore_eos=True)
+    seq.blocks = [cache.blocks]
+    ids, batch = runner._inputs(Plan(prefill=(seq,)))
+    seq.out.append(unpack(runner._decode_and_sample(ids, batch).tolist()[0], 0))
+    lap("warmup_prefill")
+    runner._decode_and_sample(*runner._inputs(Plan(decode=(seq,))))
     sync()
     prof.disable()
-    lap("warmup")
+    lap("warmup_decode")
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(35)
     out["warmup_profile"] = s.getvalue()[-9000:]

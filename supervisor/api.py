@@ -1,9 +1,13 @@
 """The health API: /health, /primary, /standby and /cluster as JSON over aiohttp, and
-/metrics in the Prometheus text format (`supervisor.metrics`)."""
+/metrics in the Prometheus text format (`supervisor.metrics`).
+
+In a cluster (`fleet` given) /primary answers 200 only on the leader node, while it
+leads, and /cluster adds the node's view of the cluster to the pool's status."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import msgspec
 from aiohttp import web
@@ -18,14 +22,26 @@ def _json(obj: object, status: int = 200) -> web.Response:
     )
 
 
+class Fleet(Protocol):
+    """This node in its cluster (`supervisor.fleet.node.Node`)."""
+
+    def is_leader(self) -> bool: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
 class HealthApi:
     """Reads the cluster through `snapshot`; never changes anything."""
 
     def __init__(
-        self, snapshot: Callable[[], ClusterStatus], metrics: SupervisorMetrics | None = None
+        self,
+        snapshot: Callable[[], ClusterStatus],
+        metrics: SupervisorMetrics | None = None,
+        fleet: Fleet | None = None,
     ) -> None:
         self._snapshot = snapshot
         self._metrics = metrics
+        self._fleet = fleet
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -44,6 +60,17 @@ class HealthApi:
 
     async def primary(self, _: web.Request) -> web.Response:
         st = self._snapshot()
+        if self._fleet is not None and not self._fleet.is_leader():
+            fleet = self._fleet.status()
+            return _json(
+                {
+                    "error": f"node {fleet['node']} does not lead cluster {fleet['cluster']}",
+                    "leader": fleet["leader"],
+                    "leader_router": fleet["leader_router"],
+                    "epoch": st.epoch,
+                },
+                status=503,
+            )
         for e in st.engines:
             if e.name == st.primary and e.state == "primary":
                 return _json(e)
@@ -54,4 +81,10 @@ class HealthApi:
         return _json(ready, status=200 if ready else 503)
 
     async def cluster(self, _: web.Request) -> web.Response:
-        return _json(self._snapshot())
+        """The pool's status; in a cluster, with the node's cluster view on top (its
+        `epoch` is the term's; the pool's own is `local_epoch`)."""
+        st = self._snapshot()
+        if self._fleet is None:
+            return _json(st)
+        pool = msgspec.to_builtins(st)
+        return _json({**pool, "local_epoch": st.epoch, **self._fleet.status()})

@@ -30,6 +30,7 @@ EXAMPLES = """examples:
   supervisor validate policies/tp2.yaml
   supervisor validate --schema-only policies/*.yaml   # written for another machine
   supervisor status --json
+  supervisor status --cluster --policy node-a.yaml      # every node of its cluster
   supervisor promote e2 --policy policies/h200.yaml
   supervisor evict batch-1 --runtime-dir /tmp/holdfast-demo
   supervisor restart batch-1
@@ -49,6 +50,10 @@ def parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run",
         help="run a policy until SIGINT/SIGTERM or `supervisor stop`",
+        description="Run a policy until SIGINT/SIGTERM or `supervisor stop`. With a "
+        "`cluster:` section the node joins its cluster through etcd: one node leads and "
+        "serves; the others' routers forward to it (docs/fleet.md). Exits 1 if the "
+        "cluster refuses it (node name taken, another model).",
         epilog="example: supervisor run policies/demo.yaml",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -85,6 +90,16 @@ def parser() -> argparse.ArgumentParser:
             c.add_argument("name", help="engine name, as `supervisor status` lists it")
         if name == "status":
             c.add_argument("--json", action="store_true", help="print JSON instead of a table")
+            c.add_argument(
+                "--cluster",
+                action="store_true",
+                help="with a `cluster:` policy: every node of the cluster, its role, epoch "
+                "and lease age. Read from this node's health API (GET /cluster at "
+                "api.listen of --policy, or --api), which lists the nodes registered in "
+                "etcd; each node's role, epoch and lease age come from that node's own "
+                "health API (its address from its registration)",
+            )
+            c.add_argument("--api", help="with --cluster: this node's health API, HOST:PORT")
         where = c.add_mutually_exclusive_group()
         where.add_argument("--policy", help="find the runtime dir from this policy")
         where.add_argument("--runtime-dir", help="the supervisor's runtime dir")
@@ -136,6 +151,11 @@ def _print_status(st: ClusterStatus, as_json: bool) -> None:
 
 
 def _command(args: argparse.Namespace) -> int:
+    if getattr(args, "cluster", False):
+        from supervisor.fleet.status import print_cluster
+
+        api = args.api or load_policy(args.policy).api.listen
+        return print_cluster(api, bool(args.json))
     endpoint = _endpoint(args)
     reqs = {"status": StatusReq, "stop": StopReq}
     named = {"promote": PromoteReq, "evict": EvictReq, "restart": RestartReq}

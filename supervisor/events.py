@@ -40,13 +40,16 @@ LEVELS = {"died": "warning", "fenced": "warning", "dead": "warning", "quarantine
 
 
 class EventBus:
-    def __init__(self, endpoint: str, spec: EventsSpec) -> None:
+    def __init__(self, endpoint: str, spec: EventsSpec, node: str = "") -> None:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, 10000)
         self._pub.bind(endpoint)
-        self.mqtt = MqttPublisher(spec.mqtt, spec.queue) if spec.mqtt is not None else None
+        self.mqtt = None
+        if spec.mqtt is not None:  # a cluster node's birth and Last Will are its own
+            status = f"{spec.mqtt.prefix}/node/{node}/status" if node else ""
+            self.mqtt = MqttPublisher(spec.mqtt, spec.queue, status)
         self._prefix = spec.mqtt.prefix if spec.mqtt is not None else ""
         self._qos = spec.mqtt.qos if spec.mqtt is not None else 0
         self._subscribers: list[asyncio.Queue[Event]] = []

@@ -41,9 +41,10 @@ class Outgoing(NamedTuple):
 class MqttPublisher:
     """Owns one broker connection; `start()` runs its task, `offer()` never blocks."""
 
-    def __init__(self, spec: MqttSpec, queue_size: int) -> None:
+    def __init__(self, spec: MqttSpec, queue_size: int, status_topic: str = "") -> None:
         self.spec = spec
-        self.status_topic = f"{spec.prefix}/status"
+        # a cluster node's own (<prefix>/node/<node>/status): nodes may share a prefix
+        self.status_topic = status_topic or f"{spec.prefix}/status"
         self._queue: collections.deque[Outgoing] = collections.deque(maxlen=queue_size)
         self._retained: dict[str, Outgoing] = {}
         self._wake = asyncio.Event()

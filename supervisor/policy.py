@@ -21,6 +21,7 @@ from holdfast_contract.command import FORKABLE, is_forkable, template_errors
 from holdfast_contract.env import DEFAULT_HEARTBEAT_MS
 from supervisor import schema
 from supervisor.errors import PolicyError
+from supervisor.fleet.spec import ClusterSpec, advertise_errors, cluster_errors
 
 
 class _Spec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -140,6 +141,7 @@ class Policy(_Spec, frozen=True):
     api: ApiSpec = msgspec.field(default_factory=ApiSpec)
     events: EventsSpec = msgspec.field(default_factory=EventsSpec)
     log: LogSpec = msgspec.field(default_factory=LogSpec)
+    cluster: ClusterSpec | None = None  # several nodes electing one primary (docs/fleet.md)
     source: str = ""  # the file it came from; set by load_policy (a value in the file is ignored)
 
 
@@ -182,7 +184,15 @@ def parse_policy(text: str, src: Path, *, schema_only: bool = False) -> Policy:
     errors = semantic_errors(policy, schema_only=schema_only)
     if errors:
         raise PolicyError(errors, str(src))
+    if policy.cluster is not None and not policy.cluster.advertise:
+        cluster = msgspec.structs.replace(policy.cluster, advertise=policy.router.listen)
+        policy = msgspec.structs.replace(policy, cluster=cluster)
     return policy
+
+
+def miss_window_s(p: Policy) -> float:
+    """How long the primary may stay silent before it is fenced, in seconds."""
+    return p.heartbeat.interval_ms * p.heartbeat.miss_limit / 1000
 
 
 def _resolve(policy: Policy, base: Path) -> Policy:
@@ -214,6 +224,10 @@ def semantic_errors(p: Policy, *, schema_only: bool = False) -> list[str]:
         errors.append("$.restart: need max_restarts >= 0 and window_s > 0")
     if p.events.queue < 1:
         errors.append("$.events.queue: must be at least 1")
+    if p.cluster is not None:
+        errors += cluster_errors(p.cluster, miss_window_s(p))
+        if not p.cluster.advertise:
+            errors += advertise_errors(p.router.listen, "router.listen")
     return errors
 
 

@@ -36,7 +36,19 @@ HOP_BY_HOP = frozenset(
         "content-length",
     }
 )
-UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError)
+FORWARDED_BY = "X-Holdfast-Forwarded-By"  # set on a request one router sends to another
+NOT_LEADER = "X-Holdfast-Not-Leader"  # on a 421: the receiving node no longer leads
+
+
+class NotLeader(Exception):
+    """The node forwarded to does not lead (said before any byte of an answer)."""
+
+
+class LeadershipEnded(Exception):
+    """This node's term ended while a response from its local primary was under way."""
+
+
+UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError, NotLeader)
 MAX_BODY = 64 * 1024 * 1024  # bytes of one request body
 
 
@@ -46,9 +58,25 @@ def error(status: int, message: str, kind: str) -> web.Response:
 
 @dataclass(frozen=True)
 class Target:
+    """Where requests go: a local engine, or (`remote`) another node's router.
+
+    `epoch` orders targets for the retry rule; `node` and `cluster_epoch` are set in a
+    cluster (docs/fleet.md) and sent as X-Holdfast-Node / X-Holdfast-Cluster-Epoch."""
+
     name: str
     port: int
     epoch: int
+    host: str = "127.0.0.1"
+    node: str = ""
+    cluster_epoch: int = 0
+    remote: bool = False
+
+
+def not_leader() -> web.Response:
+    """421 to another node's router: this node does not lead; retry on the next leader."""
+    resp = error(421, "this node does not lead the cluster", "not_leader")
+    resp.headers[NOT_LEADER] = "1"
+    return resp
 
 
 def choose(current: Target | None, after_epoch: int) -> Target | None:
@@ -81,6 +109,10 @@ class PrimaryView:
         self._acked = asyncio.Event()
         if not await_ack:
             self._acked.set()
+        self.wake()
+
+    def wake(self) -> None:
+        """Requests waiting for a primary look again."""
         self._changed.set()
         self._changed = asyncio.Event()
 
@@ -97,9 +129,26 @@ class PrimaryView:
             async with asyncio.timeout(left):
                 await self._acked.wait()
 
+    def route(self) -> Target | None:
+        """Where a request goes now (a cluster node overrides this: supervisor.fleet.node)."""
+        return self.target
+
+    def valid(self, target: Target) -> bool:
+        """Whether `target`, chosen a moment ago, may still be forwarded to."""
+        return True
+
+    def misdirected(self) -> bool:
+        """Whether a request another node's router forwarded here must be refused (421)."""
+        return False
+
+    def serving(self, target: Target) -> contextlib.AbstractAsyncContextManager[None]:
+        """Held while a request to `target` is under way; a cluster leader raises
+        LeadershipEnded out of it when its term ends."""
+        return contextlib.nullcontext()
+
     async def next_after(self, epoch: int, deadline: float) -> Target | None:
         """A primary of an epoch later than `epoch`, or None at the deadline."""
-        while (target := choose(self.target, epoch)) is None:
+        while (target := choose(self.route(), epoch)) is None:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
@@ -112,9 +161,10 @@ class PrimaryView:
 
 
 class Router:
-    def __init__(self, spec: RouterSpec, view: PrimaryView) -> None:
+    def __init__(self, spec: RouterSpec, view: PrimaryView, node: str = "") -> None:
         self.spec = spec
         self.view = view
+        self.node = node  # this node's name in a cluster; "" alone
         self.forwarded = 0
         self.retried = 0
         self.failed = 0
@@ -151,18 +201,27 @@ class Router:
                 f"request body{size} is over the router's limit of {MAX_BODY} bytes",
                 "invalid_request_error",
             )
+        if FORWARDED_BY in request.headers and self.view.misdirected():
+            return not_leader()
         deadline = time.monotonic() + self.spec.retry_deadline_s
-        target = choose(self.view.target, -1) or await self.view.next_after(-1, deadline)
+        target = choose(self.view.route(), -1) or await self.view.next_after(-1, deadline)
         tries = attempts(self.spec)
         reason = "no primary is serving"
         for attempt in range(tries):
             if target is None:
                 break
-            await self.view.acked(deadline)
-            target = self.view.target or target
+            if not target.remote:
+                await self.view.acked(deadline)
+                target = self.view.route() or target
             try:
+                if not self.view.valid(target) or (
+                    target.remote and FORWARDED_BY in request.headers
+                ):
+                    raise NotLeader(f"{target.node or target.name} is not leading here")
                 return await self._forward(request, body, target)
             except UPSTREAM_ERRORS as e:
+                if isinstance(e, NotLeader) and FORWARDED_BY in request.headers:
+                    return not_leader()  # the router that sent it retries on the next leader
                 reason = f"primary {target.name} failed before answering: {type(e).__name__}"
                 if attempt + 1 < tries:
                     self.retried += 1
@@ -174,21 +233,46 @@ class Router:
     async def _forward(
         self, request: web.Request, body: bytes, target: Target
     ) -> web.StreamResponse:
-        url = f"http://127.0.0.1:{target.port}{request.rel_url}"
+        sent: list[web.StreamResponse] = []  # the response, once its first byte went out
+        try:
+            async with self.view.serving(target):
+                return await self._relay(request, body, target, sent)
+        except LeadershipEnded:
+            if not sent:
+                raise NotLeader(f"the term of {target.node} ended before an answer") from None
+            self.broken += 1
+            log.warning("stream_cut", engine=target.name, node=target.node, why="term ended")
+            if request.transport is not None:
+                request.transport.abort()  # the client sees a cut, not a short answer
+            return sent[0]
+
+    async def _relay(
+        self, request: web.Request, body: bytes, target: Target, sent: list[web.StreamResponse]
+    ) -> web.StreamResponse:
+        url = f"http://{target.host}:{target.port}{request.rel_url}"
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        if target.remote:
+            headers[FORWARDED_BY] = self.node or "-"
         async with self._client().request(
             request.method, url, headers=headers, data=body, allow_redirects=False
         ) as up:
+            if target.remote and up.status == 421 and NOT_LEADER in up.headers:
+                raise NotLeader(f"{target.name} answered that it does not lead")
             resp = web.StreamResponse(status=up.status, reason=up.reason)
             for k, v in up.headers.items():
                 if k.lower() not in HOP_BY_HOP and k.lower() != "content-encoding":
                     resp.headers.add(k, v)
             if "Content-Encoding" in up.headers:
                 resp.headers["Content-Encoding"] = up.headers["Content-Encoding"]
-            resp.headers["X-Holdfast-Engine"] = target.name
-            resp.headers["X-Holdfast-Epoch"] = str(target.epoch)
+            if not target.remote:  # another router's response carries its own
+                resp.headers["X-Holdfast-Engine"] = target.name
+                resp.headers["X-Holdfast-Epoch"] = str(target.epoch)
+                if target.node:
+                    resp.headers["X-Holdfast-Node"] = target.node
+                    resp.headers["X-Holdfast-Cluster-Epoch"] = str(target.cluster_epoch)
             first = await up.content.readany()  # upstream failures up to here are retried
             await resp.prepare(request)
+            sent.append(resp)
             self.forwarded += 1
             chunk = first
             try:

@@ -33,6 +33,8 @@ from supervisor.daemons import DaemonPool
 from supervisor.engines import EngineLauncher, ForkServer, wants_forkserver
 from supervisor.errors import StartupError
 from supervisor.events import EventBus
+from supervisor.fleet.errors import JoinRefused
+from supervisor.fleet.node import FleetView, Node
 from supervisor.metrics import SupervisorMetrics
 from supervisor.policy import Policy, split_listen
 from supervisor.router import PrimaryView, Router
@@ -86,7 +88,9 @@ class Service:
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
         self.stop = asyncio.Event()
-        self.view = PrimaryView()
+        spec = policy.cluster
+        self.view = FleetView(spec.node) if spec is not None else PrimaryView()
+        self.node: Node | None = None  # this node in its cluster, with a `cluster:` section
         self._tasks: list[asyncio.Task[Any]] = []
         self._runners: list[web.AppRunner] = []
         # what `_start` has built so far, torn down by `_teardown` whatever got built
@@ -111,7 +115,8 @@ class Service:
         os.umask(0o077)  # every socket and file we create is ours alone
         rd = RuntimeDir.acquire(self.policy.cache.runtime_dir)
         try:
-            bus = EventBus(rd.endpoint("events"), self.policy.events)
+            node = self.policy.cluster.node if self.policy.cluster is not None else ""
+            bus = EventBus(rd.endpoint("events"), self.policy.events, node)
         except zmq.ZMQError as e:
             rd.release()
             raise StartupError(
@@ -187,6 +192,8 @@ class Service:
             self.policy, bus, self.view, hub=hub, launcher=launcher, daemons=daemons
         )
         inbox.attach(c)
+        if self.policy.cluster is not None and isinstance(self.view, FleetView):
+            self.node = Node(self.policy.cluster, self.policy.api.listen, bus, c, self.view)
         await self._listen(c, rd, hub)
         if self.forks is not None:
             await self.forks.start()  # imports while the daemons load
@@ -199,6 +206,8 @@ class Service:
             c.epoch,
             ms=round((time.monotonic() - t0) * 1000, 1),
         )
+        if self.node is not None:  # joins now; campaigns once the pool can serve
+            self._own(self.node.run(daemons.daemons[0].fingerprint), "fleet")
         bus.emit(
             "supervisor",
             "main",
@@ -227,11 +236,12 @@ class Service:
         )
         self._control_server = control
         self._own(control.serve(), "control")
-        router = Router(self.policy.router, self.view)
+        spec = self.policy.cluster
+        router = Router(self.policy.router, self.view, spec.node if spec else "")
         # a client that hangs up cancels its routed request, so the engine stops generating
         await self._serve_http(router.app(), "router.listen", cancel_on_hangup=True)
         metrics = SupervisorMetrics(c.bus, router=router, agents=hub, control=control)
-        await self._serve_http(HealthApi(c.snapshot, metrics).app(), "api.listen")
+        await self._serve_http(HealthApi(c.snapshot, metrics, self.node).app(), "api.listen")
 
     async def _control(self, c: Cluster, req: Request) -> ControlReply:
         return await reconcile.handle(c, req, self.stop)
@@ -271,9 +281,13 @@ class Service:
     def _check_tasks(self) -> None:
         for t in self._tasks:
             if t.done() and not t.cancelled() and t.exception() is not None:
+                if isinstance(t.exception(), JoinRefused):
+                    raise t.exception()  # type: ignore[misc]  # the refusal, as it was worded
                 raise StartupError(f"supervisor task {t.get_name()} failed") from t.exception()
 
     async def _teardown(self) -> None:
+        # leave the cluster first (the lease is revoked): another node takes over at once
+        await cancel_all([t for t in self._tasks if t.get_name() == "fleet"])
         if self.cluster is not None:
             await self.cluster.stop_all()
         if self.launcher is not None:

@@ -53,6 +53,8 @@ class NodeInfo(msgspec.Struct, frozen=True):
     healthy: bool = True
     pid: int = 0
     host: str = ""
+    router: str = ""  # HOST:PORT of the node's router (cluster.advertise)
+    api: str = ""  # HOST:PORT of the node's health API
 
 
 class Term(msgspec.Struct, frozen=True):

@@ -41,6 +41,15 @@ Clock = Callable[[], float]
 __all__ = ["DuplicateNode", "Elector", "FingerprintMismatch", "FleetError"]
 
 
+def _lost_cancel() -> None:
+    """Raise the cancellation of this task if a library swallowed it: a connect cancelled
+    half-way can come back as a connection error, and a task group whose child goes on
+    looping after that waits for it for ever (seen under load, with etcd frozen)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 class Elector:
     def __init__(
         self,
@@ -52,12 +61,14 @@ class Elector:
         clock: Clock = time.monotonic,
         on_change: Callable[[Elector, str], None] | None = None,
         max_backoff_s: float = 5.0,
+        api: str = "",
     ) -> None:
         self.etcd, self.spec, self.fingerprint, self.clock = etcd, spec, fingerprint, clock
         self.healthy = healthy
         self._unhealthy_since: float | None = None if healthy else clock()
         self.on_change = on_change
         self.max_backoff_s = max_backoff_s
+        self.api = api
         self.role = Role.STARTING
         self.term: Term | None = None
         self.view = View(spec)
@@ -76,6 +87,7 @@ class Elector:
         self._wake = asyncio.Event()
         self._reconnect = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._live = False  # the current session's parts run
 
     async def __aenter__(self) -> Elector:
         self._task = asyncio.create_task(self._run(), name=f"elector-{self.spec.node}")
@@ -88,6 +100,7 @@ class Elector:
         if self.role is Role.STOPPED:
             return
         crash: BaseException | None = None
+        self._part_ended(None)
         if self._task is not None:
             self._task.cancel()
             (crash,) = await asyncio.gather(self._task, return_exceptions=True)
@@ -116,6 +129,17 @@ class Elector:
     def cluster_epoch(self) -> int:
         """The epoch of the leader this node sees now (its key's create revision); 0: none."""
         return self.view.leader.create_revision if self.view.leader is not None else 0
+
+    @property
+    def term_deadline(self) -> float | None:
+        """While leading: the clock reading at which `is_leader()` turns false unless a
+        renewal moves it (what in-flight streams are cut at)."""
+        return self.term.deadline if self.role == Role.LEADER and self.term else None
+
+    @property
+    def lease_age_s(self) -> float | None:
+        """Seconds since the last successful renewal was sent; None without a session."""
+        return self.clock() - self._renewed_at if self.lease else None
 
     def set_healthy(self, healthy: bool) -> None:
         """Whether this node's pool is whole: an unhealthy node does not campaign, and a
@@ -179,6 +203,8 @@ class Elector:
             self.healthy,
             os.getpid(),
             socket.gethostname(),
+            self.spec.advertise,
+            self.api,
         )
 
     # the loop
@@ -222,13 +248,20 @@ class Elector:
         self._renewed_at, self._ttl = sent, float(min(granted, self.spec.ttl_s))
         await self._join()
         self._set(move(self.role, "joined"), "joined")
+        self._live = True
         try:
             async with asyncio.TaskGroup() as tasks:
-                tasks.create_task(self._renew())
-                tasks.create_task(self._watch())
-                tasks.create_task(self._decide())
+                for work in (self._renew(), self._watch(), self._decide()):
+                    tasks.create_task(work).add_done_callback(self._part_ended)
         except* EtcdError as group:
             raise group.exceptions[0] from None
+
+    def _part_ended(self, task: asyncio.Task[None] | None) -> None:
+        """One part of the session ended: the others end too, at their next turn, even
+        if the task group's cancellation of them was lost (see `_lost_cancel`)."""
+        self._live = False
+        self._wake.set()
+        self._reconnect.set()
 
     async def _join(self) -> None:
         me = self._me()
@@ -240,7 +273,7 @@ class Elector:
     async def _renew(self) -> None:
         """Renew the lease every renew_s; each try's deadline is the leader's deadline, so
         a leader cut off from etcd regains control in time to step down."""
-        while True:
+        while self._live:
             if self.role == Role.LEADER and self.term and not self.term.holds(self.clock()):
                 self._step_down("renewal_stale")
                 self._wake.set()
@@ -258,6 +291,7 @@ class Elector:
             except LeaseLost:
                 raise
             except EtcdUnavailable as exc:
+                _lost_cancel()
                 self._reconnect.set()  # the watch may hang on an endpoint that is cut off
                 if self.clock() >= self._renewed_at + self._ttl:
                     raise LeaseLost(f"lease {self.lease:x} expired unrenewed: {exc}") from exc
@@ -267,7 +301,7 @@ class Elector:
     async def _watch(self) -> None:
         """Follow the cluster's keys; start over when the stream breaks or a renewal
         failed (the stream's endpoint may be the one cut off)."""
-        while True:
+        while self._live:
             self._reconnect.clear()
             stream = asyncio.create_task(self._follow())
             reconnect = asyncio.create_task(self._reconnect.wait())
@@ -277,6 +311,7 @@ class Elector:
                 stream.cancel()
                 reconnect.cancel()
                 results = await asyncio.gather(stream, reconnect, return_exceptions=True)
+            _lost_cancel()
             if isinstance(results[0], EtcdError):
                 log.info("fleet.watch_restarting", node=self.spec.node, error=str(results[0]))
                 await asyncio.sleep(self.spec.renew_s)
@@ -292,7 +327,7 @@ class Elector:
             self._wake.set()
 
     async def _decide(self) -> None:
-        while True:
+        while self._live:
             try:
                 async with asyncio.timeout(self.spec.renew_s):
                     await self._wake.wait()
@@ -302,6 +337,7 @@ class Elector:
             try:
                 await self._decide_once()
             except EtcdUnavailable as exc:  # the renewals decide whether the session lives
+                _lost_cancel()
                 log.info("fleet.decide_failed", node=self.spec.node, error=str(exc))
 
     async def _decide_once(self) -> None:

@@ -26,6 +26,9 @@ class ClusterSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ttl_s: int = 2  # the leader lease, whole seconds as etcd grants them
     priority: int = 0  # higher runs: a healthy node of higher priority is handed leadership
     prefix: str = "holdfast"  # keys live under /<prefix>/<name>/
+    # HOST:PORT the other nodes reach this node's router at; "" in a policy file means
+    # router.listen (the policy loader fills it in and refuses 0.0.0.0)
+    advertise: str = ""
 
     @property
     def renew_s(self) -> float:
@@ -111,4 +114,21 @@ def cluster_errors(spec: ClusterSpec, miss_window_s: float) -> list[str]:
             "would lose leadership before it notices its own primary is gone; raise "
             "cluster.ttl_s or shorten the heartbeat window"
         )
+    if spec.advertise:
+        errors += advertise_errors(spec.advertise)
     return errors
+
+
+def advertise_errors(advertise: str, source: str = "") -> list[str]:
+    """`advertise` must be an address another machine can connect to."""
+    host, sep, port = advertise.rpartition(":")
+    where = f" (from {source})" if source else ""
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return [f"$.cluster.advertise: {advertise!r}{where} is not HOST:PORT"]
+    if host.strip("[]") in ("0.0.0.0", "::", "*"):
+        return [
+            f"$.cluster.advertise: {advertise!r}{where} is a wildcard, not an address "
+            "other nodes can reach; set cluster.advertise to this node's HOST:PORT "
+            "(the router's port on an address the other nodes route to)"
+        ]
+    return []
