@@ -56,7 +56,6 @@ class Ctx(msgspec.Struct):
     run: FleetRun
     hold_s: float
     observe_s: float  # after a rejoin: how long the leader must stay put
-    count: int = 0  # trials of this step so far
 
     @property
     def ttl_s(self) -> int:
@@ -170,8 +169,8 @@ def kill_etcd_member(ctx: Ctx, index: int) -> FleetTrial:
         if time.monotonic() > deadline:
             raise FleetError(f"kill-etcd-member: etcd elected no raft leader in {SLACK_S:g} s")
         time.sleep(0.05)  # etcd's own election: only its status says when it is over
-    ctx.count += 1
-    member = raft if ctx.count % 2 == 0 else raft % 3 + 1
+    ctx.run.etcd_kills += 1
+    member = raft if ctx.run.etcd_kills % 2 == 0 else raft % 3 + 1
     trial, mark = _begin(ctx, "kill-etcd-member", index, victim=f"e{member}")
     trial.etcd_leader = member == raft
     trial.injected = time.monotonic()

@@ -42,6 +42,7 @@ class FleetRun:
         self.inside: dict[str, int] = {}  # node -> its client inside its own namespace
         self.prober: Prober | None = None
         self.started = 0.0
+        self.etcd_kills = 0  # kill-etcd-member trials so far (every second takes the raft leader)
 
     def __enter__(self) -> FleetRun:
         try:
