@@ -7,6 +7,7 @@ Writes results.json and report.md in --out; the exit code is the chaos suite's.
 from __future__ import annotations
 
 import math
+import shutil
 import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
@@ -43,6 +44,12 @@ def run_scenario(plan: Plan, command: str, out: Path) -> tuple[FleetReport, bool
         steps = [Step(f.kind, 1, f.hold_s) for f in faults]
         with tempfile.TemporaryDirectory(prefix="hf-fleet-") as tmp:
             stages[stage.name] = run_fleet(Path(tmp), config, steps, base_policy=base)
+            keep = out / stage.name  # what each node ran and said, as the single-node runner
+            keep.mkdir(parents=True, exist_ok=True)
+            for node in sorted(Path(tmp).glob("n*/")):
+                for name in ("policy.yaml", "supervisor.log"):
+                    if (node / name).exists():
+                        shutil.copy2(node / name, keep / f"{node.name}-{name}")
     trials = [t for r in stages.values() for t in r.trials]
     checks = [evaluate(c, trials, stages) for c in plan.checks]
     report = FleetReport(plan.scenario.name, command, started, machine(), checks, stages)
