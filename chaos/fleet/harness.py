@@ -63,6 +63,7 @@ class FleetRun:
             policy = _merge(
                 self.base_policy, node_policy(name, self.base, self.fleet.endpoints, self.opts)
             )
+            policy["model"].pop("preset", None)  # the checkpoint made once replaces it
             self.nodes[name] = Node(name, self.base, policy)
         self.started = time.monotonic()
         for node in self.nodes.values():
