@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 import msgspec
 
 from chaos.errors import CheckSyntaxError
+from chaos.fleet.kinds import FLEET_METRICS
 
 TRIAL_METRICS: dict[str, str] = {
     "detection_ms": "fault -> first supervisor event about the victim",
@@ -27,6 +28,7 @@ TRIAL_METRICS: dict[str, str] = {
     "fence_before_promote": "1 when the victim's `fenced` event came before `promoted`, else 0",
     "checkpoint_bytes_read": "checkpoint bytes the daemon that took over read (daemon faults)",
     "group_left": "processes of the killed engine's group (every rank) alive once recovered",
+    **FLEET_METRICS,
 }
 RUN_METRICS: dict[str, str] = {
     "availability": "successful / (successful + failed) requests, whole run (shed excluded)",
@@ -41,7 +43,9 @@ RUN_METRICS: dict[str, str] = {
     "failed_trials": "trials never injected: the pool was not whole in time, or no victim",
 }
 STATS = ("p50", "p95", "p99", "max", "min", "mean", "count", "sum")
-COUNT_METRICS = frozenset({"failed_requests", "retried_requests", "shed_requests"})
+COUNT_METRICS = frozenset(
+    {"failed_requests", "retried_requests", "shed_requests", "failed_elsewhere", "leader_changes"}
+)
 _OPS: dict[str, Callable[[float, float], bool]] = {
     "<=": operator.le,
     ">=": operator.ge,

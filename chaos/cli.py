@@ -116,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             progress=not args.no_progress,
         )
         preflight(plan, opts.policy, attached=opts.attach)
+        if plan.scenario.fleet is not None and opts.attach:
+            raise ChaosError("a fleet scenario builds its own fleet; drop --attach")
     except ScenarioError as exc:
         count = len(exc.problems)
         print(f"chaos: {count} problem{'s' if count > 1 else ''}:", file=sys.stderr)
@@ -125,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chaos: {exc}", file=sys.stderr)
         return 2
     logs.setup("console", "info" if args.verbose else "warning")
+    if plan.scenario.fleet is not None:
+        return _fleet(plan, opts)
     results, interrupted = asyncio.run(_until_signalled(plan, opts))
     _summary(results, args.out)
     if interrupted:
@@ -146,6 +150,35 @@ async def _until_signalled(plan: Plan, opts: RunOptions) -> tuple[Results, bool]
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+def _fleet(plan: Plan, opts: RunOptions) -> int:
+    """A fleet scenario runs through the fleet harness (chaos/fleet/), not the single-node
+    runner: namespaces, etcd and a supervisor per node (needs root, iproute2 and etcd)."""
+    from chaos.fleet.net import missing
+    from chaos.fleet.scenario_run import run_scenario
+
+    why = missing()
+    if why is not None:
+        print(f"chaos: a fleet scenario {why}", file=sys.stderr)
+        return 2
+    if opts.policy is not None:
+        plan = msgspec.structs.replace(
+            plan,
+            scenario=msgspec.structs.replace(
+                plan.scenario,
+                stages=[msgspec.structs.replace(s, policy=str(opts.policy.resolve()))
+                        for s in plan.scenario.stages],
+            ),
+        )  # fmt: skip
+    report, passed = run_scenario(plan, opts.command, opts.out)
+    for check in report.checks:
+        print(f"{'pass' if check.passed else 'FAIL'}  {check.check}  (value {check.value})")
+    for name, stage in report.stages.items():
+        for error in stage.errors:
+            print(f"stage {name}: {error}")
+    print(f"report: {opts.out / 'report.md'}")
+    return 0 if passed else 1
 
 
 def _summary(results: Results, out: Path) -> None:

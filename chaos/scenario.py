@@ -15,6 +15,7 @@ import yaml
 
 from chaos.checks import Check, parse_check
 from chaos.errors import CheckSyntaxError, ScenarioError
+from chaos.fleet.kinds import FLEET_FAULTS, FleetConfig, check_problems, config_problems
 from supervisor import schema
 
 T = TypeVar("T")
@@ -47,6 +48,7 @@ FAULT_KINDS: dict[str, str] = {
     "restart-broker": "stop the suite's own MQTT broker, then start it again",
     "kill-supervisor": "SIGKILL the supervisor, then start it again with the same policy",
     "memory-pressure": "a burst of long requests (KV-cache pressure) that evicts batch engines",
+    **FLEET_FAULTS,
 }
 
 
@@ -98,6 +100,9 @@ class Scenario(_Spec, frozen=True):
     detect_timeout_s: float = 5.0  # how long a trial waits for the supervisor to notice
     ready_timeout_s: float = 90.0  # per trial: the pool whole again, else the trial fails
     start_timeout_s: float | None = None  # the first whole pool of a stage; null: ready_timeout_s
+    # several nodes electing a leader through etcd, in network namespaces (chaos/fleet/):
+    # the stage's policy is every node's base; only fleet fault kinds run
+    fleet: FleetConfig | None = None
 
 
 class Plan(msgspec.Struct, frozen=True):
@@ -133,13 +138,15 @@ def load_scenario(
     except yaml.YAMLError as exc:
         raise ScenarioError(f"{path} is not valid YAML: {exc}") from exc
     problems = schema.check(raw, Scenario) if isinstance(raw, dict) else ["$: expected a mapping"]
-    problems += _fault_problems(raw) + _load_problems(raw)
+    problems += _fault_problems(raw) + _load_problems(raw) + config_problems(raw)
     checks: list[Check] = []
     for text in _field(raw, "checks", list):
         try:
             checks.append(parse_check(str(text), fault_kinds=FAULT_KINDS))
         except CheckSyntaxError as exc:
             problems.append(f"$.checks: {exc}")
+    fleet = isinstance(raw, dict) and isinstance(raw.get("fleet"), dict)
+    problems += check_problems([(c.text, c.metric, c.stat is not None) for c in checks], fleet)
     if problems:
         raise ScenarioError(f"{path}: " + "\n  ".join(["", *problems]).lstrip(), problems)
     scenario = msgspec.convert(raw, Scenario)
@@ -162,13 +169,24 @@ def _fault_problems(raw: object) -> list[str]:
     if not stages:
         return ["$.stages: empty or missing; list at least one stage with faults"]
     problems = []
+    fleet = isinstance(raw, dict) and isinstance(raw.get("fleet"), dict)
     for i, stage in enumerate(stages):
         for j, fault in enumerate(_field(stage, "faults", list)):
             kind = _field(fault, "kind", str)
+            where = f"$.stages[{i}].faults[{j}].kind"
             if kind and kind not in FAULT_KINDS:
                 problems.append(
-                    f"$.stages[{i}].faults[{j}].kind: unknown fault kind {kind!r}; "
-                    f"valid kinds: {', '.join(FAULT_KINDS)}"
+                    f"{where}: unknown fault kind {kind!r}; valid kinds: {', '.join(FAULT_KINDS)}"
+                )
+            elif kind in FLEET_FAULTS and not fleet:
+                problems.append(
+                    f"{where}: {kind} is a fleet fault; add a `fleet:` section (nodes, ttl_s) "
+                    "to the scenario, or drop the fault"
+                )
+            elif kind and fleet and kind not in FLEET_FAULTS:
+                problems.append(
+                    f"{where}: {kind} is a single-node fault and this scenario runs a fleet; "
+                    f"fleet kinds: {', '.join(FLEET_FAULTS)}"
                 )
             trials = fault.get("trials") if isinstance(fault, dict) else None
             if isinstance(trials, int) and trials < 0:

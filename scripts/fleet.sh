@@ -4,13 +4,17 @@
 # between these namespaces: the bridge has no address in the host's namespace.
 #
 #   scripts/fleet.sh up N          nodes hf-n1..hf-nN (10.77.0.1..N), etcd in hf-e1..hf-e3
-#                                  (10.77.0.201..203:2379); prints HF_FLEET_ETCD=<endpoints>
+#                                  (10.77.0.201..203:2379), a client namespace hf-c1
+#                                  (10.77.0.100: the host has no address on the bridge, so
+#                                  load and probes run there); prints HF_FLEET_ETCD=<endpoints>
 #   scripts/fleet.sh down          removes namespaces, links, etcd processes and data dirs;
 #                                  safe to run again, or when nothing is up
 #   scripts/fleet.sh isolate NODE  cuts NODE (hf-n2 or n2) off: its link to the bridge down
 #   scripts/fleet.sh rejoin NODE   ... and back
 #   scripts/fleet.sh exec NODE CMD...  runs CMD inside NODE's namespace
 #   scripts/fleet.sh health        each etcd member's /health
+#   scripts/fleet.sh stop-member I...   kill -9 etcd members eI (1-3)
+#   scripts/fleet.sh start-member I...  ... start them again on their data dirs, wait for /health
 #   scripts/fleet.sh endpoints     the etcd endpoints, comma-separated
 #
 # HF_FLEET_STATE: where etcd data, logs and pids go (default /tmp/hf-fleet).
@@ -98,6 +102,7 @@ up() {
   ip link set $BRIDGE up
   for i in $(seq 1 "$n"); do add_ns "hf-n$i" "$NET.$i"; done
   for i in $(seq 1 $MEMBERS); do add_ns "hf-e$i" "$NET.$((200 + i))"; done
+  add_ns hf-c1 "$NET.100"
   echo "$n" >"$STATE/nodes"
   for i in $(seq 1 $MEMBERS); do start_member "$i"; done
   wait_healthy
@@ -119,7 +124,7 @@ down() {
   need
   local f ns
   for f in "$STATE"/e*/pid; do [ -e "$f" ] && stop_member "$f"; done
-  for ns in $(ip netns list | awk '{print $1}' | grep -E '^hf-(n|e)[0-9]+$' || true); do
+  for ns in $(ip netns list | awk '{print $1}' | grep -E '^hf-(n|e|c)[0-9]+$' || true); do
     ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
     ip netns del "$ns"
   done
@@ -128,6 +133,19 @@ down() {
   done
   ip link del $BRIDGE 2>/dev/null || true
   rm -rf "$STATE"
+}
+
+member() {  # INDEX: checked to be one of ours
+  [[ ${1:-} =~ ^[1-9]$ ]] && [ "$1" -le $MEMBERS ] || die "no etcd member '${1:-}'; members are 1-$MEMBERS"
+  ip netns list | grep -qw "hf-e$1" || die "no namespace hf-e$1; is the fleet up (fleet.sh up N)?"
+}
+
+wait_member() {  # INDEX
+  local deadline=$((SECONDS + ${HF_FLEET_TIMEOUT:-60}))
+  until healthy "$1"; do
+    [ $SECONDS -lt $deadline ] || { tail -n 20 "$STATE/e$1/etcd.log" >&2; die "etcd e$1 not healthy"; }
+    sleep 0.1
+  done
 }
 
 link() {  # NODE up|down
@@ -151,7 +169,18 @@ case $cmd in
     shift
     exec ip netns exec "$ns" "$@"
     ;;
+  stop-member)
+    need
+    for i in "${@:-}"; do member "$i"; done
+    for i in "$@"; do stop_member "$STATE/e$i/pid"; done
+    ;;
+  start-member)  # all named members first, then their health: one alone has no quorum
+    need
+    for i in "${@:-}"; do member "$i"; done
+    for i in "$@"; do start_member "$i"; done
+    for i in "$@"; do wait_member "$i"; done
+    ;;
   health) for i in $(seq 1 $MEMBERS); do healthy "$i" && echo "e$i healthy" || echo "e$i unhealthy"; done ;;
   endpoints) endpoints ;;
-  *) die "usage: fleet.sh up N | down | isolate NODE | rejoin NODE | exec NODE CMD... | health | endpoints" ;;
+  *) die "usage: fleet.sh up N | down | isolate NODE | rejoin NODE | exec NODE CMD... | health | endpoints | stop-member I | start-member I" ;;
 esac
