@@ -16,7 +16,9 @@ import pytest
 from supervisor.errors import PolicyError
 from supervisor.fleet.decide import IllegalMove, NodeInfo, Role, Term, may_campaign, move, yield_to
 from supervisor.fleet.election import DuplicateNode, Elector, FingerprintMismatch
+from supervisor.fleet.errors import LeaseLost
 from supervisor.fleet.etcd import EtcdClient, EtcdUnavailable
+from supervisor.fleet.registry import register
 from supervisor.fleet.spec import ClusterSpec, parse_cluster
 from tests.fleet_etcd import Etcd, free_port
 
@@ -317,6 +319,31 @@ def test_duplicate_node_name_is_refused_naming_the_first(etcd: Etcd) -> None:
             assert f"node name 'n1' is held by a live supervisor (pid {info.pid}" in str(err.value)
             assert "cluster.node" in str(err.value)
             assert first.is_leader()
+
+    asyncio.run(main())
+
+
+def test_a_name_held_by_a_lease_the_node_gave_up_is_its_own(etcd: Etcd) -> None:
+    """After renewals stalled past the TTL (an etcd leader change can keep the lease
+    alive meanwhile), the node's name is still registered on its old lease: the node
+    revokes that lease and registers again, instead of refusing itself."""
+
+    async def main() -> None:
+        s = spec(etcd.endpoint, "n1")
+        me = NodeInfo("n1", "fp-1", 0, True, 4242, "host-a", "", "")
+        async with EtcdClient(s.etcd, timeout_s=s.renew_s) as client:
+            old, _ = await client.grant(60)
+            await register(client, s, me, old, time.monotonic, 0.0)
+            new, _ = await client.grant(60)
+            with pytest.raises(DuplicateNode):  # a lease that is not its own: refused
+                await register(client, s, me, new, time.monotonic, 0.0)
+            given_up = {old}
+            await register(client, s, me, new, time.monotonic, 0.0, given_up)
+            kv = await client.get(s.node_key("n1"))
+            assert kv is not None and kv.lease == new
+            assert given_up == set()
+            with pytest.raises(LeaseLost):
+                await client.keepalive(old)
 
     asyncio.run(main())
 

@@ -76,6 +76,10 @@ class Elector:
         self.failures: list[tuple[float, str]] = []  # (clock, why) each failed session start
         self.stepdowns: list[tuple[float, str, float]] = []  # (clock, reason, lease deadline)
         self.lease = 0
+        # leases this node gave up without etcd confirming their end (it stopped answering
+        # in time, or an etcd leader change kept them alive): still this node's, and
+        # revoked when a join finds its name registered on one
+        self._given_up: set[int] = set()
         self.renewals = 0  # successful lease renewals: a clock for watching nothing happen
         self._renewed_at = 0.0
         self._ttl = float(spec.ttl_s)
@@ -239,8 +243,10 @@ class Elector:
     async def _drop_lease(self) -> None:
         if self.lease:
             lease, self.lease = self.lease, 0
+            self._given_up.add(lease)  # until revoked: its keys are this node's own
             with contextlib.suppress(EtcdError):  # else it expires by itself within ttl_s
                 await self.etcd.revoke(lease, timeout=self.spec.renew_s)
+                self._given_up.discard(lease)
 
     async def _session(self) -> None:
         sent = self.clock()
@@ -267,7 +273,7 @@ class Elector:
         me = self._me()
         await check_fingerprint(self.etcd, self.spec, self.fingerprint)
         deadline = self.clock() + self._ttl + self.spec.margin_s
-        await register(self.etcd, self.spec, me, self.lease, self.clock, deadline)
+        await register(self.etcd, self.spec, me, self.lease, self.clock, deadline, self._given_up)
         self._published = me
 
     async def _renew(self) -> None:

@@ -42,14 +42,22 @@ async def register(
     lease: int,
     clock: Callable[[], float],
     deadline: float,
+    given_up: set[int] | None = None,
 ) -> None:
-    """Create nodes/<node> on `lease`. Held by another lease: wait until `deadline` for it
-    to expire (a crashed predecessor's does), then DuplicateNode naming the holder."""
+    """Create nodes/<node> on `lease`. Held by a lease of this node's own that it gave up
+    (`given_up`): revoke that and try again at once. Held by another lease: wait until
+    `deadline` for it to expire (a crashed predecessor's does), then DuplicateNode naming
+    the holder."""
     key = spec.node_key(me.node)
+    mine = given_up if given_up is not None else set()
     while True:
         created, kv = await etcd.put_if_absent(key, msgspec.json.encode(me), lease=lease)
         if created:
             return
+        if kv.lease in mine:
+            await etcd.revoke(kv.lease)  # the keys on it go with it, this name included
+            mine.discard(kv.lease)
+            continue
         if clock() >= deadline:
             other = msgspec.json.decode(kv.value, type=NodeInfo)
             raise DuplicateNode(
