@@ -4,8 +4,8 @@ router. A few trials of each fault kind (bench/fleet.py --quick runs the same pl
 the safety properties asserted on the response log and the nodes' own views:
 
 - never two cluster epochs answering at once (overlap 0), and each epoch one node's;
-- 0 failed requests through the routers of surviving nodes (when the old leader goes
-  silent, partition or SIGSTOP, that is a known failure: an xfail naming it);
+- 0 failed requests through the routers of surviving nodes, also when the old leader goes
+  silent (partition, SIGSTOP): a forwarded request is retried on the next leader;
 - a new leader's cluster epoch is larger than the old one's; a killed, cut-off or paused
   node comes back as a follower and does not take leadership back (equal priority); a
   killed node's pool runs on its own cache daemon again, in its own namespace;
@@ -94,12 +94,6 @@ def test_fleet_faults_keep_one_leader_and_lose_nothing(results: FleetResults) ->
     assert violations(results.trials) == []
 
 
-@pytest.mark.xfail(  # not strict: a cut with no request in flight loses none, even now
-    strict=False,
-    reason="a request a follower's router forwarded to a leader that stops answering without "
-    "closing the connection (cut off, SIGSTOP) is not retried on the new leader: "
-    "FleetView.serving does nothing for a remote target (bench/results/fleet/NOTES.md)",
-)
 def test_no_request_lost_when_the_leader_goes_silent(results: FleetResults) -> None:
     lost = {f"{t.kind} #{t.index}": t.failed_requests for t in results.trials if t.kind in SILENT}
     assert lost and all(n == 0 for n in lost.values()), lost

@@ -61,6 +61,7 @@ class FleetView(PrimaryView):
         self.node = node
         self.elector: Elector | None = None
         self._scopes: set[asyncio.Timeout] = set()
+        self._remote: dict[asyncio.Timeout, int] = {}  # forwarded: the term sent to
 
     def route(self) -> Target | None:
         e = self.elector
@@ -89,10 +90,18 @@ class FleetView(PrimaryView):
     @contextlib.asynccontextmanager
     async def serving(self, target: Target) -> AsyncIterator[None]:
         """A request to the local primary lives while this node leads: looked at again at
-        each term deadline (renewals move it), cut at once when the node steps down."""
+        each term deadline (renewals move it), cut at once when the node steps down. One
+        forwarded to the leader's router lives while that node is the leader seen here:
+        when the leader key is gone or held by another term, a leader that went silent
+        (cut off, stopped) would never answer it, so it is cut and, before its first
+        byte, retried on the next leader."""
         e = self.elector
-        if target.remote or e is None:
+        if e is None:
             yield
+            return
+        if target.remote:
+            async with self._while_leading_elsewhere(e, target):
+                yield
             return
         loop = asyncio.get_running_loop()
         handle: asyncio.TimerHandle | None = None
@@ -120,14 +129,35 @@ class FleetView(PrimaryView):
                 raise LeadershipEnded(f"node {self.node} stopped leading") from None
             raise
 
+    @contextlib.asynccontextmanager
+    async def _while_leading_elsewhere(self, e: Elector, target: Target) -> AsyncIterator[None]:
+        try:
+            async with asyncio.timeout(None) as scope:
+                self._remote[scope] = target.cluster_epoch
+                if e.cluster_epoch != target.cluster_epoch:
+                    scope.reschedule(asyncio.get_running_loop().time())
+                try:
+                    yield
+                finally:
+                    self._remote.pop(scope, None)
+        except TimeoutError:
+            if scope.expired():
+                raise LeadershipEnded(f"the term of {target.node} ended") from None
+            raise
+
     def changed(self, stepped_down: bool) -> None:
         """The elector saw a change: wake waiting requests; cut local streams if this
-        node stopped leading."""
+        node stopped leading, and forwarded ones whose leader's term is no longer the
+        one seen."""
+        now = asyncio.get_running_loop().time()
         if stepped_down:
-            now = asyncio.get_running_loop().time()
             for scope in list(self._scopes):
                 if not scope.expired():  # one expiring already must not be rescheduled
                     scope.reschedule(now)
+        epoch = self.elector.cluster_epoch if self.elector is not None else 0
+        for scope, term in list(self._remote.items()):
+            if term != epoch and not scope.expired():
+                scope.reschedule(now)
         self.wake()
 
 
