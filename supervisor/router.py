@@ -50,6 +50,7 @@ class LeadershipEnded(Exception):
 
 UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError, NotLeader)
 MAX_BODY = 64 * 1024 * 1024  # bytes of one request body
+NOT_LEADER_WAIT_S = 0.02  # after a 421, ask the same term again this much later at most
 
 
 def error(status: int, message: str, kind: str) -> web.Response:
@@ -146,6 +147,19 @@ class PrimaryView:
         LeadershipEnded out of it when its term ends."""
         return contextlib.nullcontext()
 
+    async def again(self, target: Target, deadline: float, wait_s: float) -> Target | None:
+        """After a 421 from `target`: where to go `wait_s` later (or at the next change),
+        the same term included; None at the deadline."""
+        left = min(wait_s, deadline - time.monotonic())
+        if left <= 0:
+            return None
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(left):
+                await self._changed.wait()
+        return choose(self.route(), target.epoch - 1) or await self.next_after(
+            target.epoch - 1, deadline
+        )
+
     async def next_after(self, epoch: int, deadline: float) -> Target | None:
         """A primary of an epoch later than `epoch`, or None at the deadline."""
         while (target := choose(self.route(), epoch)) is None:
@@ -207,7 +221,8 @@ class Router:
         target = choose(self.view.route(), -1) or await self.view.next_after(-1, deadline)
         tries = attempts(self.spec)
         reason = "no primary is serving"
-        for attempt in range(tries):
+        attempt = 0
+        while attempt < tries:
             if target is None:
                 break
             if not target.remote:
@@ -223,7 +238,14 @@ class Router:
                 if isinstance(e, NotLeader) and FORWARDED_BY in request.headers:
                     return not_leader()  # the router that sent it retries on the next leader
                 reason = f"primary {target.name} failed before answering: {type(e).__name__}"
-                if attempt + 1 < tries:
+                if isinstance(e, NotLeader) and target.remote:
+                    # the node this one sees as leader may not know it yet (its campaign's
+                    # reply races the watch here), or its term is over: either way not a
+                    # failed try; the same term again a moment later, or the next one
+                    target = await self.view.again(target, deadline, NOT_LEADER_WAIT_S)
+                    continue
+                attempt += 1
+                if attempt < tries:
                     self.retried += 1
                     target = await self.view.next_after(target.epoch, deadline)
         self.failed += 1
