@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -19,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from chaos.fleet.net import missing
 from supervisor.fleet.spec import ClusterSpec
 from tests.conftest import REPO, child_env
 
@@ -29,19 +29,7 @@ TTL = 2
 SLACK_S = 2.0
 
 
-def _netns_missing() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root to build network namespaces (run as root)"
-    if shutil.which("ip") is None:
-        return "needs iproute2's `ip` (apt-get install -y iproute2)"
-    if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
-        return "`ip netns` does not work here (no network namespace support)"
-    if shutil.which("etcd") is None:
-        return "needs etcd (apt-get install -y etcd-server)"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_netns_missing() is not None, reason=str(_netns_missing()))
+pytestmark = pytest.mark.skipif(missing() is not None, reason=str(missing()))
 
 
 def fleet(*args: str, state: Path, check: bool = True) -> str:
