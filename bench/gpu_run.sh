@@ -2,7 +2,7 @@
 # Everything that needs the GPU machine, in one call. Writes logs and JSON under $OUT.
 #   bench/gpu_run.sh [env] [tests] [probe] [moe] [lifetime] [llama]   (default: all)
 # also: checksum-tests, llama-daemon, engine (the engine's GPU tests, then its startup bench),
-#   startup (forked engine start to ready, 6 trials),
+#   startup (forked engine start to ready, 6 trials, without and with spares),
 #   batching (the batching GPU tests, then bench/engine_throughput.py with the transformers baseline),
 #   checkpoint (write the llama-8b checkpoint to /tmp/models/llama-8b),
 #   chaos / chaos-tp2 (chaos/scenarios/gpu.yaml / gpu-tp2.yaml; results in $OUT/chaos-gpu*),
@@ -85,11 +85,14 @@ for stage in $stages; do
       timeout 420 python3 bench/engine_throughput.py --device cuda:0 --preset llama-8b \
         --model-dir /tmp/models/llama-8b --concurrency 1,32,128 --kv-cache-mb 16384 --baseline \
         --out "$OUT/h200_engine_throughput_llama-8b.json" 2>&1 | tee "$OUT/engine_throughput.txt" ;;
-    startup)  # forked engine start to ready, alone: the first compiles Triton's kernels if its cache is empty
-      checkpoint
-      timeout 200 python3 bench/engine_startup.py --device cuda:0 --preset llama-8b \
-        --model-dir /tmp/models/llama-8b --modes attach_forked --trials 6 \
-        --out "$OUT/h200_engine_startup_forked.json" 2>&1 | tee "$OUT/engine_startup_forked.txt" ;;
+    startup)  # forked engine start to ready, alone, without and with the fork server's spares
+      checkpoint  # (the first start compiles Triton's kernels if its cache is empty)
+      for spares in off auto; do
+        timeout 200 python3 bench/engine_startup.py --device cuda:0 --preset llama-8b \
+          --model-dir /tmp/models/llama-8b --modes attach_forked --trials 6 --spares $spares \
+          --out "$OUT/h200_engine_startup_forked_spares-$spares.json" 2>&1 \
+          | tee "$OUT/engine_startup_forked_spares-$spares.txt"
+      done ;;
     imports)  # where the engine's import time goes on this machine
       { TIMEFORMAT="%R s"
         for i in 1 2 3; do echo -n "import torch: "; time python3 -c "import torch"; done

@@ -174,8 +174,8 @@ class Load:
         return (s.in_flight, s.queued) if s is not None else (0, 0)
 
 
-def run(cfg: EngineConfig, t0: float) -> int:
-    clock, phases, load = Clock(t0), Phases(), Load()
+def run(cfg: EngineConfig, t0: float, spare_ms: float = 0.0) -> int:
+    clock, phases, load = Clock(t0), Phases(spare=round(spare_ms, 1)), Load()
     phases.imports = clock.lap()
     agent = start_agent(cfg, load) if cfg.rank == 0 and cfg.agent else None
     watch: PeerWatch | None = None

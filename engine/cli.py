@@ -9,7 +9,9 @@ from collections.abc import Sequence
 from holdfast_contract.errors import HoldfastError
 
 
-def main(argv: Sequence[str] | None = None, *, t0: float | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None, *, t0: float | None = None, spare_ms: float = 0.0
+) -> int:
     t0 = time.perf_counter() if t0 is None else t0
     from engine.config import from_args, log_format
     from holdfast_contract import logs
@@ -19,7 +21,7 @@ def main(argv: Sequence[str] | None = None, *, t0: float | None = None) -> int:
         logs.setup(log_format(cfg))
         from engine import app
 
-        return app.run(cfg, t0)
+        return app.run(cfg, t0, spare_ms)
     except HoldfastError as e:
         print(f"engine: error: {e}", file=sys.stderr)
         return 2

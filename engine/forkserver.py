@@ -23,6 +23,7 @@ import os
 import selectors
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -37,6 +38,7 @@ import structlog
 from cachedaemon import protocol
 from cachedaemon.errors import ProtocolError
 from cachedaemon.rundir import listen, socket_answers
+from engine import spare
 from engine.errors import EngineError
 from holdfast_contract.forkserver import (
     MAX_FRAME,
@@ -51,6 +53,7 @@ from holdfast_contract.forkserver import (
 log = structlog.get_logger("engine.forkserver")
 
 READ_TIMEOUT = 5.0  # seconds a peer has to send its whole request
+_CLAIM = struct.Struct(">dd")  # a spare's claim: the request's arrival, the spare's warm-up ms
 PRELOAD = ("engine.app", "engine.model", "engine.runner", "engine.weights", "engine.hf")
 
 
@@ -110,13 +113,25 @@ class _Request:
         self.conn.close()
 
 
+class _Spare:
+    """A forked spare (engine.spare) as the server sees it: warming up, or warm and waiting
+    on `sock` for the request that claims it."""
+
+    def __init__(self, pid: int, pidfd: int, sock: socket.socket, key: tuple[str, ...]) -> None:
+        self.pid, self.pidfd, self.sock, self.key = pid, pidfd, sock, key
+        self.warm_ms: float | None = None  # set when it says it is warm
+
+
 class Server:
-    def __init__(self, listener: socket.socket) -> None:
+    def __init__(self, listener: socket.socket, spares: str = "auto") -> None:
         self.listener = listener
         self.sel = selectors.DefaultSelector()
         self.sel.register(listener, selectors.EVENT_READ)
         self.children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, conn)
         self.requests: dict[int, _Request] = {}  # conn fd -> its request, still arriving
+        self.spare_mode = spares
+        self.spares: dict[str, _Spare] = {}  # device -> its one spare
+        self.spare_fds: dict[int, _Spare] = {}  # its pidfd and its socket's fd -> spare
 
     def loop(self) -> None:
         while True:
@@ -127,6 +142,8 @@ class Server:
                     self._accept()
                 elif key.fd in self.children:
                     self._reap(key.fd)
+                elif key.fd in self.spare_fds:
+                    self._spare_event(key.fd)
                 elif key.fd in self.requests:
                     self._read(self.requests[key.fd])
             now = time.monotonic()
@@ -163,6 +180,7 @@ class Server:
         if req.refusal:  # read first, so the peer's write never meets a closed socket
             self._refuse(req, req.refusal)
             return
+        arrived = time.perf_counter()
         self._done_reading(req)
         conn, fds = req.conn, req.fds
         conn.settimeout(5.0)
@@ -170,8 +188,14 @@ class Server:
             spawn = decode_spawn(body)
             if len(fds) != 3:
                 raise EngineError(f"send stdin, stdout and stderr as 3 fds, not {len(fds)}")
-            pid = self._fork(spawn, fds, conn)
-            conn.sendall(frame(Started(pid)))
+            key = spare.key(spawn, self.spare_mode)
+            claimed = self._claim(key, spawn, fds, arrived)
+            if claimed is None:
+                pid = self._fork(spawn, fds, conn)
+                pidfd = os.pidfd_open(pid)
+                self.sel.register(pidfd, selectors.EVENT_READ)
+            else:
+                pid, pidfd = claimed  # its pidfd is registered already
         except (OSError, EngineError, msgspec.MsgspecError) as e:
             with contextlib.suppress(OSError):
                 conn.sendall(frame(Refused(str(e))))
@@ -180,9 +204,11 @@ class Server:
         finally:
             protocol.close_fds(fds)
             fds.clear()
-        pidfd = os.pidfd_open(pid)
         self.children[pidfd] = (pid, conn)
-        self.sel.register(pidfd, selectors.EVENT_READ)
+        with contextlib.suppress(OSError):  # a client gone already: its engine runs on
+            conn.sendall(frame(Started(pid)))
+        if key is not None and key[0] not in self.spares:
+            self._fork_spare(spawn, key)
 
     def _done_reading(self, req: _Request) -> None:
         self.sel.unregister(req.conn)
@@ -203,6 +229,121 @@ class Server:
             conn.sendall(frame(Exited(os.waitstatus_to_exitcode(status))))
         conn.close()
 
+    # ---- spares (engine.spare) ----
+    def _claim(
+        self, key: tuple[str, ...] | None, spawn: Spawn, fds: list[int], arrived: float
+    ) -> tuple[int, int] | None:
+        """Hand `spawn` to the warm spare made for `key`: (pid, pidfd), or None to fork.
+        A spare of the same device made for another key is dropped."""
+        if key is None:
+            return None
+        s = self.spares.get(key[0])
+        if s is not None and s.key != key:
+            self._drop_spare(s, "another request's settings")
+            return None
+        if s is None or s.warm_ms is None:  # none, or still warming: this one forks
+            return None
+        del self.spares[key[0]], self.spare_fds[s.sock.fileno()], self.spare_fds[s.pidfd]
+        self.sel.unregister(s.sock)
+        try:
+            socket.send_fds(s.sock, [_CLAIM.pack(arrived, s.warm_ms)], fds)
+            s.sock.sendall(frame(spawn))
+        except OSError as e:  # it died as it was claimed
+            log.warning("spare lost", pid=s.pid, error=str(e))
+            self._drop_spare(s, "")
+            return None
+        s.sock.close()
+        log.info("engine from a spare", pid=s.pid, warm_ms=round(s.warm_ms, 1))
+        return s.pid, s.pidfd
+
+    def _fork_spare(self, spawn: Spawn, key: tuple[str, ...]) -> None:
+        mine, theirs = socket.socketpair()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if not pid:
+            code = 1
+            try:
+                mine.close()
+                code = self._spare(spawn, theirs)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        theirs.close()
+        s = _Spare(pid, os.pidfd_open(pid), mine, key)
+        self.spares[key[0]] = s
+        self.spare_fds[s.pidfd] = self.spare_fds[mine.fileno()] = s
+        self.sel.register(s.pidfd, selectors.EVENT_READ)
+        self.sel.register(mine, selectors.EVENT_READ)
+        log.info("spare forked", pid=pid, device=key[0])
+
+    def _spare_event(self, fd: int) -> None:
+        """A spare said it is warm (or why it is not), or exited unclaimed."""
+        s = self.spare_fds[fd]
+        if fd == s.pidfd:
+            self._drop_spare(s, "exited")
+            return
+        try:
+            said = s.sock.recv(512)
+        except OSError:
+            said = b""
+        if said.startswith(b"W") and len(said) == 9:
+            s.warm_ms = struct.unpack(">d", said[1:])[0]
+            log.info("spare warm", pid=s.pid, warm_ms=round(s.warm_ms, 1))
+        else:
+            self._drop_spare(s, said[1:].decode(errors="replace") or "closed its socket")
+
+    def _drop_spare(self, s: _Spare, why: str) -> None:
+        """Kill and reap `s` (reaping waits at most for a SIGKILL to land)."""
+        if self.spares.get(s.key[0]) is s:
+            del self.spares[s.key[0]]
+        for fd in (s.pidfd, s.sock.fileno()):
+            if self.spare_fds.pop(fd, None) is not None:
+                self.sel.unregister(fd)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(s.pid, signal.SIGKILL)
+        os.waitpid(s.pid, 0)
+        os.close(s.pidfd)
+        s.sock.close()
+        if why:
+            log.warning("spare dropped", pid=s.pid, reason=why)
+
+    def close_spares(self) -> None:
+        for s in list(self.spares.values()):
+            self._drop_spare(s, "")
+
+    def _spare(self, template: Spawn, sock: socket.socket) -> int:
+        """In a spare: warm up for `template`, say so, wait for a claim, then be its engine.
+        It dies with the server until claimed; after, with the claim's owner."""
+        server = os.getppid()
+        self._detach()
+        claimed = threading.Event()
+        die_with(server, unless=claimed)
+        os.environ.clear()
+        os.environ.update(template.env)  # CUDA starts in the environment engines get
+        try:
+            ms = spare.warm(template)
+        except (EngineError, OSError, RuntimeError, ValueError) as e:
+            with contextlib.suppress(OSError):
+                sock.sendall(b"F" + f"{type(e).__name__}: {e}".encode()[:500])
+            return 1
+        sock.sendall(b"W" + struct.pack(">d", ms))
+        data, fds, _, _ = socket.recv_fds(sock, _CLAIM.size, 3)
+        if not data:
+            return 0  # dropped, or the server is gone
+        while len(data) < _CLAIM.size and (more := sock.recv(_CLAIM.size - len(data))):
+            data += more
+        arrived, warm_ms = _CLAIM.unpack(data)
+        head = _read_exact(sock, protocol._HEADER.size)
+        body = _read_exact(sock, protocol._HEADER.unpack(head)[0])
+        claimed.set()
+        sock.close()
+        return self._become(decode_spawn(body), fds, arrived, spare_ms=warm_ms)
+
+    # ---- in a fork ----
     def _fork(self, spawn: Spawn, fds: list[int], conn: socket.socket) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -212,7 +353,9 @@ class Server:
         code = 1
         try:
             conn.close()  # the server's end: its EOF tells the client the server died
-            code = self._child(spawn, fds)
+            t0 = time.perf_counter()
+            self._detach()
+            code = self._become(spawn, fds, t0)
         except BaseException:
             traceback.print_exc()
         finally:
@@ -220,8 +363,8 @@ class Server:
             sys.stderr.flush()
             os._exit(code)
 
-    def _child(self, spawn: Spawn, fds: list[int]) -> int:
-        t0 = time.perf_counter()
+    def _detach(self) -> None:
+        """A session of its own, default signals, none of the server's fds."""
         os.setsid()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
@@ -232,8 +375,15 @@ class Server:
             conn.close()
         for req in self.requests.values():  # other peers' requests, still arriving
             req.close()
+        for s in self.spares.values():
+            os.close(s.pidfd)
+            s.sock.close()
+
+    def _become(self, spawn: Spawn, fds: list[int], t0: float, spare_ms: float = 0.0) -> int:
+        """Run the engine `spawn` asks for, on its fds, its clock started at `t0`."""
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
+        protocol.close_fds([fd for fd in fds if fd > 2])
         os.environ.clear()
         os.environ.update(spawn.env)
         os.chdir(spawn.cwd)
@@ -243,13 +393,24 @@ class Server:
         from engine.cli import main
 
         try:
-            return main(spawn.argv, t0=t0)
+            return main(spawn.argv, t0=t0, spare_ms=spare_ms)
         except SystemExit as e:  # argparse: --help, or a usage error
             return e.code if isinstance(e.code, int) else 2
 
 
-def die_with(pid: int) -> None:
-    """SIGKILL this process the moment `pid` exits (or now, if it already has)."""
+def _read_exact(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        part = sock.recv(n - len(data))
+        if not part:
+            raise EOFError(f"the server closed a spare's claim after {len(data)} of {n} bytes")
+        data += part
+    return bytes(data)
+
+
+def die_with(pid: int, unless: threading.Event | None = None) -> None:
+    """SIGKILL this process the moment `pid` exits (or now, if it already has), unless
+    `unless` is set by then."""
     try:
         pidfd = os.pidfd_open(pid)
     except ProcessLookupError:
@@ -260,7 +421,8 @@ def die_with(pid: int) -> None:
         sel = selectors.DefaultSelector()
         sel.register(pidfd, selectors.EVENT_READ)
         sel.select()
-        os.kill(os.getpid(), signal.SIGKILL)
+        if unless is None or not unless.is_set():
+            os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="die-with-owner", daemon=True).start()
 
@@ -313,13 +475,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--socket", required=True, type=Path, help="unix socket to listen on")
     p.add_argument("--log-format", choices=["console", "json"], default="console")
+    p.add_argument(
+        "--spares",
+        choices=spare.MODES,
+        default="auto",
+        help="after forking an engine of one rank, fork a spare that makes its CUDA context "
+        "and loads its kernels ahead, for the next request like it (auto: CUDA devices only)",
+    )
     args = p.parse_args(argv)
     from holdfast_contract import logs
 
     logs.setup(args.log_format)
     try:
         seconds = preload()
-        server = Server(bind(args.socket))
+        server = Server(bind(args.socket), spares=args.spares)
     except EngineError as e:
         print(f"engine.forkserver: error: {e}", file=sys.stderr)
         return 2
@@ -328,6 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         server.loop()
     finally:
+        server.close_spares()
         args.socket.unlink(missing_ok=True)
     return 0
 

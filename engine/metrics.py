@@ -31,6 +31,7 @@ class Phases(msgspec.Struct):
     attach: float = 0.0  # weights: daemon views, or a disk load
     warmup: float = 0.0  # one forward pass
     total: float = 0.0  # up to ready (HTTP listening, agent told)
+    spare: float = 0.0  # a spare's warm-up, done before the request (0: a fresh process)
 
 
 class Live(msgspec.Struct, frozen=True):
@@ -126,11 +127,16 @@ class Metrics:
     def _startup(self) -> Iterator[Metric]:
         yield _gauge("attach_ms", "time to attach (or load) the weights", self.phases.attach)
         yield _gauge("startup_ms", "engine start to ready", self.phases.total)
+        yield _gauge(
+            "spare_warmup_ms",
+            "warm-up done by a spare process before this engine's request (0: none)",
+            self.phases.spare,
+        )
         phases = GaugeMetricFamily(
             PREFIX + "startup_phase_ms", "startup time by phase", labels=["phase"]
         )
         for k, v in msgspec.structs.asdict(self.phases).items():
-            if k != "total":
+            if k not in ("total", "spare"):
                 phases.add_metric([k], v)
         yield phases
 

@@ -67,16 +67,21 @@ class LoggedProc:
             self.exited.set()
             self._line.notify_all()
 
-    def wait_for(self, text: str, timeout: float = 60.0) -> None:
-        """Until a log line contains `text`; AssertionError if it exits or time runs out."""
+    def wait_for(self, text: str, timeout: float = 60.0, count: int = 1) -> list[str]:
+        """Until `count` log lines contain `text` (those lines); AssertionError if it exits
+        or time runs out first."""
+
+        def found() -> list[str]:
+            return [line for line in self.lines if text in line]
+
         with self._line:
-            found = self._line.wait_for(
-                lambda: any(text in line for line in self.lines) or self.exited.is_set(), timeout
-            )
-            if not found or not any(text in line for line in self.lines):
+            self._line.wait_for(lambda: len(found()) >= count or self.exited.is_set(), timeout)
+            if len(found()) < count:
                 raise AssertionError(
-                    f"{self.proc.args[:4]} never logged {text!r}:\n" + "".join(self.lines[-30:])
+                    f"{self.proc.args[:4]} logged {text!r} {len(found())} times, not {count}:\n"
+                    + "".join(self.lines[-30:])
                 )
+            return found()
 
     @property
     def log(self) -> str:
@@ -138,10 +143,10 @@ def module_daemons() -> Iterator[Daemons]:
 class ForkServerProc(LoggedProc):
     """A real `python -m engine.forkserver` serving on `sock`."""
 
-    def __init__(self, sock: Path) -> None:
+    def __init__(self, sock: Path, *extra: str) -> None:
         self.sock = sock
         argv = [sys.executable, "-m", "engine.forkserver", "--socket", str(sock)]
-        super().__init__([*argv, "--log-format", "json"])
+        super().__init__([*argv, "--log-format", "json", *extra])
 
     def wait_ready(self) -> None:
         self.wait_for("forkserver ready", 120)

@@ -136,6 +136,37 @@ def test_engine_forked_on_cuda_gives_the_tokens_of_an_execd_one(
     assert execd["weights"] == "daemon"
 
 
+def test_forked_restarts_on_cuda_take_the_warm_spare(
+    tiny_model: Path, socks: dict[str, str], engines: dict[str, EngineProcess], tmp_path: Path
+) -> None:
+    """A fork server's spares (--spares auto: on for CUDA), bf16 then fp8: each second
+    start of a kind is handed to the spare its first start made, and serves the tokens of
+    an exec'd engine; a start with other settings forks afresh and replaces the spare."""
+    server = ForkServerProc(tmp_path / "forkserver.sock")
+    gpu = ["--model", str(tiny_model), "--device", "cuda:0", "--dtype", "bfloat16"]
+    flags = {
+        "bf16": [*gpu, "--daemons", socks["bf16"]],
+        "fp8": [*gpu, "--quantization", "fp8-block", "--daemons", socks["fp8"]],
+    }
+    started: list[EngineProcess] = []
+    try:
+        server.wait_ready()
+        for n, name in enumerate(["bf16", "bf16", "fp8", "fp8"]):
+            e = EngineProcess(flags[name], forkserver=server.sock)
+            started.append(e)
+            phases = e.wait_ready(180)["phases"]
+            assert (phases["spare"] > 0) == (n % 2 == 1), (name, n, phases)
+            for prompt in PROMPTS:
+                got = complete(e.url, prompt, ignore_eos=True)["token_ids"]
+                assert got == complete(engines[name].url, prompt, ignore_eos=True)["token_ids"]
+            server.wait_for('"event": "spare warm"', 180, count=n + 1)
+        assert "another request's settings" in server.log  # fp8 replaced bf16's spare
+    finally:
+        for e in started:
+            e.stop()
+        server.stop()
+
+
 def test_fp8_pool_is_used_on_cuda(engines: dict[str, EngineProcess]) -> None:
     fp8 = complete(engines["fp8"].url, PROMPTS[1], logprobs=1, ignore_eos=True)
     bf16 = complete(engines["bf16"].url, PROMPTS[1], logprobs=1, ignore_eos=True)
