@@ -13,8 +13,9 @@ from disk with the checkpoint in the page cache; and exec'd from disk after evic
 checkpoint's pages (posix_fadvise DONTNEED, a cold disk read without root). The engine
 reports its own phases (imports, context init, build, attach, warm-up); what is left of
 the wall time is interpreter start (or the fork request). A forked start after the first
-is handed to the fork server's spare (engine.spare) unless `--spares off`: its `spare`
-phase is the warm-up the spare did before the request, outside the start. Bars (meant for an H200 with
+is handed to the fork server's spare (engine.spare) unless `--spares off`: such a trial
+waits until the spare is warm, as a restart seconds after the last start finds it, and its
+`spare` phase is the warm-up the spare did before the request, outside the start. Bars (meant for an H200 with
 llama-8b): attached ready in under 3 s, and at least 4x faster than from a cold disk.
 """
 
@@ -111,26 +112,43 @@ def start_daemon(args: argparse.Namespace, run_dir: Path) -> tuple[subprocess.Po
     return proc, time.perf_counter() - t0
 
 
-def start_forkserver(
-    args: argparse.Namespace, run_dir: Path
-) -> tuple[subprocess.Popen[str], float]:
-    sock = run_dir / "forkserver.sock"
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        [
-            *[sys.executable, "-m", "engine.forkserver", "--socket", str(sock)],
-            *["--log-format", "json", "--spares", args.spares],
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-        env=child_env(),
-    )
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        if '"event": "forkserver ready"' in line:
-            threading.Thread(target=proc.stderr.read, daemon=True).start()
-            return proc, time.perf_counter() - t0
-    raise SystemExit(f"the fork server exited ({proc.wait()}) before listening")
+class ForkServer:
+    """`python -m engine.forkserver` for the run; counts its spares as they become warm."""
+
+    def __init__(self, args: argparse.Namespace, run_dir: Path) -> None:
+        sock = run_dir / "forkserver.sock"
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(
+            [
+                *[sys.executable, "-m", "engine.forkserver", "--socket", str(sock)],
+                *["--log-format", "json", "--spares", args.spares],
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+        )
+        self.warm: list[dict[str, Any]] = []  # "spare warm" events
+        self.changed = threading.Condition()
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            if '"event": "forkserver ready"' in line:
+                threading.Thread(target=self._pump, daemon=True).start()
+                self.start_s = time.perf_counter() - t0
+                return
+        raise SystemExit(f"the fork server exited ({self.proc.wait()}) before listening")
+
+    def _pump(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            if '"event": "spare warm"' in line:
+                with self.changed:
+                    self.warm.append(json.loads(line))
+                    self.changed.notify_all()
+
+    def wait_warm(self, count: int, timeout: float) -> bool:
+        """Until `count` spares have been warm (the latest one is waiting to be claimed)."""
+        with self.changed:
+            return self.changed.wait_for(lambda: len(self.warm) >= count, timeout)
 
 
 def evict(model_dir: Path) -> None:
@@ -243,11 +261,16 @@ def main() -> int:
     ensure_checkpoint(args.model_dir, args.preset)
     run_dir = Path(tempfile.mkdtemp(prefix="holdfast-bench-"))
     daemon, daemon_s = start_daemon(args, run_dir)
-    forks, forks_s = start_forkserver(args, run_dir)
+    forks = ForkServer(args, run_dir)
+    spares = args.spares == "on" or (args.spares == "auto" and args.device.startswith("cuda"))
     results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     try:
         for trial in range(args.trials):
             for mode in modes:
+                # a restart: the spare the last forked start made is warm by now
+                restart = mode == "attach_forked" and spares and trial > 0
+                if restart and not forks.wait_warm(trial, args.timeout):
+                    print(f"trial {trial}: no warm spare after {args.timeout} s", flush=True)
                 r = one_engine(args, mode, run_dir)
                 results[mode].append(r)
                 print(
@@ -255,10 +278,10 @@ def main() -> int:
                     flush=True,
                 )
     finally:
-        forks.terminate()
+        forks.proc.terminate()
         daemon.terminate()
         daemon.wait(30)
-        forks.wait(30)
+        forks.proc.wait(30)
     summary = {m: summarize(t) for m, t in results.items()}
     ready = {m: s["ready_s_median"] for m, s in summary.items()}
     weights = {m: s["phases_s_median"]["attach"] for m, s in summary.items()}
@@ -294,8 +317,9 @@ def main() -> int:
         "trials": args.trials,
         "checkpoint_bytes": sum(f.stat().st_size for f in args.model_dir.glob("*.safetensors")),
         "daemon_first_load_s": round(daemon_s, 3),
-        "forkserver_start_to_listening_s": round(forks_s, 3),
+        "forkserver_start_to_listening_s": round(forks.start_s, 3),
         "forkserver_spares": args.spares,
+        "spares_warm": forks.warm,
         "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
         "results": summary,
         "ratios": ratios,

@@ -290,9 +290,10 @@ class Server:
             said = s.sock.recv(512)
         except OSError:
             said = b""
-        if said.startswith(b"W") and len(said) == 9:
-            s.warm_ms = struct.unpack(">d", said[1:])[0]
-            log.info("spare warm", pid=s.pid, warm_ms=round(s.warm_ms, 1))
+        if said.startswith(b"W"):
+            phases = msgspec.json.decode(said[1:], type=dict[str, float])
+            s.warm_ms = phases["total"]
+            log.info("spare warm", pid=s.pid, warm_ms=s.warm_ms, phases=phases)
         else:
             self._drop_spare(s, said[1:].decode(errors="replace") or "closed its socket")
 
@@ -325,12 +326,12 @@ class Server:
         os.environ.clear()
         os.environ.update(template.env)  # CUDA starts in the environment engines get
         try:
-            ms = spare.warm(template)
+            phases = spare.warm(template)
         except (EngineError, OSError, RuntimeError, ValueError) as e:
             with contextlib.suppress(OSError):
                 sock.sendall(b"F" + f"{type(e).__name__}: {e}".encode()[:500])
             return 1
-        sock.sendall(b"W" + struct.pack(">d", ms))
+        sock.sendall(b"W" + msgspec.json.encode(phases))
         data, fds, _, _ = socket.recv_fds(sock, _CLAIM.size, 3)
         if not data:
             return 0  # dropped, or the server is gone

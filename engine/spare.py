@@ -60,8 +60,8 @@ def key(spawn: Spawn, mode: str) -> tuple[str, ...] | None:
     return (cfg.device, *map(str, shapes), str(cfg.kv_cache_mb), repr(env))
 
 
-def warm(spawn: Spawn) -> float:
-    """In the spare, before it is claimed: the context and the kernels; ms taken."""
+def warm(spawn: Spawn) -> dict[str, float]:
+    """In the spare, before it is claimed: the context and the kernels; ms by phase."""
     import torch
 
     from engine.app import context_init
@@ -70,11 +70,21 @@ def warm(spawn: Spawn) -> float:
     from engine.modelargs import read_model_args
     from engine.runner import Runner
 
-    t0 = time.perf_counter()
+    t0 = last = time.perf_counter()
+    phases: dict[str, float] = {}
+
+    def lap(name: str) -> None:
+        nonlocal last
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        phases[name], last = round((now - last) * 1e3, 1), now
+
     cfg = config(spawn)
     if cfg is None:
         raise EngineError("the request a spare was made from does not parse")
     device = context_init(cfg)
+    lap("context_init")
     args = read_model_args(cfg.model)
     layers = args.num_hidden_layers
     one = msgspec.structs.replace(args, num_hidden_layers=1)
@@ -95,12 +105,14 @@ def warm(spawn: Spawn) -> float:
         dtype,
         device,
     )
+    lap("build")
     max_len = cfg.max_model_len or args.max_position_embeddings
     Runner(model, device, kv, max_batch=cfg.max_batch, max_len=max_len, cuda_graphs=False).warmup()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    lap("warmup")
     del model, kv
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the shadow's memory back: the spare keeps its context only
-    return (time.perf_counter() - t0) * 1e3
+    lap("free")
+    phases["total"] = round((time.perf_counter() - t0) * 1e3, 1)
+    return phases
