@@ -55,6 +55,9 @@ class NodeInfo(msgspec.Struct, frozen=True):
     host: str = ""
     router: str = ""  # HOST:PORT of the node's router (cluster.advertise)
     api: str = ""  # HOST:PORT of the node's health API
+    # how long after its last renewal was sent this node serves as leader (hold_s), in ms;
+    # 0: not said, and the others wait for etcd to expire its lease (see early_revoke)
+    hold_ms: int = 0
 
 
 class Term(msgspec.Struct, frozen=True):
@@ -115,3 +118,52 @@ def yield_to(
         if node.priority > me.priority or sick:
             return node.node
     return None
+
+
+class LeaseReading(msgspec.Struct, frozen=True):
+    """One answer of etcd's lease TimeToLive, timed on the reader's clock: `ttl` is the
+    remaining TTL in whole seconds rounded down (-1: the lease is gone), `granted` the TTL
+    each renewal restarts it at."""
+
+    lease: int
+    sent: float  # the request left (etcd computed `ttl` after this)
+    answered: float  # the answer came (etcd computed `ttl` before this)
+    ttl: int
+    granted: int
+
+    def bound(self, hold_s: float) -> float:
+        """After this clock reading the lease's holder serves no more, unless a renewal
+        etcd processed after this reading moved it. The holder's last renewal, sent at
+        `s`, was processed at `p >= s` and restarted the lease there, so the lease expires
+        at `p + granted`; remaining < ttl + 1 at some moment before `answered` puts `p`
+        before `answered + ttl + 1 - granted`, and the holder serves only until
+        `s + hold_s <= p + hold_s`."""
+        return self.answered + self.ttl + 1 - self.granted + hold_s
+
+
+def unrenewed(first: LeaseReading, later: LeaseReading) -> bool:
+    """Whether `later` proves etcd processed no renewal of the lease between the two
+    readings: one at `p` after `first` would leave more than `first.sent + granted -
+    later.answered` remaining at `later`, which its rounded-down `ttl` rules out."""
+    return later.ttl + 1 <= first.sent + first.granted - later.answered
+
+
+def early_revoke(
+    first: LeaseReading | None, now: LeaseReading, hold_s: float, guard_s: float
+) -> tuple[LeaseReading | None, bool]:
+    """Whether a follower may revoke the leader's lease now, before etcd expires it:
+    (the reading to keep for the next call, revoke now).
+
+    It may once a reading `first` bounds when the holder stopped serving
+    (`first.bound(hold_s)`, the holder's own hold_s), a later reading sent after that
+    bound (plus `guard_s` for clock rates) shows no renewal since `first`, and the holder
+    takes no renewal answered after its deadline as one (Elector._renew). A renewal etcd
+    processes after `now` is answered after the bound: the holder has stopped by then and
+    stays stopped. `hold_s <= 0` (not published): never."""
+    if now.ttl < 0 or hold_s <= 0:
+        return None, False
+    if first is None or first.lease != now.lease or not unrenewed(first, now):
+        return now, False
+    if now.sent >= first.bound(hold_s) + guard_s:
+        return None, True
+    return (now if now.bound(hold_s) < first.bound(hold_s) else first), False

@@ -22,7 +22,16 @@ from types import TracebackType
 import msgspec
 import structlog
 
-from supervisor.fleet.decide import NodeInfo, Role, Term, may_campaign, move, yield_to
+from supervisor.fleet.decide import (
+    LeaseReading,
+    NodeInfo,
+    Role,
+    Term,
+    early_revoke,
+    may_campaign,
+    move,
+    yield_to,
+)
 from supervisor.fleet.errors import (
     DuplicateNode,
     EtcdError,
@@ -37,6 +46,7 @@ from supervisor.fleet.registry import View, check_fingerprint, register
 from supervisor.fleet.spec import ClusterSpec
 
 log = structlog.get_logger("holdfast.fleet")
+GUARD_S = 0.05  # added to a revoke's bound: clock rates of two machines differ by ppm
 Clock = Callable[[], float]
 __all__ = ["DuplicateNode", "Elector", "FingerprintMismatch", "FleetError"]
 
@@ -80,6 +90,9 @@ class Elector:
         # in time, or an etcd leader change kept them alive): still this node's, and
         # revoked when a join finds its name registered on one
         self._given_up: set[int] = set()
+        # leader leases this node revoked once etcd's TTL readings proved their holder had
+        # stopped serving: (clock, lease, the bound the first reading gave)
+        self.revoked: list[tuple[float, int, float]] = []
         self.renewals = 0  # successful lease renewals: a clock for watching nothing happen
         self._renewed_at = 0.0
         self._ttl = float(spec.ttl_s)
@@ -209,6 +222,7 @@ class Elector:
             socket.gethostname(),
             self.spec.advertise,
             self.api,
+            round(self._hold_s * 1000),
         )
 
     # the loop
@@ -257,7 +271,8 @@ class Elector:
         self._live = True
         try:
             async with asyncio.TaskGroup() as tasks:
-                for work in (self._renew(), self._watch(), self._decide()):
+                parts = (self._renew(), self._watch(), self._decide(), self._expire_leader())
+                for work in parts:
                     tasks.create_task(work).add_done_callback(self._part_ended)
         except* EtcdError as group:
             raise group.exceptions[0] from None
@@ -289,6 +304,11 @@ class Elector:
                 timeout = min(timeout, self.term.deadline - sent)
             try:
                 await self.etcd.keepalive(self.lease, timeout=timeout)
+                if self.role == Role.LEADER and self.term and not self.term.holds(self.clock()):
+                    # answered past the term's deadline: the term is over whatever etcd
+                    # says, as early_revoke assumes (a follower may revoke this lease now)
+                    self._step_down("renewal_late")
+                    self._wake.set()
                 self._renewed_at = sent
                 if self.term is not None and self.role == Role.LEADER:
                     self.term = msgspec.structs.replace(self.term, renewed_at=sent)
@@ -303,6 +323,61 @@ class Elector:
                     raise LeaseLost(f"lease {self.lease:x} expired unrenewed: {exc}") from exc
                 continue  # no sleep: the request itself waited
             await asyncio.sleep(max(0.0, sent + self.spec.renew_s - self.clock()))
+
+    async def _expire_leader(self) -> None:
+        """A follower reads the leader's lease TTL every `lease_poll_s` and revokes the
+        lease once the readings prove its holder has stopped serving (decide.early_revoke):
+        the key is free at the holder's own deadline instead of at etcd's expiry, which
+        comes up to margin_s plus etcd's expiry check (500 ms) later."""
+        first: LeaseReading | None = None
+        while self._live:
+            leader, view = self.view.leader, self.view
+            holder = view.nodes.get(view.leader_node or "") if leader is not None else None
+            if (
+                self.role != Role.FOLLOWER
+                or leader is None
+                or leader.lease in (0, self.lease)
+                or holder is None
+                or holder.hold_ms <= 0
+            ):
+                first = None
+                await asyncio.sleep(self.spec.lease_poll_s)
+                continue
+            sent = self.clock()
+            try:
+                ttl, granted = await self.etcd.time_to_live(leader.lease, timeout=self.spec.renew_s)
+            except EtcdError as exc:
+                _lost_cancel()
+                log.debug("fleet.lease_read_failed", node=self.spec.node, error=str(exc))
+                first = None
+                await asyncio.sleep(self.spec.lease_poll_s)
+                continue
+            hold_s = holder.hold_ms / 1000
+            reading = LeaseReading(leader.lease, sent, self.clock(), ttl, granted)
+            kept, due = early_revoke(first, reading, hold_s, GUARD_S)
+            if due and first is not None:
+                await self._revoke_leader(leader.lease, first.bound(hold_s), view.leader_node)
+            first = kept
+            wake = sent + self.spec.lease_poll_s
+            if first is not None:  # the read that may confirm: at the bound, not later
+                wake = min(wake, first.bound(hold_s) + GUARD_S)
+            await asyncio.sleep(max(0.0, wake - self.clock()))
+
+    async def _revoke_leader(self, lease: int, bound: float, holder: str | None) -> None:
+        try:
+            await self.etcd.revoke(lease, timeout=self.spec.renew_s)
+        except EtcdError as exc:
+            _lost_cancel()
+            log.info("fleet.revoke_failed", node=self.spec.node, lease=f"{lease:x}", error=str(exc))
+            return
+        self.revoked.append((self.clock(), lease, bound))
+        log.info(
+            "fleet.revoked_stopped_leader",
+            node=self.spec.node,
+            holder=holder,
+            lease=f"{lease:x}",
+            after_bound_ms=round((self.clock() - bound) * 1000, 1),
+        )
 
     async def _watch(self) -> None:
         """Follow the cluster's keys; start over when the stream breaks or a renewal

@@ -1,6 +1,6 @@
 """A thin asyncio client for etcd v3 through its JSON gateway (`/v3/...`, etcd 3.4+).
 
-Only what the election needs: leases (grant, keepalive, revoke), a put-if-absent
+Only what the election needs: leases (grant, keepalive, time to live, revoke), a put-if-absent
 transaction, get (one key or a prefix), a delete guarded by the key's create revision, and
 a watch from a revision. Every request has its own deadline; a connection failure moves on
 to the next endpoint, and `EtcdUnavailable` names every endpoint tried. Wire replies are
@@ -52,6 +52,11 @@ class _Range(msgspec.Struct, frozen=True):
 class _Lease(msgspec.Struct, frozen=True):
     ID: int = 0
     TTL: int = 0
+
+
+class _TimeToLive(msgspec.Struct, frozen=True):
+    TTL: int = 0  # the gateway leaves a zero out
+    grantedTTL: int = 0
 
 
 class _KeepAlive(msgspec.Struct, frozen=True):
@@ -177,6 +182,13 @@ class EtcdClient:
         if reply.result.TTL <= 0:
             raise LeaseLost(f"etcd lease {lease:x} expired", NOT_FOUND)
         return reply.result.TTL
+
+    async def time_to_live(self, lease: int, *, timeout: float | None = None) -> tuple[int, int]:
+        """(remaining TTL in whole seconds rounded down, granted TTL) of `lease`; the
+        remaining TTL is -1 once the lease is gone."""
+        body = {"ID": str(lease)}
+        reply = await self._call("/v3/lease/timetolive", body, _TimeToLive, self._t(timeout))
+        return reply.TTL, reply.grantedTTL
 
     async def revoke(self, lease: int, *, timeout: float | None = None) -> None:
         """Revoke `lease` (its keys are deleted); a lease already gone is not an error."""

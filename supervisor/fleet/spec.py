@@ -41,6 +41,11 @@ class ClusterSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.ttl_s / 4
 
     @property
+    def lease_poll_s(self) -> float:
+        """How often a follower reads the leader's lease TTL (see decide.early_revoke)."""
+        return self.ttl_s / 20
+
+    @property
     def hold_s(self) -> float:
         """How long after its last successful renewal a leader may still serve."""
         return self.ttl_s - self.margin_s
