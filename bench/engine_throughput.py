@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 import aiohttp  # noqa: E402
-from engine_startup import ensure_checkpoint, start_daemon, start_forkserver  # noqa: E402
+from engine_startup import ForkServer, ensure_checkpoint, start_daemon  # noqa: E402
 
 from engine.launch import EngineProcess  # noqa: E402
 
@@ -181,6 +181,12 @@ def main() -> int:
     p.add_argument("--kv-cache-mb", type=int, default=4096)
     p.add_argument("--max-batch", type=int, default=128)
     p.add_argument("--baseline", action="store_true", help="also time transformers' generate")
+    p.add_argument(
+        "--spares",
+        choices=("auto", "on", "off"),
+        default="off",
+        help="the fork server's --spares (the engine measured is its first start either way)",
+    )
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--out", type=Path)
     args = p.parse_args()
@@ -201,7 +207,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="hf-bench-") as tmp:
         run_dir = Path(tmp)
         daemon, load_s = start_daemon(args, run_dir)
-        fork, _ = start_forkserver(args, run_dir)
+        fork = ForkServer(args, run_dir)
         engine = None
         try:
             flags = [
@@ -224,7 +230,8 @@ def main() -> int:
         finally:
             if engine is not None:
                 engine.stop()
-            fork.terminate()
+            fork.proc.terminate()
+            fork.proc.wait(30)
             daemon.terminate()
             daemon.wait(30)
     if args.baseline:
