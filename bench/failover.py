@@ -132,6 +132,8 @@ def trial(sup: Supervisor, clients: Clients, sig: int) -> dict[str, Any]:
         "promoted_ms": (promoted.ts - t0) * 1000,
         "first_request_ms": None if served is None else (served - t0) * 1000,
         "supervisor_promote_ms": promoted.data.get("promote_ms"),
+        "supervisor_promote_cpu_ms": promoted.data.get("promote_cpu_ms"),
+        "supervisor_promote_preempted": promoted.data.get("promote_preempted"),
     }
 
 
@@ -183,6 +185,29 @@ def summary(xs: list[float]) -> dict[str, float | int | None]:
         "p50": round(statistics.median(xs), 2),
         "p99": round(p99, 2),
         "max": round(xs[-1], 2),
+    }
+
+
+def slow_promotions(kills: list[dict[str, Any]], over_ms: float = 1.0) -> dict[str, Any]:
+    """The kill trials whose supervisor promote time was over `over_ms`: how much of it
+    the supervisor spent on a CPU, and whether the kernel took the CPU from it meanwhile
+    (a descheduled promotion, not slow code)."""
+    slow = [
+        r
+        for r in kills
+        if r.get("supervisor_promote_ms") is not None and r["supervisor_promote_ms"] > over_ms
+    ]
+    return {
+        "over_ms": over_ms,
+        "count": len(slow),
+        "preempted": sum(1 for r in slow if (r.get("supervisor_promote_preempted") or 0) > 0),
+        "trials": [
+            {
+                k: r.get("supervisor_" + k)
+                for k in ("promote_ms", "promote_cpu_ms", "promote_preempted")
+            }
+            for r in slow
+        ],
     }
 
 
@@ -279,6 +304,8 @@ def report(
         "kill_to_promoted_ms": summary(col("kill", "promoted_ms")),
         "kill_to_first_request_ms": summary(col("kill", "first_request_ms")),
         "kill_supervisor_promote_ms": summary(col("kill", "supervisor_promote_ms")),
+        "kill_supervisor_promote_cpu_ms": summary(col("kill", "supervisor_promote_cpu_ms")),
+        "kill_supervisor_promote_slow": slow_promotions(results["kill"]),
         "hang_to_promoted_ms": summary(col("hang", "promoted_ms")),
         "hang_to_first_request_ms": summary(col("hang", "first_request_ms")),
         "daemon_kill_to_serving_ms": summary(col("daemon", "serving_ms")),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import time
 from typing import Any
 
@@ -33,6 +34,24 @@ from supervisor.wiring import Commands, Daemons, Launcher
 
 log = structlog.get_logger("supervisor")
 S = EngineState
+
+
+class CpuMark:
+    """This thread's CPU time and involuntary context switches at one moment."""
+
+    __slots__ = ("cpu", "switches")
+
+    def __init__(self, cpu: float, switches: int) -> None:
+        self.cpu, self.switches = cpu, switches
+
+    @classmethod
+    def now(cls) -> CpuMark:
+        return cls(time.thread_time(), resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw)
+
+    def since(self) -> tuple[float, int]:
+        """(CPU ms, involuntary context switches) since this mark."""
+        later = CpuMark.now()
+        return round((later.cpu - self.cpu) * 1000, 3), later.switches - self.switches
 
 
 class Cluster:
@@ -208,13 +227,14 @@ class Cluster:
     ) -> None:
         """`e` is fenced (its group killed): promote if it was primary, then -> dead (its
         restart due after its backoff) or quarantined (restarted too often)."""
+        cpu = CpuMark.now()
         inc.handled = True
         e.in_flight = e.queued = 0
         if self.primary is e:
             self.primary = None
             self.view.set(None)
             silent_ms = round((t_detect - e.last_beat) * 1000, 1) if e.last_beat else None
-            self._promote_best(t_detect, cause=cause, old=e.name, silent_ms=silent_ms)
+            self._promote_best(t_detect, cause=cause, old=e.name, silent_ms=silent_ms, cpu=cpu)
             if self.primary is None and self.exit_watch is not None:
                 self.exit_watch.clear()  # none promoted (a promotion watches its own)
         tail = inc.tail()
@@ -257,11 +277,17 @@ class Cluster:
         return decisions.best_standby(self.engines.values(), time.monotonic(), self.windows.hang_s)
 
     def _promote_best(
-        self, t_detect: float, *, cause: str, old: str | None, silent_ms: float | None
+        self,
+        t_detect: float,
+        *,
+        cause: str,
+        old: str | None,
+        silent_ms: float | None,
+        cpu: CpuMark | None = None,
     ) -> None:
         s = self.best_standby()
         if s is not None:
-            self.promote(s, t_detect, cause=cause, old=old, silent_ms=silent_ms)
+            self.promote(s, t_detect, cause=cause, old=old, silent_ms=silent_ms, cpu=cpu)
 
     def promote(
         self,
@@ -271,16 +297,22 @@ class Cluster:
         cause: str,
         old: str | None,
         silent_ms: float | None = None,
+        cpu: CpuMark | None = None,
     ) -> None:
         """standby -> primary: route to `s` and tell it; `silent_ms`: how long the old
         primary had been silent when its loss was detected, `promote_ms`: detection to
-        routed and told."""
+        routed and told; with `cpu` (taken as the loss was handled), how much of that the
+        supervisor spent on a CPU (`promote_cpu_ms`) and how often the kernel took the CPU
+        from it meanwhile (`promote_preempted`): what tells a slow promotion from a
+        descheduled one."""
         ENGINE.lookup(s.state, "promoted")  # raises before anything is done for `s`
         self.epoch += 1
         s.role = "primary"
         self.primary = s
         told = self.hub.send(s.name, Promote(epoch=self.epoch))
         self.view.set(Target(s.name, s.port, self.epoch), await_ack=told)
+        promote_ms = round((time.monotonic() - t_detect) * 1000, 3)
+        cpu_ms, preempted = cpu.since() if cpu is not None else (None, None)
         self._move(
             s,
             "promoted",
@@ -288,7 +320,9 @@ class Cluster:
             cause=cause,
             told=told,
             silent_ms=silent_ms,
-            promote_ms=round((time.monotonic() - t_detect) * 1000, 3),
+            promote_ms=promote_ms,
+            promote_cpu_ms=cpu_ms,
+            promote_preempted=preempted,
         )
         if self.exit_watch is not None and s.inc is not None:  # once routed and told
             self.exit_watch.watch(s.name, [p.pid for p in s.inc.procs])
