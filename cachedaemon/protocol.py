@@ -8,6 +8,7 @@ This module imports neither torch nor anything that needs a GPU.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
@@ -302,3 +303,30 @@ def call(
             raise ProtocolError(f"{path} closed the connection without a reply") from exc
     finally:
         sock.close()
+
+
+async def call_async(path: str, msg: _Msg, *, timeout: float = 10.0) -> _Msg:
+    """`call` for a request and a reply that carry no fds, on the running event loop: no
+    thread (a thread that holds the GIL when the kernel takes its CPU stalls the loop for
+    that long). DaemonUnavailable if nobody answers; ProtocolError on a bad or late reply."""
+    from cachedaemon.errors import DaemonUnavailable
+
+    try:
+        async with asyncio.timeout(timeout):
+            try:
+                reader, writer = await asyncio.open_unix_connection(path)
+            except (FileNotFoundError, ConnectionRefusedError) as exc:
+                raise DaemonUnavailable(f"nothing answers on {path} ({exc.strerror})") from exc
+            try:
+                writer.write(encode(msg))
+                head = await reader.readexactly(_HEADER.size)
+                (length,) = _HEADER.unpack(head)
+                if length > MAX_FRAME:
+                    raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME}-byte cap")
+                return decode(await reader.readexactly(length))
+            except asyncio.IncompleteReadError as exc:
+                raise ProtocolError(f"{path} closed the connection without a reply") from exc
+            finally:
+                writer.close()
+    except TimeoutError as exc:
+        raise ProtocolError(f"{path} did not answer within {timeout:.2f} s") from exc

@@ -215,7 +215,7 @@ class DaemonPool:
             await asyncio.sleep(period)
             t0 = time.monotonic()
             try:
-                await asyncio.to_thread(protocol.call, sock, protocol.Ping(), timeout=deadline)
+                await protocol.call_async(sock, protocol.Ping(), timeout=deadline)
                 silent_since = None
                 continue
             except (CacheError, OSError):

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import struct
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from cachedaemon import protocol
-from cachedaemon.errors import ProtocolError
+from cachedaemon.errors import DaemonUnavailable, ProtocolError
 
 _open: list[socket.socket] = []
 
@@ -106,3 +108,53 @@ def test_fds_sent_to_a_receiver_expecting_none_do_not_leak_into_the_frame() -> N
     finally:
         os.close(r)
         os.close(w)
+
+
+# call_async: the supervisor's ping, on the event loop
+
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+def answering(reply: bytes | None) -> Handler:
+    """A connection handler that reads one frame and writes `reply` (None: nothing)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            (length,) = protocol._HEADER.unpack(await reader.readexactly(protocol._HEADER.size))
+            protocol.decode(await reader.readexactly(length))
+            if reply is None:
+                await reader.read()  # until the client gives up and closes
+                return
+            writer.write(reply)
+            await writer.drain()
+        finally:
+            writer.close()
+
+    return handle
+
+
+def test_call_async_round_trip_and_its_errors(tmp_path: Path) -> None:
+    pong = protocol.Pong(1234, "fp")
+
+    async def ask(reply: bytes | None, timeout: float = 10.0) -> protocol._Msg:
+        path = tmp_path / "d.sock"
+        path.unlink(missing_ok=True)
+        server = await asyncio.start_unix_server(answering(reply), str(path))
+        try:
+            return await protocol.call_async(str(path), protocol.Ping(), timeout=timeout)
+        finally:
+            server.close()
+
+    async def main() -> None:
+        assert await ask(protocol.encode(pong)) == pong
+        with pytest.raises(ProtocolError, match="without a reply"):
+            await ask(protocol.encode(pong)[:6])  # cut off mid-body
+        with pytest.raises(ProtocolError, match="exceeds"):
+            await ask(protocol._HEADER.pack(protocol.MAX_FRAME + 1))
+        with pytest.raises(ProtocolError, match="did not answer within 0.20 s"):
+            await ask(None, timeout=0.2)
+        with pytest.raises(DaemonUnavailable, match="nothing answers"):
+            await protocol.call_async(str(tmp_path / "none.sock"), protocol.Ping(), timeout=1)
+
+    asyncio.run(main())
