@@ -91,12 +91,16 @@ class Clients:
             t.join(30)
 
 
-def policy(base: Path, standby: int) -> Path:
+def policy(base: Path, standby: int, exit_poll_ms: int | None = None) -> Path:
     p = {
         "model": {"preset": "tiny", "dtype": "float32"},
         "cache": {"runtime_dir": str(base / "run")},
         "engines": {"command": ECHO, "standby": standby, "stop_grace_s": 1.0},
-        "heartbeat": {"interval_ms": HEARTBEAT_MS, "miss_limit": MISS_LIMIT},
+        "heartbeat": {
+            "interval_ms": HEARTBEAT_MS,
+            "miss_limit": MISS_LIMIT,
+            **({} if exit_poll_ms is None else {"exit_poll_ms": exit_poll_ms}),
+        },
         "restart": {
             "initial_s": 0.05,
             "max_s": 0.1,
@@ -241,10 +245,17 @@ def main() -> int:
     ap.add_argument("--daemon-kills", type=int, default=10)
     ap.add_argument("--standby", type=int, default=1)
     ap.add_argument("--clients", type=int, default=2)
+    ap.add_argument(
+        "--exit-poll-ms",
+        type=int,
+        default=None,
+        help="the policy's heartbeat.exit_poll_ms (default: the schema's; 0: a primary's "
+        "loss is seen at its exit, not as it begins to exit)",
+    )
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "failover.json"))
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="hf-bench-"))
-    sup = Supervisor(policy(base, args.standby))
+    sup = Supervisor(policy(base, args.standby, args.exit_poll_ms))
     results: dict[str, list[dict[str, Any]]] = {"kill": [], "hang": [], "daemon": []}
     load = {"start": loadavg(), "max_1min": 0.0}
     try:
@@ -298,6 +309,7 @@ def report(
             "standby": args.standby,
             "heartbeat_ms": HEARTBEAT_MS,
             "miss_limit": MISS_LIMIT,
+            "exit_poll_ms": args.exit_poll_ms,
             "clients": args.clients,
         },
         "counts": {k: len(v) for k, v in results.items()},
