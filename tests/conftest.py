@@ -8,8 +8,12 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.fleet_etcd import Etcd
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -30,6 +34,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in gpu:
         item.add_marker(skip)
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[Etcd]:
+    """One real etcd member on free loopback ports, killed after the test."""
+    from tests.fleet_etcd import Etcd
+
+    server = Etcd(tmp_path)
+    try:
+        yield server
+    finally:
+        server.kill()
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -23,15 +23,6 @@ from supervisor.fleet.spec import ClusterSpec, parse_cluster
 from tests.fleet_etcd import Etcd, free_port
 
 DEADLINE = 60.0  # generous: two shared cores; what is checked is order, not speed
-
-
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[Etcd]:
-    server = Etcd(tmp_path)
-    try:
-        yield server
-    finally:
-        server.kill()
 
 
 def spec(endpoint: str, node: str, *, cluster: str = "c", priority: int = 0) -> ClusterSpec:

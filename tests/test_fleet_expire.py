@@ -8,19 +8,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
-from pathlib import Path
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from supervisor.fleet.decide import LeaseReading, Role, early_revoke, unrenewed
 from supervisor.fleet.election import GUARD_S, Elector
-from supervisor.fleet.etcd import EtcdClient
-from supervisor.fleet.spec import ClusterSpec
 from tests.fleet_etcd import Etcd
+from tests.test_fleet_election import elector, spec
 
 DEADLINE = 60.0  # generous: two shared cores; what is checked is order, not speed
 HOLD = 1.5  # ttl_s 2: the leader serves 1.5 s after it sent its last renewal
@@ -171,25 +166,6 @@ class Relay:
                 dst.close()
 
 
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[Etcd]:
-    server = Etcd(tmp_path)
-    try:
-        yield server
-    finally:
-        server.kill()
-
-
-@asynccontextmanager
-async def elector(endpoint: str, node: str, **kw: object) -> AsyncIterator[Elector]:
-    s = ClusterSpec("c", [endpoint], node, 2, 0)
-    async with (
-        EtcdClient(s.etcd, timeout_s=s.renew_s) as client,
-        Elector(client, s, "fp-1", **kw) as e,  # type: ignore[arg-type]
-    ):
-        yield e
-
-
 def test_a_cut_off_leader_is_replaced_at_its_own_deadline(etcd: Etcd) -> None:
     """The leader's etcd traffic stops: it steps down at its hold, the follower revokes
     its lease from the TTL readings and wins; at no change do two nodes lead."""
@@ -203,11 +179,11 @@ def test_a_cut_off_leader_is_replaced_at_its_own_deadline(etcd: Etcd) -> None:
 
         async with (
             Relay(etcd.endpoint) as relay,
-            elector(relay.endpoint, "n1", on_change=seen) as a,
+            elector(spec(relay.endpoint, "n1"), on_change=seen) as a,
         ):
             group.append(a)
             await a.wait_for(Elector.is_leader, DEADLINE)
-            async with elector(etcd.endpoint, "n2", on_change=seen) as b:
+            async with elector(spec(etcd.endpoint, "n2"), on_change=seen) as b:
                 group.append(b)
                 await b.wait_for(lambda e: e.view.leader_node == "n1", DEADLINE)
                 lease = a.lease
