@@ -177,6 +177,14 @@ def frame_of(body: bytes) -> bytes:
     return _HEADER.pack(len(body)) + body
 
 
+def frame_length(head: bytes, max_frame: int = MAX_FRAME) -> int:
+    """The body length a frame header announces; ProtocolError past `max_frame`."""
+    (length,) = _HEADER.unpack(head)
+    if length > max_frame:
+        raise ProtocolError(f"frame of {length} bytes exceeds the {max_frame}-byte cap")
+    return int(length)
+
+
 def _recv_exact(sock: socket.socket, n: int, what: str) -> bytes:
     buf = bytearray()
     while len(buf) < n:
@@ -222,10 +230,7 @@ def recv_frame(
         if not first:
             raise EOFError("peer closed the connection")
         head = first + _recv_exact(sock, _HEADER.size - 1, "frame header")
-        (length,) = _HEADER.unpack(head)
-        if length > max_frame:
-            raise ProtocolError(f"frame of {length} bytes exceeds the {max_frame}-byte cap")
-        return _recv_exact(sock, length, "frame body"), fds
+        return _recv_exact(sock, frame_length(head, max_frame), "frame body"), fds
     except BaseException:
         close_fds(fds)
         raise
@@ -306,9 +311,9 @@ def call(
 
 
 async def call_async(path: str, msg: _Msg, *, timeout: float = 10.0) -> _Msg:
-    """`call` for a request and a reply that carry no fds, on the running event loop: no
-    thread (a thread that holds the GIL when the kernel takes its CPU stalls the loop for
-    that long). DaemonUnavailable if nobody answers; ProtocolError on a bad or late reply."""
+    """`call` for a request and a reply that carry no fds, on the running event loop
+    instead of a worker thread (the supervisor's ping of a serving daemon, every heartbeat
+    interval). DaemonUnavailable if nobody answers; ProtocolError on a bad or late reply."""
     from cachedaemon.errors import DaemonUnavailable
 
     try:
@@ -319,10 +324,7 @@ async def call_async(path: str, msg: _Msg, *, timeout: float = 10.0) -> _Msg:
                 raise DaemonUnavailable(f"nothing answers on {path} ({exc.strerror})") from exc
             try:
                 writer.write(encode(msg))
-                head = await reader.readexactly(_HEADER.size)
-                (length,) = _HEADER.unpack(head)
-                if length > MAX_FRAME:
-                    raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME}-byte cap")
+                length = frame_length(await reader.readexactly(_HEADER.size))
                 return decode(await reader.readexactly(length))
             except asyncio.IncompleteReadError as exc:
                 raise ProtocolError(f"{path} closed the connection without a reply") from exc

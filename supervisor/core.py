@@ -301,10 +301,10 @@ class Cluster:
     ) -> None:
         """standby -> primary: route to `s` and tell it; `silent_ms`: how long the old
         primary had been silent when its loss was detected, `promote_ms`: detection to
-        routed and told; with `cpu` (taken as the loss was handled), how much of that the
-        supervisor spent on a CPU (`promote_cpu_ms`) and how often the kernel took the CPU
-        from it meanwhile (`promote_preempted`): what tells a slow promotion from a
-        descheduled one."""
+        routed and told; with `cpu` (taken as `down` began: after a fence's kill, which
+        `promote_ms` includes), how much of that the supervisor spent on a CPU
+        (`promote_cpu_ms`) and how often the kernel took the CPU from it meanwhile
+        (`promote_preempted`): what tells a slow promotion from a descheduled one."""
         ENGINE.lookup(s.state, "promoted")  # raises before anything is done for `s`
         self.epoch += 1
         s.role = "primary"
