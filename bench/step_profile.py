@@ -2,13 +2,20 @@
 whole decode step through the runner (inputs, graph replay, reading the tokens), the graph
 replay alone and the eager forward alone (CUDA events), and one mixed prefill step.
 
+On the CPU (float32, no graphs): per batch size, the prefill step, the decode step's wall
+time, and the share of a decode step spent in each of the busiest operators (torch's
+profiler), which is what sets how much a batch costs over one request.
+
     PYTHONPATH=. python bench/step_profile.py --model-dir /tmp/models/llama-8b --device cuda:0
+    PYTHONPATH=. python bench/step_profile.py --model-dir /tmp/models/small --device cpu --sizes 1,8
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import statistics
 import sys
 import time
@@ -40,14 +47,94 @@ def cuda_ms(fn, reps: int = 20) -> float:  # type: ignore[no-untyped-def]
     return statistics.median(times)
 
 
+def cpu_name() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+
+
+def seqs_of(size: int, first_block: int) -> list[Seq]:
+    """`size` requests of 64 prompt tokens, 17 cache blocks each from `first_block` on."""
+    out = []
+    for i in range(size):
+        s = Seq(tuple((i * 7 + j) % 1000 + 3 for j in range(64)), 200, ignore_eos=True)
+        s.blocks = list(range(first_block + 17 * i, first_block + 17 * (i + 1)))
+        out.append(s)
+    return out
+
+
+def run(runner: Runner, plan: Plan, seqs: list[Seq]) -> float:
+    """One step; its tokens appended to the requests; its wall time in ms."""
+    t = time.perf_counter()
+    steps = runner.step(plan)
+    ms = (time.perf_counter() - t) * 1e3
+    for s, st in zip(seqs, steps, strict=True):
+        s.out.append(st)
+    return ms
+
+
+def cpu_profile(args: argparse.Namespace) -> list[dict[str, object]]:
+    device = torch.device("cpu")
+    a = read_model_args(args.model_dir)
+    model = LlamaForCausalLM(a, TPGroup(), torch.float32, device="cpu")
+    assign(model, load_state_dict(args.model_dir, dtype="float32", device="cpu"))
+    sizes = [int(s) for s in args.sizes.split(",")]
+    cache = KVCache(
+        a.num_hidden_layers,
+        a.num_key_value_heads,
+        a.head_dim,
+        args.kv_cache_mb,
+        torch.float32,
+        device,
+    )
+    if cache.blocks < 17 * sum(sizes):
+        raise SystemExit(f"--kv-cache-mb {args.kv_cache_mb} holds {cache.blocks} blocks; raise it")
+    runner = Runner(model, device, cache, max_batch=max(sizes), max_len=2048, cuda_graphs=False)
+    runner.warmup()
+    rows: list[dict[str, object]] = []
+    first = 0
+    for size in sizes:
+        seqs = seqs_of(size, first)
+        first += 17 * size
+        prefill_ms = run(runner, Plan(prefill=tuple(seqs)), seqs)
+        walls = [run(runner, Plan(decode=tuple(seqs)), seqs) for _ in range(10)]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                run(runner, Plan(decode=tuple(seqs)), seqs)
+        ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        total = sum(e.self_cpu_time_total for e in ops) or 1.0
+        row: dict[str, object] = {
+            "batch": size,
+            "prefill_step_ms": round(prefill_ms, 1),
+            "decode_step_wall_ms": round(statistics.median(walls), 1),
+            "decode_step_wall_ms_all": [round(w, 1) for w in walls],
+            "decode_share": {e.key: round(e.self_cpu_time_total / total, 3) for e in ops[:6]},
+        }
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model-dir", required=True)
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--sizes", default="1,8,32,128")
     p.add_argument("--out", type=Path)
+    p.add_argument("--kv-cache-mb", type=int, default=512, help="CPU only")
     args = p.parse_args()
     device = torch.device(args.device)
+    if device.type == "cpu":
+        rows = cpu_profile(args)
+        if args.out:
+            result = {
+                "command": " ".join(sys.argv),
+                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                "machine": f"{cpu_name()}, {os.cpu_count()} cores",
+                "threads": torch.get_num_threads(),
+                "rows": rows,
+            }
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+        return 0
     a = read_model_args(args.model_dir)
     model = LlamaForCausalLM(a, TPGroup(), torch.bfloat16, device=args.device)
     t0 = time.perf_counter()
