@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 import sys
 import time
@@ -26,6 +25,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.engine_startup import machine  # noqa: E402
 from cachedaemon.client import assign  # noqa: E402
 from cachedaemon.loader import load_state_dict  # noqa: E402
 from engine.kvcache import KVCache  # noqa: E402
@@ -47,17 +47,14 @@ def cuda_ms(fn, reps: int = 20) -> float:  # type: ignore[no-untyped-def]
     return statistics.median(times)
 
 
-def cpu_name() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-
-
-def seqs_of(size: int, first_block: int) -> list[Seq]:
-    """`size` requests of 64 prompt tokens, 17 cache blocks each from `first_block` on."""
+def seqs_of(size: int, first_block: int, wrap: int) -> list[Seq]:
+    """`size` requests of 64 prompt tokens, 17 cache blocks each, the first from
+    `first_block` on, each next one after it (block numbers modulo `wrap`)."""
     out = []
     for i in range(size):
         s = Seq(tuple((i * 7 + j) % 1000 + 3 for j in range(64)), 200, ignore_eos=True)
-        s.blocks = list(range(first_block + 17 * i, first_block + 17 * (i + 1)))
+        start = (first_block + 17 * i) % wrap
+        s.blocks = list(range(start, start + 17))
         out.append(s)
     return out
 
@@ -86,15 +83,16 @@ def cpu_profile(args: argparse.Namespace) -> list[dict[str, object]]:
         torch.float32,
         device,
     )
-    if cache.blocks < 17 * sum(sizes):
+    wrap = cache.blocks - 17
+    if wrap < 17 * max(sizes):
         raise SystemExit(f"--kv-cache-mb {args.kv_cache_mb} holds {cache.blocks} blocks; raise it")
     runner = Runner(model, device, cache, max_batch=max(sizes), max_len=2048, cuda_graphs=False)
     runner.warmup()
     rows: list[dict[str, object]] = []
     first = 0
     for size in sizes:
-        seqs = seqs_of(size, first)
-        first += 17 * size
+        seqs = seqs_of(size, first, wrap)
+        first = (first + 17 * size) % wrap
         prefill_ms = run(runner, Plan(prefill=tuple(seqs)), seqs)
         walls = [run(runner, Plan(decode=tuple(seqs)), seqs) for _ in range(10)]
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -129,7 +127,7 @@ def main() -> int:
             result = {
                 "command": " ".join(sys.argv),
                 "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                "machine": f"{cpu_name()}, {os.cpu_count()} cores",
+                "machine": machine(args.device),
                 "threads": torch.get_num_threads(),
                 "rows": rows,
             }
@@ -148,29 +146,13 @@ def main() -> int:
     while runner.capture_next():
         pass
     rows = []
-    next_block = 0
+    next_block, wrap = 0, cache.blocks - 17
     for size in [int(s) for s in args.sizes.split(",")]:
-        seqs = []
-        for i in range(size):
-            s = Seq(tuple((i * 7 + j) % 1000 + 3 for j in range(64)), 200, ignore_eos=True)
-            s.blocks = list(range(next_block, next_block + 17))
-            next_block = (next_block + 17) % (cache.blocks - 17)
-            seqs.append(s)
-        plan = Plan(prefill=tuple(seqs))
+        seqs = seqs_of(size, next_block, wrap)
+        next_block = (next_block + 17 * size) % wrap
         torch.cuda.synchronize()
-        t = time.perf_counter()
-        steps = runner.step(plan)
-        prefill_ms = (time.perf_counter() - t) * 1e3
-        for s, st in zip(seqs, steps, strict=True):
-            s.out.append(st)
-        walls = []
-        for _ in range(30):
-            plan = Plan(decode=tuple(seqs))
-            t = time.perf_counter()
-            steps = runner.step(plan)
-            walls.append((time.perf_counter() - t) * 1e3)
-            for s, st in zip(seqs, steps, strict=True):
-                s.out.append(st)
+        prefill_ms = run(runner, Plan(prefill=tuple(seqs)), seqs)
+        walls = [run(runner, Plan(decode=tuple(seqs)), seqs) for _ in range(30)]
         ids, batch = runner._inputs(Plan(decode=tuple(seqs)))
         graphs = runner.graphs
         assert graphs is not None
