@@ -210,6 +210,76 @@ def test_leader_is_not_leader_past_its_hold_on_its_own_clock(etcd: Etcd) -> None
     asyncio.run(main())
 
 
+def test_a_lapsed_leader_resumes_its_term_on_its_own_key(etcd: Etcd) -> None:
+    """A leader whose renewals came too late (its clock jumps past its hold, as when
+    etcd's raft leader changes and renewals stall) steps down; once a renewal comes
+    through its key is still there, so it leads again in the same term, and the follower
+    never campaigns: no new term, and never two leaders."""
+    skew = [0.0]
+
+    def clock() -> float:
+        return time.monotonic() + skew[0]
+
+    async def main() -> None:
+        both: list[Elector] = []
+        overlaps: list[list[str]] = []
+        events: list[str] = []
+
+        def seen(e: Elector, event: str) -> None:
+            events.append(f"{e.spec.node}:{event}")
+            if len(leaders(both)) > 1:
+                overlaps.append(leaders(both))
+
+        async with elector(spec(etcd.endpoint, "n1"), clock=clock, on_change=seen) as a:
+            both.append(a)
+            await a.wait_for(Elector.is_leader, DEADLINE)
+            term = a.epoch
+            async with elector(spec(etcd.endpoint, "n2"), on_change=seen) as b:
+                both.append(b)
+                await b.wait_for(lambda e: e.view.leader_node == "n1", DEADLINE)
+                key = b.view.leader
+                assert key is not None
+                skew[0] = 2.0 * a.spec.ttl_s
+                assert not a.is_leader()
+                await a.wait_for(lambda e: e.stepdowns != [], DEADLINE)
+                assert a.stepdowns[0][1] == "renewal_stale"
+                await a.wait_for(Elector.is_leader, DEADLINE)
+                assert a.epoch == term and "n1:resumed" in events, events
+                # the put that resumed moved the key: a follower's delete conditional on
+                # the version it read before cannot free it any more
+                assert not await b.etcd.delete_if_unchanged(a.spec.leader_key, key.mod_revision)
+                start = b.renewals  # and the follower stays one through a whole TTL
+                await b.wait_for(lambda e: e.renewals >= start + 4, DEADLINE)
+                assert a.is_leader() and a.epoch == term and b.cluster_epoch == term
+                assert b.role is Role.FOLLOWER and b.term is None
+        assert overlaps == []
+        assert [r for _, r, _ in a.stepdowns] == ["renewal_stale", "stop"]
+
+    asyncio.run(main())
+
+
+def test_conditional_put_and_delete_follow_the_keys_version(etcd: Etcd) -> None:
+    async def main() -> None:
+        async with EtcdClient([etcd.endpoint]) as raw:
+            lease, _ = await raw.grant(5)
+            await raw.put("/t/k", b"a", lease=lease)
+            first = await raw.get("/t/k")
+            assert first is not None
+            done, kv = await raw.put_if_unchanged("/t/k", b"a", first.mod_revision, lease=lease)
+            assert done and kv is not None and kv.mod_revision > first.mod_revision
+            assert kv.create_revision == first.create_revision and kv.lease == lease
+            assert not await raw.delete_if_unchanged("/t/k", first.mod_revision)
+            assert await raw.get("/t/k") == kv
+            assert await raw.delete_if_unchanged("/t/k", kv.mod_revision)
+            assert await raw.put_if_unchanged("/t/k", b"b", kv.mod_revision) == (False, None)
+            await raw.put("/t/n", b"x", lease=lease)
+            assert not await raw.delete_if_leased("/t/n", lease + 1)
+            assert await raw.delete_if_leased("/t/n", lease)
+            assert await raw.get("/t/n") is None
+
+    asyncio.run(main())
+
+
 def test_rejoining_node_of_equal_priority_stays_follower(etcd: Etcd) -> None:
     async def main() -> None:
         async with elector(spec(etcd.endpoint, "n1")) as a:

@@ -323,6 +323,8 @@ def test_a_leader_that_loses_its_term_cuts_the_request_under_way(
         down = sup.wait(fleet_event("stepped-down"), timeout=DEADLINE, after=mark)
         assert down.data["reason"] == "renewal_stale"
         assert get(f"{sup.api}/primary")[0] == 503
+        # frozen past the lease's TTL: the session is given up, so the term cannot resume
+        sup.wait(fleet_event("lease-lost"), timeout=DEADLINE, after=mark)
         frozen.cont()
         again = sup.wait(fleet_event("became-leader"), timeout=DEADLINE, after=mark)
         assert again.epoch > won.epoch

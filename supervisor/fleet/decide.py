@@ -29,6 +29,7 @@ MOVES: dict[tuple[Role, str], Role] = {
     (Role.STARTING, "refused"): Role.FAILED,
     (Role.STARTING, "stop"): Role.STOPPED,
     (Role.FOLLOWER, "won"): Role.LEADER,
+    (Role.FOLLOWER, "resumed"): Role.LEADER,  # a lapsed term whose key outlived it
     (Role.FOLLOWER, "session_lost"): Role.STARTING,
     (Role.FOLLOWER, "stop"): Role.STOPPED,
     (Role.LEADER, "stepped_down"): Role.FOLLOWER,
@@ -151,15 +152,17 @@ def unrenewed(first: LeaseReading, later: LeaseReading) -> bool:
 def early_revoke(
     first: LeaseReading | None, now: LeaseReading, hold_s: float, guard_s: float
 ) -> tuple[LeaseReading | None, bool]:
-    """Whether a follower may revoke the leader's lease now, before etcd expires it:
-    (the reading to keep for the next call, revoke now).
+    """Whether a follower may free the leader's key now, before etcd expires its lease:
+    (the reading to keep for the next call, free now).
 
     It may once a reading `first` bounds when the holder stopped serving
     (`first.bound(hold_s)`, the holder's own hold_s), a later reading sent after that
     bound (plus `guard_s` for clock rates) shows no renewal since `first`, and the holder
     takes no renewal answered after its deadline as one (Elector._renew). A renewal etcd
-    processes after `now` is answered after the bound: the holder has stopped by then and
-    stays stopped. `hold_s <= 0` (not published): never."""
+    processes after `now` is answered after the bound: the holder has stopped by then, and
+    leads again only by moving its key (Elector._resume), which the follower's delete,
+    conditional on the key's version read before `now`, then fails on. `hold_s <= 0`
+    (not published): never."""
     if now.ttl < 0 or hold_s <= 0:
         return None, False
     if first is None or first.lease != now.lease or not unrenewed(first, now):

@@ -41,7 +41,7 @@ from supervisor.fleet.errors import (
     JoinRefused,
     LeaseLost,
 )
-from supervisor.fleet.etcd import EtcdClient
+from supervisor.fleet.etcd import EtcdClient, KeyValue
 from supervisor.fleet.registry import View, check_fingerprint, register
 from supervisor.fleet.spec import ClusterSpec
 
@@ -90,9 +90,12 @@ class Elector:
         # in time, or an etcd leader change kept them alive): still this node's, and
         # revoked when a join finds its name registered on one
         self._given_up: set[int] = set()
-        # leader leases this node revoked once etcd's TTL readings proved their holder had
-        # stopped serving: (clock, lease, the bound the first reading gave)
-        self.revoked: list[tuple[float, int, float]] = []
+        # leader keys this node deleted once etcd's TTL readings proved their holder had
+        # stopped serving: (clock, the holder's lease, the bound the first reading gave)
+        self.freed: list[tuple[float, int, float]] = []
+        # this node's last term, while it lapsed for want of a fresh renewal (its key may
+        # outlive it: an etcd leader change stalls renewals but keeps leases): see _resume
+        self._lapsed: Term | None = None
         self.renewals = 0  # successful lease renewals: a clock for watching nothing happen
         self._renewed_at = 0.0
         self._ttl = float(spec.ttl_s)
@@ -206,6 +209,7 @@ class Elector:
     def _step_down(self, reason: str) -> None:
         deadline = self._renewed_at + self._ttl
         self.stepdowns.append((self.clock(), reason, deadline))
+        self._lapsed = self.term if reason in ("renewal_stale", "renewal_late") else None
         self._set(move(self.role, "stepped_down"), "stepped_down." + reason)
 
     @property
@@ -306,13 +310,16 @@ class Elector:
                 await self.etcd.keepalive(self.lease, timeout=timeout)
                 if self.role == Role.LEADER and self.term and not self.term.holds(self.clock()):
                     # answered past the term's deadline: the term is over whatever etcd
-                    # says, as early_revoke assumes (a follower may revoke this lease now)
+                    # says, as early_revoke assumes (a follower may free the key now); it
+                    # leads again only through _resume
                     self._step_down("renewal_late")
                     self._wake.set()
                 self._renewed_at = sent
                 if self.term is not None and self.role == Role.LEADER:
                     self.term = msgspec.structs.replace(self.term, renewed_at=sent)
                 self.renewals += 1
+                if self._lapsed is not None:
+                    self._wake.set()  # a lapsed term may resume now
                 self._notify()
             except LeaseLost:
                 raise
@@ -325,10 +332,11 @@ class Elector:
             await asyncio.sleep(max(0.0, sent + self.spec.renew_s - self.clock()))
 
     async def _expire_leader(self) -> None:
-        """A follower reads the leader's lease TTL every `lease_poll_s` and revokes the
-        lease once the readings prove its holder has stopped serving (decide.early_revoke):
-        the key is free at the holder's own deadline instead of at etcd's expiry, which
-        comes up to margin_s plus etcd's expiry check (500 ms) later."""
+        """A follower reads the leader's lease TTL every `lease_poll_s` and deletes the
+        leader key once the readings prove its holder has stopped serving
+        (decide.early_revoke), with a compare on the key's version read before the reading
+        (`_free_leader`): the key is free at the holder's own deadline instead of at etcd's
+        expiry, which comes up to margin_s plus etcd's expiry check (500 ms) later."""
         first: LeaseReading | None = None
         while self._live:
             leader, view = self.view.leader, self.view
@@ -356,26 +364,37 @@ class Elector:
             reading = LeaseReading(leader.lease, sent, self.clock(), ttl, granted)
             kept, due = early_revoke(first, reading, hold_s, GUARD_S)
             if due and first is not None:
-                await self._revoke_leader(leader.lease, first.bound(hold_s), view.leader_node)
+                await self._free_leader(leader, first.bound(hold_s), view.leader_node)
             first = kept
             wake = sent + self.spec.lease_poll_s
             if first is not None:  # the read that may confirm: at the bound, not later
                 wake = min(wake, first.bound(hold_s) + GUARD_S)
             await asyncio.sleep(max(0.0, wake - self.clock()))
 
-    async def _revoke_leader(self, lease: int, bound: float, holder: str | None) -> None:
+    async def _free_leader(self, key: KeyValue, bound: float, holder: str | None) -> None:
+        """Delete the leader key if it is still the version read before the TTL reading
+        that proved its holder stopped (a holder that resumed since has moved it: see
+        `_resume`), then the holder's registration if it is on the same lease."""
         try:
-            await self.etcd.revoke(lease, timeout=self.spec.renew_s)
+            if not await self.etcd.delete_if_unchanged(
+                self.spec.leader_key, key.mod_revision, timeout=self.spec.renew_s
+            ):
+                log.info("fleet.leader_key_moved", node=self.spec.node, holder=holder)
+                return
+            if holder is not None:
+                await self.etcd.delete_if_leased(
+                    self.spec.node_key(holder), key.lease, timeout=self.spec.renew_s
+                )
         except EtcdError as exc:
             _lost_cancel()
-            log.info("fleet.revoke_failed", node=self.spec.node, lease=f"{lease:x}", error=str(exc))
+            log.info("fleet.free_failed", node=self.spec.node, holder=holder, error=str(exc))
             return
-        self.revoked.append((self.clock(), lease, bound))
+        self.freed.append((self.clock(), key.lease, bound))
         log.info(
-            "fleet.revoked_stopped_leader",
+            "fleet.freed_stopped_leader",
             node=self.spec.node,
             holder=holder,
-            lease=f"{lease:x}",
+            lease=f"{key.lease:x}",
             after_bound_ms=round((self.clock() - bound) * 1000, 1),
         )
 
@@ -427,7 +446,8 @@ class Elector:
         if leader != self._reported_leader:
             self._reported_leader = leader
             self._report("leader")
-        if me != self._published:
+        if me != self._published or (view.revision and me.node not in view.nodes):
+            # changed, or deleted by a follower that took this node for stopped
             await self.etcd.put(
                 self.spec.node_key(me.node), msgspec.json.encode(me), lease=self.lease
             )
@@ -445,8 +465,11 @@ class Elector:
         if self.role == Role.LEADER and self.term is not None:
             await self._lead(now, me)
         elif view.leader is not None and view.leader.lease == self.lease:
-            # a term this node gave up (stale renewal) while the key outlived it: clear it
-            await self.etcd.delete_if_created(self.spec.leader_key, view.leader.create_revision)
+            # a term this node gave up while the key outlived it: lead on, or clear it
+            if not await self._resume(view.leader, now, me):
+                await self.etcd.delete_if_created(
+                    self.spec.leader_key, view.leader.create_revision
+                )
         elif (
             view.leader is None
             and self._renewed_at + self._hold_s > now  # a stale lease may expire mid-term
@@ -469,12 +492,40 @@ class Elector:
             self._step_down("yield_to_" + target)
             await self.etcd.delete_if_created(self.spec.leader_key, self.term.epoch)
 
+    async def _resume(self, key: KeyValue, now: float, me: NodeInfo) -> bool:
+        """Lead again in the term that lapsed, on its own key, after a renewal came
+        through: etcd's raft leader changing stalls renewals past the hold but keeps the
+        lease, so the key outlives the term and no other node could have won. The put
+        moves the key's mod revision, and a follower frees a stopped leader's key only if
+        it is unchanged since before the TTL reading that proved the stop
+        (`_expire_leader`): so either that delete lands first and this put fails, or
+        this put lands first and the delete fails. Until a renewal comes through the key
+        is left as it is (it expires with the lease if none does). False: not
+        resumable, the key is to be cleared."""
+        lapsed = self._lapsed
+        renewed = self._renewed_at
+        if lapsed is None or key.create_revision != lapsed.epoch or not me.healthy:
+            return False
+        if renewed + self._hold_s <= now:
+            return True  # no fresh renewal yet
+        done, kv = await self.etcd.put_if_unchanged(
+            self.spec.leader_key, self.spec.node.encode(), key.mod_revision, lease=self.lease
+        )
+        if not done or kv is None:
+            return True  # changed under it: the watch brings the key as it now is
+        self._lapsed = None
+        self.term = Term(lapsed.epoch, renewed, self._hold_s)
+        self.view.leader = kv
+        self._set(move(self.role, "resumed"), "resumed")
+        return True
+
     async def _campaign(self) -> None:
         sent = self.clock()
         created, kv = await self.etcd.put_if_absent(
             self.spec.leader_key, self.spec.node.encode(), lease=self.lease
         )
         if created and kv.lease == self.lease:
+            self._lapsed = None
             self.term = Term(kv.create_revision, min(self._renewed_at, sent), self._hold_s)
             self.view.leader = kv
             self._set(move(self.role, "won"), "won")

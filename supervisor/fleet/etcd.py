@@ -251,6 +251,57 @@ class EtcdClient:
         reply = await self._call("/v3/kv/txn", body, _Txn, self._t(timeout))
         return reply.succeeded
 
+    async def put_if_unchanged(
+        self,
+        key: str,
+        value: bytes,
+        mod_revision: int,
+        *,
+        lease: int = 0,
+        timeout: float | None = None,
+    ) -> tuple[bool, KeyValue | None]:
+        """Put `key` only if it is still the version written at `mod_revision` (a put
+        keeps its create revision and moves its mod revision): (put, the key as it now
+        is, None if absent)."""
+        k = b64(key)
+        body = {
+            "compare": [{"key": k, "target": "MOD", "mod_revision": str(mod_revision)}],
+            "success": [
+                {"request_put": {"key": k, "value": b64(value), "lease": str(lease)}},
+                {"request_range": {"key": k}},
+            ],
+            "failure": [{"request_range": {"key": k}}],
+        }
+        reply = await self._call("/v3/kv/txn", body, _Txn, self._t(timeout))
+        kvs = [
+            kv for part in reply.responses if part.response_range for kv in part.response_range.kvs
+        ]
+        return reply.succeeded, (kvs[-1] if kvs else None)
+
+    async def delete_if_unchanged(
+        self, key: str, mod_revision: int, *, timeout: float | None = None
+    ) -> bool:
+        """Delete `key` only if it is still the version written at `mod_revision`."""
+        k = b64(key)
+        body = {
+            "compare": [{"key": k, "target": "MOD", "mod_revision": str(mod_revision)}],
+            "success": [{"request_delete_range": {"key": k}}],
+        }
+        reply = await self._call("/v3/kv/txn", body, _Txn, self._t(timeout))
+        return reply.succeeded
+
+    async def delete_if_leased(
+        self, key: str, lease: int, *, timeout: float | None = None
+    ) -> bool:
+        """Delete `key` only if it is attached to `lease`."""
+        k = b64(key)
+        body = {
+            "compare": [{"key": k, "target": "LEASE", "lease": str(lease)}],
+            "success": [{"request_delete_range": {"key": k}}],
+        }
+        reply = await self._call("/v3/kv/txn", body, _Txn, self._t(timeout))
+        return reply.succeeded
+
     async def delete(self, key: str, *, timeout: float | None = None) -> None:
         await self._call("/v3/kv/deleterange", {"key": b64(key)}, _Header, self._t(timeout))
 

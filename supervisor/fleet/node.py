@@ -229,6 +229,8 @@ class Node:
         data: dict[str, Any] = {"role": e.role.value, "leader": e.view.leader_node}
         if event == "won":
             self.bus.emit("fleet", node, "became-leader", e.epoch, **data)
+        elif event == "resumed":
+            self.bus.emit("fleet", node, "resumed-leader", e.epoch, **data)
         elif stepped:
             reason = event.partition(".")[2]
             self.bus.emit("fleet", node, "stepped-down", e.epoch, reason=reason, **data)
