@@ -8,12 +8,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import time
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from supervisor.fleet.decide import LeaseReading, Role, early_revoke, unrenewed
 from supervisor.fleet.election import GUARD_S, Elector
+from supervisor.fleet.spec import ClusterSpec
 from tests.fleet_etcd import Etcd
 from tests.test_fleet_election import elector, spec
 
@@ -202,5 +204,37 @@ def test_a_cut_off_leader_is_replaced_at_its_own_deadline(etcd: Etcd) -> None:
                 assert b.is_leader() and not a.is_leader()
         assert changes, "no change was reported"
         assert all(len(leading) <= 1 for _, _, leading in changes), changes
+
+    asyncio.run(main())
+
+
+def test_a_lease_that_outlived_its_stalled_renewals_is_taken_up_again(etcd: Etcd) -> None:
+    """No renewal comes through for the lease's TTL on the node's clock while etcd keeps
+    the lease (as through etcd's own raft election): the node gives the session up
+    without revoking the lease, takes the same lease up again once etcd answers, and
+    resumes its term on its key: no new term. (TTL 8 s: etcd's lease outlives the stall
+    by seconds, whatever the machine's load.)"""
+    skew = [0.0]
+
+    def clock() -> float:
+        return time.monotonic() + skew[0]
+
+    async def main() -> None:
+        events: list[str] = []
+        async with Relay(etcd.endpoint) as relay:
+            s = ClusterSpec("c", [relay.endpoint], "n1", 8)
+            async with elector(s, clock=clock, on_change=lambda e, ev: events.append(ev)) as a:
+                await a.wait_for(Elector.is_leader, DEADLINE)
+                term, lease = a.epoch, a.lease
+                relay.open.clear()  # etcd answers nothing ...
+                skew[0] = 2.0 * s.ttl_s  # ... for longer than the TTL, on the node's clock
+                await a.wait_for(lambda e: e.failures != [], DEADLINE)
+                assert "expired unrenewed" in a.failures[0][1]
+                assert not a.is_leader()
+                relay.open.set()
+                await a.wait_for(Elector.is_leader, DEADLINE)
+                assert a.lease == lease and a.epoch == term
+                assert events.count("won") == 1 and "resumed" in events, events
+                assert [r for _, r, _ in a.stepdowns] == ["renewal_stale"]
 
     asyncio.run(main())

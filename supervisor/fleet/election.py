@@ -40,6 +40,7 @@ from supervisor.fleet.errors import (
     FleetError,
     JoinRefused,
     LeaseLost,
+    LeaseStale,
 )
 from supervisor.fleet.etcd import EtcdClient, KeyValue
 from supervisor.fleet.registry import View, check_fingerprint, register
@@ -96,6 +97,7 @@ class Elector:
         # this node's last term, while it lapsed for want of a fresh renewal (its key may
         # outlive it: an etcd leader change stalls renewals but keeps leases): see _resume
         self._lapsed: Term | None = None
+        self._stale_lease = 0  # a lease given up unrenewed that etcd may have kept alive
         self.renewals = 0  # successful lease renewals: a clock for watching nothing happen
         self._renewed_at = 0.0
         self._ttl = float(spec.ttl_s)
@@ -128,9 +130,9 @@ class Elector:
             self._step_down("stop")
         if self.role != Role.FAILED:
             self._set(move(self.role, "stop"), "stop")
-        if self.lease:
+        for lease in sorted({self.lease, self._stale_lease} - {0}):
             try:  # frees the leader key and the node name at once
-                await self.etcd.revoke(self.lease, timeout=self.spec.renew_s)
+                await self.etcd.revoke(lease, timeout=self.spec.renew_s)
             except EtcdError as exc:
                 log.warning("lease not revoked", node=self.spec.node, error=str(exc))
         if isinstance(crash, Exception):
@@ -254,21 +256,46 @@ class Elector:
                     "fleet.etcd_failed", node=self.spec.node, error=str(exc), retry_in_s=delay
                 )
                 self._notify()
-                await self._drop_lease()
+                await self._drop_lease(keep=isinstance(exc, LeaseStale))
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.max_backoff_s)
 
-    async def _drop_lease(self) -> None:
+    async def _drop_lease(self, keep: bool = False) -> None:
+        """Leave the session's lease: revoked, or with `keep` (its renewals stalled while
+        etcd did not answer) left as it is, for the next session to take up if etcd kept
+        it alive (see `_open_lease`)."""
         if self.lease:
             lease, self.lease = self.lease, 0
             self._given_up.add(lease)  # until revoked: its keys are this node's own
+            if keep:
+                self._stale_lease = lease
+                return
             with contextlib.suppress(EtcdError):  # else it expires by itself within ttl_s
                 await self.etcd.revoke(lease, timeout=self.spec.renew_s)
                 self._given_up.discard(lease)
 
+    async def _open_lease(self) -> tuple[int, int]:
+        """The session's lease: the one whose renewals stalled, if a renewal of it comes
+        through now (etcd elected a new raft leader, which keeps leases alive: the keys
+        on it, a lapsed term's leader key among them, are still this node's), else a new
+        one. (id, TTL)."""
+        stale = self._stale_lease
+        if stale:
+            try:
+                ttl = await self.etcd.keepalive(stale)
+            except LeaseLost:  # expired: its keys went with it
+                self._stale_lease = 0
+                self._given_up.discard(stale)
+            else:
+                self._stale_lease = 0
+                self._given_up.discard(stale)
+                log.info("fleet.lease_kept", node=self.spec.node, lease=f"{stale:x}")
+                return stale, ttl
+        return await self.etcd.grant(self.spec.ttl_s)
+
     async def _session(self) -> None:
         sent = self.clock()
-        self.lease, granted = await self.etcd.grant(self.spec.ttl_s)
+        self.lease, granted = await self._open_lease()
         self._renewed_at, self._ttl = sent, float(min(granted, self.spec.ttl_s))
         await self._join()
         self._set(move(self.role, "joined"), "joined")
@@ -327,7 +354,7 @@ class Elector:
                 _lost_cancel()
                 self._reconnect.set()  # the watch may hang on an endpoint that is cut off
                 if self.clock() >= self._renewed_at + self._ttl:
-                    raise LeaseLost(f"lease {self.lease:x} expired unrenewed: {exc}") from exc
+                    raise LeaseStale(f"lease {self.lease:x} expired unrenewed: {exc}") from exc
                 continue  # no sleep: the request itself waited
             await asyncio.sleep(max(0.0, sent + self.spec.renew_s - self.clock()))
 
@@ -381,10 +408,6 @@ class Elector:
             ):
                 log.info("fleet.leader_key_moved", node=self.spec.node, holder=holder)
                 return
-            if holder is not None:
-                await self.etcd.delete_if_leased(
-                    self.spec.node_key(holder), key.lease, timeout=self.spec.renew_s
-                )
         except EtcdError as exc:
             _lost_cancel()
             log.info("fleet.free_failed", node=self.spec.node, holder=holder, error=str(exc))
@@ -397,6 +420,14 @@ class Elector:
             lease=f"{key.lease:x}",
             after_bound_ms=round((self.clock() - bound) * 1000, 1),
         )
+        if holder is not None:
+            try:  # a holder that is alive puts it back (Elector._decide_once)
+                await self.etcd.delete_if_leased(
+                    self.spec.node_key(holder), key.lease, timeout=self.spec.renew_s
+                )
+            except EtcdError as exc:
+                _lost_cancel()
+                log.info("fleet.free_failed", node=self.spec.node, holder=holder, error=str(exc))
 
     async def _watch(self) -> None:
         """Follow the cluster's keys; start over when the stream breaks or a renewal
@@ -467,9 +498,7 @@ class Elector:
         elif view.leader is not None and view.leader.lease == self.lease:
             # a term this node gave up while the key outlived it: lead on, or clear it
             if not await self._resume(view.leader, now, me):
-                await self.etcd.delete_if_created(
-                    self.spec.leader_key, view.leader.create_revision
-                )
+                await self.etcd.delete_if_created(self.spec.leader_key, view.leader.create_revision)
         elif (
             view.leader is None
             and self._renewed_at + self._hold_s > now  # a stale lease may expire mid-term

@@ -35,3 +35,8 @@ class EtcdUnavailable(EtcdError):
 
 class LeaseLost(EtcdError):
     """The lease expired or was revoked: keys attached to it are gone."""
+
+
+class LeaseStale(LeaseLost):
+    """No renewal of the lease came through for its TTL, while etcd did not answer: it may
+    have expired, or etcd (electing a new raft leader) may have kept it alive."""

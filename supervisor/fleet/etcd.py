@@ -290,9 +290,7 @@ class EtcdClient:
         reply = await self._call("/v3/kv/txn", body, _Txn, self._t(timeout))
         return reply.succeeded
 
-    async def delete_if_leased(
-        self, key: str, lease: int, *, timeout: float | None = None
-    ) -> bool:
+    async def delete_if_leased(self, key: str, lease: int, *, timeout: float | None = None) -> bool:
         """Delete `key` only if it is attached to `lease`."""
         k = b64(key)
         body = {

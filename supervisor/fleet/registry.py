@@ -44,7 +44,8 @@ async def register(
     deadline: float,
     given_up: set[int] | None = None,
 ) -> None:
-    """Create nodes/<node> on `lease`. Held by a lease of this node's own that it gave up
+    """Create nodes/<node> on `lease`. Held by `lease` itself (a session that took up its
+    stalled lease again): put it afresh. Held by a lease of this node's own that it gave up
     (`given_up`): revoke that and try again at once. Held by another lease: wait until
     `deadline` for it to expire (a crashed predecessor's does), then DuplicateNode naming
     the holder."""
@@ -53,6 +54,9 @@ async def register(
     while True:
         created, kv = await etcd.put_if_absent(key, msgspec.json.encode(me), lease=lease)
         if created:
+            return
+        if kv.lease == lease:  # a session that took up its stalled lease again
+            await etcd.put(key, msgspec.json.encode(me), lease=lease)
             return
         if kv.lease in mine:
             await etcd.revoke(kv.lease)  # the keys on it go with it, this name included
