@@ -232,11 +232,12 @@ class Cluster:
         e.in_flight = e.queued = 0
         if self.primary is e:
             self.primary = None
-            self.view.set(None)
             silent_ms = round((t_detect - e.last_beat) * 1000, 1) if e.last_beat else None
             self._promote_best(t_detect, cause=cause, old=e.name, silent_ms=silent_ms, cpu=cpu)
-            if self.primary is None and self.exit_watch is not None:
-                self.exit_watch.clear()  # none promoted (a promotion watches its own)
+            if self.primary is None:  # none promoted: nothing to route to
+                self.view.set(None)  # (a promotion routes to its own at once)
+                if self.exit_watch is not None:
+                    self.exit_watch.clear()  # (and a promotion watches its own)
         tail = inc.tail()
         if counted and e.book.record():
             self._move(

@@ -69,11 +69,17 @@ class Table(Generic[S]):
         }
         if len(self._by_key) != len(self.rows):
             raise IllegalTransition(f"the {kind} table lists a (from, event, to) twice")
+        # (from, event) -> its rows: a lookup on a promotion's path is one dict read
+        by_event: dict[tuple[S, str], list[Row[S]]] = {}
+        for row in self.rows:
+            by_event.setdefault((row.src, row.event), []).append(row)
+        self._by_event: dict[tuple[S, str], tuple[Row[S], ...]] = {
+            key: tuple(found) for key, found in by_event.items()
+        }
 
     def lookup(self, src: S, event: str, dst: S | None = None) -> Row[S]:
-        fits: list[Row[S]] = [
-            r for r in self.rows if r.src == src and r.event == event and dst in (None, r.dst)
-        ]
+        rows = self._by_event.get((src, event), ())
+        fits = rows if dst is None else tuple(r for r in rows if r.dst == dst)
         if len(fits) != 1:
             to = f" to {dst}" if dst is not None else ""
             why = "no row" if not fits else f"{len(fits)} rows (name the target state)"
