@@ -223,7 +223,7 @@ class Node:
     def _changed(self, e: Elector, event: str) -> None:
         node = self.spec.node
         stepped = event.startswith("stepped_down")
-        if event == "won":
+        if event in ("won", "resumed"):
             self._take_term(e)
         self.view.changed(stepped_down=stepped or event == "stop")
         data: dict[str, Any] = {"role": e.role.value, "leader": e.view.leader_node}
@@ -251,8 +251,10 @@ class Node:
         self._state(e)
 
     def _take_term(self, e: Elector) -> None:
-        """A new term: the local epoch jumps to at least the term's floor and the primary
-        is told, so the engine's epoch grows across leaderships."""
+        """A new term, or a lapsed one resumed: the local epoch jumps to at least the
+        term's floor (one past the last, on a resume) and the primary is told, so the
+        engine's epoch grows across leaderships, and a request cut when the term lapsed is
+        retried on the primary of the raised epoch."""
         c = self.cluster
         c.epoch = max(c.epoch + 1, term_floor(e.epoch))
         p = c.primary
