@@ -206,13 +206,14 @@ class EtcdClient:
         reply = await self._call("/v3/kv/put", body, _Range, self._t(timeout))
         return reply.header.revision
 
-    async def put_if_absent(
-        self, key: str, value: bytes, *, lease: int = 0, timeout: float | None = None
-    ) -> tuple[bool, KeyValue]:
-        """Create `key` only if it does not exist: (created, the key as it now is)."""
+    async def _put_if(
+        self, key: str, value: bytes, compare: dict[str, str], lease: int, timeout: float | None
+    ) -> tuple[bool, KeyValue | None]:
+        """Put `key` if `compare` (one etcd txn compare on it) holds: (put, the key as it
+        now is, None if absent)."""
         k = b64(key)
         body = {
-            "compare": [{"key": k, "target": "CREATE", "create_revision": "0"}],
+            "compare": [{"key": k, **compare}],
             "success": [
                 {"request_put": {"key": k, "value": b64(value), "lease": str(lease)}},
                 {"request_range": {"key": k}},
@@ -223,9 +224,42 @@ class EtcdClient:
         kvs = [
             kv for part in reply.responses if part.response_range for kv in part.response_range.kvs
         ]
-        if not kvs:  # deleted again between the put and the range of the same txn: impossible
+        return reply.succeeded, (kvs[-1] if kvs else None)
+
+    async def _delete_if(self, key: str, compare: dict[str, str], timeout: float | None) -> bool:
+        """Delete `key` if `compare` (one etcd txn compare on it) holds."""
+        k = b64(key)
+        body = {
+            "compare": [{"key": k, **compare}],
+            "success": [{"request_delete_range": {"key": k}}],
+        }
+        reply = await self._call("/v3/kv/txn", body, _Txn, self._t(timeout))
+        return reply.succeeded
+
+    async def put_if_absent(
+        self, key: str, value: bytes, *, lease: int = 0, timeout: float | None = None
+    ) -> tuple[bool, KeyValue]:
+        """Create `key` only if it does not exist: (created, the key as it now is)."""
+        absent = {"target": "CREATE", "create_revision": "0"}
+        created, kv = await self._put_if(key, value, absent, lease, timeout)
+        if kv is None:  # deleted again between the put and the range of the same txn: impossible
             raise EtcdError(f"etcd txn on {key} returned no key")
-        return reply.succeeded, kvs[-1]
+        return created, kv
+
+    async def put_if_unchanged(
+        self,
+        key: str,
+        value: bytes,
+        mod_revision: int,
+        *,
+        lease: int = 0,
+        timeout: float | None = None,
+    ) -> tuple[bool, KeyValue | None]:
+        """Put `key` only if it is still the version written at `mod_revision` (a put
+        keeps its create revision and moves its mod revision): (put, the key as it now
+        is, None if absent)."""
+        unchanged = {"target": "MOD", "mod_revision": str(mod_revision)}
+        return await self._put_if(key, value, unchanged, lease, timeout)
 
     async def get(self, key: str, *, timeout: float | None = None) -> KeyValue | None:
         reply = await self._call("/v3/kv/range", {"key": b64(key)}, _Range, self._t(timeout))
@@ -243,62 +277,19 @@ class EtcdClient:
         self, key: str, create_revision: int, *, timeout: float | None = None
     ) -> bool:
         """Delete `key` only if it is still the one created at `create_revision`."""
-        k = b64(key)
-        body = {
-            "compare": [{"key": k, "target": "CREATE", "create_revision": str(create_revision)}],
-            "success": [{"request_delete_range": {"key": k}}],
-        }
-        reply = await self._call("/v3/kv/txn", body, _Txn, self._t(timeout))
-        return reply.succeeded
-
-    async def put_if_unchanged(
-        self,
-        key: str,
-        value: bytes,
-        mod_revision: int,
-        *,
-        lease: int = 0,
-        timeout: float | None = None,
-    ) -> tuple[bool, KeyValue | None]:
-        """Put `key` only if it is still the version written at `mod_revision` (a put
-        keeps its create revision and moves its mod revision): (put, the key as it now
-        is, None if absent)."""
-        k = b64(key)
-        body = {
-            "compare": [{"key": k, "target": "MOD", "mod_revision": str(mod_revision)}],
-            "success": [
-                {"request_put": {"key": k, "value": b64(value), "lease": str(lease)}},
-                {"request_range": {"key": k}},
-            ],
-            "failure": [{"request_range": {"key": k}}],
-        }
-        reply = await self._call("/v3/kv/txn", body, _Txn, self._t(timeout))
-        kvs = [
-            kv for part in reply.responses if part.response_range for kv in part.response_range.kvs
-        ]
-        return reply.succeeded, (kvs[-1] if kvs else None)
+        created = {"target": "CREATE", "create_revision": str(create_revision)}
+        return await self._delete_if(key, created, timeout)
 
     async def delete_if_unchanged(
         self, key: str, mod_revision: int, *, timeout: float | None = None
     ) -> bool:
         """Delete `key` only if it is still the version written at `mod_revision`."""
-        k = b64(key)
-        body = {
-            "compare": [{"key": k, "target": "MOD", "mod_revision": str(mod_revision)}],
-            "success": [{"request_delete_range": {"key": k}}],
-        }
-        reply = await self._call("/v3/kv/txn", body, _Txn, self._t(timeout))
-        return reply.succeeded
+        unchanged = {"target": "MOD", "mod_revision": str(mod_revision)}
+        return await self._delete_if(key, unchanged, timeout)
 
     async def delete_if_leased(self, key: str, lease: int, *, timeout: float | None = None) -> bool:
         """Delete `key` only if it is attached to `lease`."""
-        k = b64(key)
-        body = {
-            "compare": [{"key": k, "target": "LEASE", "lease": str(lease)}],
-            "success": [{"request_delete_range": {"key": k}}],
-        }
-        reply = await self._call("/v3/kv/txn", body, _Txn, self._t(timeout))
-        return reply.succeeded
+        return await self._delete_if(key, {"target": "LEASE", "lease": str(lease)}, timeout)
 
     async def delete(self, key: str, *, timeout: float | None = None) -> None:
         await self._call("/v3/kv/deleterange", {"key": b64(key)}, _Header, self._t(timeout))
