@@ -46,14 +46,12 @@ class CpuMark:
 
     @classmethod
     def now(cls) -> CpuMark:
-        switches = resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
-        return cls(time.thread_time(), switches)  # CPU read last: next to what follows
+        return cls(time.thread_time(), resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw)
 
     def since(self) -> tuple[float, int]:
         """(CPU ms, involuntary context switches) since this mark."""
-        cpu = time.thread_time()  # CPU read first: next to what went before
-        switches = resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
-        return round((cpu - self.cpu) * 1000, 3), switches - self.switches
+        later = CpuMark.now()
+        return round((later.cpu - self.cpu) * 1000, 3), later.switches - self.switches
 
 
 class Cluster:
@@ -203,22 +201,19 @@ class Cluster:
         inc = e.inc if e is not None else None
         if e is None or inc is None or inc.handled or e is not self.primary:
             return
-        cpu = CpuMark.now()  # before the detection's timestamp: see `promote`
         t_detect = time.monotonic()
         rank = next((i for i, p in enumerate(inc.procs) if p.pid == pid), 0)
         if rank != 0:
             for p in inc.procs:
                 p.kill_group()
-        detail = f"rank {rank} is exiting"
-        self.down(e, inc, cause="exit", detail=detail, t_detect=t_detect, cpu=cpu)
+        self.down(e, inc, cause="exit", detail=f"rank {rank} is exiting", t_detect=t_detect)
         if rank == 0:
             for p in inc.procs:
                 p.kill_group()
 
     def on_exit(self, e: Engine, inc: Incarnation, detail: str) -> None:
         """A rank of `e` exited: the group is already killed; handle it now."""
-        cpu = CpuMark.now()  # before the detection's timestamp: see `promote`
-        self.down(e, inc, cause="exit", detail=detail, t_detect=time.monotonic(), cpu=cpu)
+        self.down(e, inc, cause="exit", detail=detail, t_detect=time.monotonic())
 
     def down(
         self,
@@ -229,13 +224,10 @@ class Cluster:
         detail: str,
         t_detect: float,
         counted: bool = True,
-        cpu: CpuMark | None = None,
     ) -> None:
         """`e` is fenced (its group killed): promote if it was primary, then -> dead (its
-        restart due after its backoff) or quarantined (restarted too often). `cpu`: the
-        CPU mark taken at detection (by default, now: after a fence's kill)."""
-        if cpu is None:
-            cpu = CpuMark.now()
+        restart due after its backoff) or quarantined (restarted too often)."""
+        cpu = CpuMark.now()
         inc.handled = True
         e.in_flight = e.queued = 0
         if self.primary is e:
@@ -310,14 +302,10 @@ class Cluster:
     ) -> None:
         """standby -> primary: route to `s` and tell it; `silent_ms`: how long the old
         primary had been silent when its loss was detected, `promote_ms`: detection to
-        routed and told; with `cpu`, how much of that the supervisor spent on a CPU
+        routed and told; with `cpu` (taken as `down` began: after a fence's kill, which
+        `promote_ms` includes), how much of that the supervisor spent on a CPU
         (`promote_cpu_ms`) and how often the kernel took the CPU from it meanwhile
-        (`promote_preempted`): what tells a slow promotion from a descheduled one.
-
-        For an exit the mark is taken just before the detection's timestamp (after a
-        fence, once the kill is confirmed, which `promote_ms` includes) and read again
-        after `promote_ms`: its own system calls, tens of microseconds together when the
-        thread comes back from idle, stay outside the window they explain."""
+        (`promote_preempted`): what tells a slow promotion from a descheduled one."""
         ENGINE.lookup(s.state, "promoted")  # raises before anything is done for `s`
         self.epoch += 1
         s.role = "primary"

@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from dataclasses import dataclass
 
 import aiohttp
-import msgspec
 import structlog
 from aiohttp import web
 
@@ -57,12 +57,12 @@ def error(status: int, message: str, kind: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind}}, status=status)
 
 
-class Target(msgspec.Struct, frozen=True):
+@dataclass(frozen=True)
+class Target:
     """Where requests go: a local engine, or (`remote`) another node's router.
 
     `epoch` orders targets for the retry rule; `node` and `cluster_epoch` are set in a
-    cluster (docs/fleet.md) and sent as X-Holdfast-Node / X-Holdfast-Cluster-Epoch. A
-    struct, not a dataclass: every promotion builds one, at a fifteenth of the cost."""
+    cluster (docs/fleet.md) and sent as X-Holdfast-Node / X-Holdfast-Cluster-Epoch."""
 
     name: str
     port: int

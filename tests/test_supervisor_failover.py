@@ -212,10 +212,8 @@ def test_kill_primary_under_load_loses_no_request(sup: Supervisor) -> None:
         assert promoted.name != old["name"]
         assert promoted.ts - t_kill < 1.0, "standby was not promoted within 1 s"
         assert promoted.data["previous"] == old["name"]
-        # the promotion's own time split: CPU spent in it never exceeds its wall time but
-        # for the edges of the two CPU readings around it (system call entry and exit,
-        # outside `promote_ms` so that they do not count in it: tens of microseconds)
-        assert 0 <= promoted.data["promote_cpu_ms"] <= promoted.data["promote_ms"] + 0.1
+        # the promotion's own time split: CPU spent in it never exceeds its wall time
+        assert 0 <= promoted.data["promote_cpu_ms"] <= promoted.data["promote_ms"] + 0.01
         assert promoted.data["promote_preempted"] >= 0
         sup.wait(topic(f"engine.{old['name']}.ready"), timeout=30, after=mark)
         load.wait_ok(20)

@@ -18,9 +18,9 @@ import contextlib
 import os
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
-import msgspec
 import structlog
 
 from holdfast_contract.agent_protocol import Promote
@@ -69,9 +69,7 @@ class FleetView(PrimaryView):
             return None
         if e.is_leader():
             t = self.target
-            if t is None:
-                return None
-            return msgspec.structs.replace(t, node=self.node, cluster_epoch=e.epoch)
+            return None if t is None else replace(t, node=self.node, cluster_epoch=e.epoch)
         leader = e.view.leader_node
         info = e.view.nodes.get(leader) if leader is not None else None
         if leader is None or leader == self.node or info is None or not info.router:
