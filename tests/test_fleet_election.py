@@ -136,8 +136,10 @@ def test_one_leader_among_three(etcd: Etcd) -> None:
                 # the winner's own watch may bring its key before its campaign's reply
                 # does: it counts once it has moved to leader, the others once they follow
                 await e.wait_for(
-                    lambda e: e.view.leader_node == winner
-                    and (e.is_leader() if e.spec.node == winner else e.role != Role.STARTING),
+                    lambda e: (
+                        e.view.leader_node == winner
+                        and (e.is_leader() if e.spec.node == winner else e.role != Role.STARTING)
+                    ),
                     DEADLINE,
                 )
             assert leaders(group) == [winner]
