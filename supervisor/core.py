@@ -27,6 +27,7 @@ from supervisor.errors import ControlError, StartupError
 from supervisor.events import EventBus, UnitState
 from supervisor.exitwatch import ExitWatch
 from supervisor.policy import Policy
+from supervisor.realtime import RealtimeSection
 from supervisor.router import PrimaryView, Target
 from supervisor.states import ENGINE, EngineState, move
 from supervisor.units import READY_STATES, Engine, Incarnation, engines_of
@@ -84,6 +85,7 @@ class Cluster:
         )
         poll_ms = policy.heartbeat.exit_poll_ms
         self.exit_watch = ExitWatch(poll_ms / 1000.0, self._exiting) if poll_ms else None
+        self.realtime = RealtimeSection(policy.heartbeat.realtime_promotion)
         self.engines: dict[str, Engine] = {e.name: e for e in engines_of(policy)}
 
     # ---- the one way an engine's state changes ----
@@ -203,10 +205,14 @@ class Cluster:
             return
         t_detect = time.monotonic()
         rank = next((i for i, p in enumerate(inc.procs) if p.pid == pid), 0)
-        if rank != 0:
-            for p in inc.procs:
-                p.kill_group()
-        self.down(e, inc, cause="exit", detail=f"rank {rank} is exiting", t_detect=t_detect)
+        self.realtime.enter()  # left once routed and told (`promote`), or below
+        try:
+            if rank != 0:
+                for p in inc.procs:
+                    p.kill_group()
+            self.down(e, inc, cause="exit", detail=f"rank {rank} is exiting", t_detect=t_detect)
+        finally:
+            self.realtime.leave()
         if rank == 0:
             for p in inc.procs:
                 p.kill_group()
@@ -305,7 +311,8 @@ class Cluster:
         routed and told; with `cpu` (taken as `down` began: after a fence's kill, which
         `promote_ms` includes), how much of that the supervisor spent on a CPU
         (`promote_cpu_ms`) and how often the kernel took the CPU from it meanwhile
-        (`promote_preempted`): what tells a slow promotion from a descheduled one."""
+        (`promote_preempted`): what tells a slow promotion from a descheduled one;
+        `promote_realtime`: whether it ran as SCHED_FIFO (`supervisor.realtime`)."""
         ENGINE.lookup(s.state, "promoted")  # raises before anything is done for `s`
         self.epoch += 1
         s.role = "primary"
@@ -313,6 +320,8 @@ class Cluster:
         told = self.hub.send(s.name, Promote(epoch=self.epoch))
         self.view.set(Target(s.name, s.port, self.epoch), await_ack=told)
         promote_ms = round((time.monotonic() - t_detect) * 1000, 3)
+        realtime = self.realtime.held
+        self.realtime.leave()  # (entered where the loss was seen, if it was)
         cpu_ms, preempted = cpu.since() if cpu is not None else (None, None)
         self._move(
             s,
@@ -324,6 +333,7 @@ class Cluster:
             promote_ms=promote_ms,
             promote_cpu_ms=cpu_ms,
             promote_preempted=preempted,
+            promote_realtime=realtime,
         )
         if self.exit_watch is not None and s.inc is not None:  # once routed and told
             self.exit_watch.watch(s.name, [p.pid for p in s.inc.procs])

@@ -42,6 +42,7 @@ from tests.engines.harness import (
     topic,
     write_policy,
 )
+from tests.test_realtime import realtime_allowed
 
 HANG_S = 0.1 * 5
 PREFIX = f"hf-test/{uuid.uuid4().hex[:8]}"
@@ -215,6 +216,12 @@ def test_kill_primary_under_load_loses_no_request(sup: Supervisor) -> None:
         # the promotion's own time split: CPU spent in it never exceeds its wall time
         assert 0 <= promoted.data["promote_cpu_ms"] <= promoted.data["promote_ms"] + 0.01
         assert promoted.data["promote_preempted"] >= 0
+        died = sup.wait(topic(f"engine.{old['name']}.died"), timeout=5, after=mark)
+        if "is exiting" in died.data["detail"]:  # seen by the exit watch: promoted as
+            # SCHED_FIFO where this machine allows it (supervisor.realtime)
+            assert promoted.data["promote_realtime"] is realtime_allowed()
+        else:  # seen at the child's exit
+            assert promoted.data["promote_realtime"] is False
         sup.wait(topic(f"engine.{old['name']}.ready"), timeout=30, after=mark)
         load.wait_ok(20)
     finally:
