@@ -118,10 +118,19 @@ def policy(base: Path, standby: int, exit_poll_ms: int | None = None) -> Path:
     return path
 
 
+def until_standby(sup: Supervisor) -> None:
+    """Until the supervisor names a ready standby (the mark is taken before the look, so a
+    standby that turns ready in between is not missed)."""
+    while True:
+        mark = sup.tap.mark()
+        if get(f"{sup.api}/standby")[0] == 200:
+            return
+        sup.wait(lambda e: e.event == "ready", timeout=60, after=mark)
+
+
 def ready_standby(sup: Supervisor, after: int, name: str) -> None:
     sup.wait(lambda e: e.topic == f"engine.{name}.ready", timeout=60, after=after)
-    while get(f"{sup.api}/standby")[0] != 200:
-        sup.wait(lambda e: e.event == "ready", timeout=60, after=sup.tap.mark())
+    until_standby(sup)
 
 
 def trial(sup: Supervisor, clients: Clients, sig: int) -> dict[str, Any]:
@@ -260,8 +269,7 @@ def main() -> int:
     load = {"start": loadavg(), "max_1min": 0.0}
     try:
         sup.wait(lambda e: e.event == "promoted", timeout=180)
-        while get(f"{sup.api}/standby")[0] != 200:
-            sup.wait(lambda e: e.event == "ready", timeout=60, after=sup.tap.mark())
+        until_standby(sup)
         clients = Clients(sup.router, args.clients)
         time.sleep(1.0)  # warm the router's and clients' connections
         for kind, n, sig in (
