@@ -203,7 +203,6 @@ class Cluster:
         inc = e.inc if e is not None else None
         if e is None or inc is None or inc.handled or e is not self.primary:
             return
-        cpu = CpuMark.now()  # (the measuring's own system calls stay out of promote_ms)
         t_detect = time.monotonic()
         rank = next((i for i, p in enumerate(inc.procs) if p.pid == pid), 0)
         self.realtime.enter()  # left once routed and told (`promote`), or below
@@ -211,8 +210,7 @@ class Cluster:
             if rank != 0:
                 for p in inc.procs:
                     p.kill_group()
-            detail = f"rank {rank} is exiting"
-            self.down(e, inc, cause="exit", detail=detail, t_detect=t_detect, cpu=cpu)
+            self.down(e, inc, cause="exit", detail=f"rank {rank} is exiting", t_detect=t_detect)
         finally:
             self.realtime.leave()
         if rank == 0:
@@ -232,12 +230,10 @@ class Cluster:
         detail: str,
         t_detect: float,
         counted: bool = True,
-        cpu: CpuMark | None = None,
     ) -> None:
         """`e` is fenced (its group killed): promote if it was primary, then -> dead (its
-        restart due after its backoff) or quarantined (restarted too often). `cpu`: the
-        CPU mark a promotion's figures start from, if taken before `t_detect`."""
-        cpu = cpu or CpuMark.now()
+        restart due after its backoff) or quarantined (restarted too often)."""
+        cpu = CpuMark.now()
         inc.handled = True
         e.in_flight = e.queued = 0
         if self.primary is e:
@@ -312,12 +308,11 @@ class Cluster:
     ) -> None:
         """standby -> primary: route to `s` and tell it; `silent_ms`: how long the old
         primary had been silent when its loss was detected, `promote_ms`: detection to
-        routed and told; with `cpu` (taken as the exit watch saw the exit, or as `down`
-        began: after a fence's kill, which `promote_ms` includes), how much of that the
-        supervisor spent on a CPU (`promote_cpu_ms`) and how often the kernel took the CPU
-        from it meanwhile (`promote_preempted`): what tells a slow promotion from a
-        descheduled one; `promote_realtime`: whether it ran as SCHED_FIFO
-        (`supervisor.realtime`)."""
+        routed and told; with `cpu` (taken as `down` began: after a fence's kill, which
+        `promote_ms` includes), how much of that the supervisor spent on a CPU
+        (`promote_cpu_ms`) and how often the kernel took the CPU from it meanwhile
+        (`promote_preempted`): what tells a slow promotion from a descheduled one;
+        `promote_realtime`: whether it ran as SCHED_FIFO (`supervisor.realtime`)."""
         ENGINE.lookup(s.state, "promoted")  # raises before anything is done for `s`
         self.epoch += 1
         s.role = "primary"
