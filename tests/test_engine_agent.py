@@ -7,6 +7,7 @@ import os
 import queue
 import threading
 import time
+import urllib.error
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -145,9 +146,15 @@ def test_standby_promote_heartbeats_and_sigterm(supervised: tuple[EngineProcess,
     router.wait_for(lambda m: isinstance(m, Heartbeat) and m.in_flight == 1, since=seen)
     engine.proc.terminate()
     router.wait_for(lambda m: isinstance(m, StateChange) and m.state == "draining")
-    status, _, refused = post(engine.url, {"prompt_token_ids": [1], "max_tokens": 1})
+    try:
+        status, _, refused = post(engine.url, {"prompt_token_ids": [1], "max_tokens": 1})
+        assert status == 503 and "draining" in refused["error"]["message"]
+    except urllib.error.URLError as e:
+        # On a loaded machine the request in flight may have ended (and the engine closed
+        # its socket) before this one was sent: then there is no drain left to refuse in,
+        # and what is checked is that the one in flight still completed, below.
+        assert isinstance(e.reason, ConnectionRefusedError), e
     worker.join(60)
-    assert status == 503 and "draining" in refused["error"]["message"]
     assert result and result[0][0] == 200
     assert len(result[0][1]["choices"][0]["token_ids"]) == 500
     assert engine.wait_exit(30) == 0
