@@ -146,7 +146,6 @@ def trial(sup: Supervisor, clients: Clients, sig: int) -> dict[str, Any]:
         "first_request_ms": None if served is None else (served - t0) * 1000,
         "supervisor_promote_ms": promoted.data.get("promote_ms"),
         "supervisor_promote_cpu_ms": promoted.data.get("promote_cpu_ms"),
-        "supervisor_promote_preempted": promoted.data.get("promote_preempted"),
     }
 
 
@@ -203,8 +202,8 @@ def summary(xs: list[float]) -> dict[str, float | int | None]:
 
 def slow_promotions(kills: list[dict[str, Any]], over_ms: float = 1.0) -> dict[str, Any]:
     """The kill trials whose supervisor promote time was over `over_ms`: how much of it
-    the supervisor spent on a CPU, and whether the kernel took the CPU from it meanwhile
-    (a descheduled promotion, not slow code)."""
+    the supervisor spent on a CPU, and how many spent under half of it there (descheduled
+    or blocked, not slow code)."""
     slow = [
         r
         for r in kills
@@ -213,13 +212,14 @@ def slow_promotions(kills: list[dict[str, Any]], over_ms: float = 1.0) -> dict[s
     return {
         "over_ms": over_ms,
         "count": len(slow),
-        "preempted": sum(1 for r in slow if (r.get("supervisor_promote_preempted") or 0) > 0),
-        "trials": [
-            {
-                k: r.get("supervisor_" + k)
-                for k in ("promote_ms", "promote_cpu_ms", "promote_preempted")
-            }
+        "off_cpu": sum(
+            1
             for r in slow
+            if r.get("supervisor_promote_cpu_ms") is not None
+            and r["supervisor_promote_cpu_ms"] < r["supervisor_promote_ms"] / 2
+        ),
+        "trials": [
+            {k: r.get("supervisor_" + k) for k in ("promote_ms", "promote_cpu_ms")} for r in slow
         ],
     }
 

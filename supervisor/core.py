@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import resource
 import time
 from typing import Any
 
@@ -38,21 +37,21 @@ S = EngineState
 
 
 class CpuMark:
-    """This thread's CPU time and involuntary context switches at one moment."""
+    """This thread's CPU time at one moment (one system call: a mark taken inside a
+    promotion is paid for by the promotion)."""
 
-    __slots__ = ("cpu", "switches")
+    __slots__ = ("cpu",)
 
-    def __init__(self, cpu: float, switches: int) -> None:
-        self.cpu, self.switches = cpu, switches
+    def __init__(self, cpu: float) -> None:
+        self.cpu = cpu
 
     @classmethod
     def now(cls) -> CpuMark:
-        return cls(time.thread_time(), resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw)
+        return cls(time.thread_time())
 
-    def since(self) -> tuple[float, int]:
-        """(CPU ms, involuntary context switches) since this mark."""
-        later = CpuMark.now()
-        return round((later.cpu - self.cpu) * 1000, 3), later.switches - self.switches
+    def since(self) -> float:
+        """CPU ms since this mark."""
+        return round((time.thread_time() - self.cpu) * 1000, 3)
 
 
 class Cluster:
@@ -310,9 +309,9 @@ class Cluster:
         primary had been silent when its loss was detected, `promote_ms`: detection to
         routed and told; with `cpu` (taken as `down` began: after a fence's kill, which
         `promote_ms` includes), how much of that the supervisor spent on a CPU
-        (`promote_cpu_ms`) and how often the kernel took the CPU from it meanwhile
-        (`promote_preempted`): what tells a slow promotion from a descheduled one;
-        `promote_realtime`: whether it ran as SCHED_FIFO (`supervisor.realtime`)."""
+        (`promote_cpu_ms`; the rest it waited, descheduled or blocked): what tells a slow
+        promotion from a descheduled one; `promote_realtime`: whether it ran as
+        SCHED_FIFO (`supervisor.realtime`)."""
         ENGINE.lookup(s.state, "promoted")  # raises before anything is done for `s`
         self.epoch += 1
         s.role = "primary"
@@ -322,7 +321,7 @@ class Cluster:
         promote_ms = round((time.monotonic() - t_detect) * 1000, 3)
         realtime = self.realtime.held
         self.realtime.leave()  # (entered where the loss was seen, if it was)
-        cpu_ms, preempted = cpu.since() if cpu is not None else (None, None)
+        cpu_ms = cpu.since() if cpu is not None else None
         self._move(
             s,
             "promoted",
@@ -332,7 +331,6 @@ class Cluster:
             silent_ms=silent_ms,
             promote_ms=promote_ms,
             promote_cpu_ms=cpu_ms,
-            promote_preempted=preempted,
             promote_realtime=realtime,
         )
         if self.exit_watch is not None and s.inc is not None:  # once routed and told

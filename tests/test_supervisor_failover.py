@@ -215,7 +215,6 @@ def test_kill_primary_under_load_loses_no_request(sup: Supervisor) -> None:
         assert promoted.data["previous"] == old["name"]
         # the promotion's own time split: CPU spent in it never exceeds its wall time
         assert 0 <= promoted.data["promote_cpu_ms"] <= promoted.data["promote_ms"] + 0.01
-        assert promoted.data["promote_preempted"] >= 0
         died = sup.wait(topic(f"engine.{old['name']}.died"), timeout=5, after=mark)
         if "is exiting" in died.data["detail"]:  # seen by the exit watch: promoted as
             # SCHED_FIFO where this machine allows it (supervisor.realtime)
