@@ -42,7 +42,7 @@ from tests.engines.harness import (
     topic,
     write_policy,
 )
-from tests.test_realtime import realtime_allowed
+from tests.realtime_probe import realtime_allowed
 
 HANG_S = 0.1 * 5
 PREFIX = f"hf-test/{uuid.uuid4().hex[:8]}"
