@@ -83,8 +83,10 @@ class Cluster:
             policy.engines.load, policy.heartbeat.interval_ms / 1000.0, policy.devices.memory_mb
         )
         poll_ms = policy.heartbeat.exit_poll_ms
-        self.exit_watch = ExitWatch(poll_ms / 1000.0, self._exiting) if poll_ms else None
         self.realtime = RealtimeSection(policy.heartbeat.realtime_promotion)
+        self.exit_watch = (
+            ExitWatch(poll_ms / 1000.0, self._exiting, self.realtime) if poll_ms else None
+        )
         self.engines: dict[str, Engine] = {e.name: e for e in engines_of(policy)}
 
     # ---- the one way an engine's state changes ----
@@ -204,7 +206,8 @@ class Cluster:
             return
         t_detect = time.monotonic()
         rank = next((i for i, p in enumerate(inc.procs) if p.pid == pid), 0)
-        self.realtime.enter()  # left once routed and told (`promote`), or below
+        self.realtime.enter()  # (held already: the exit watch looks inside it) left once
+        # routed and told (`promote`), or below
         try:
             if rank != 0:
                 for p in inc.procs:
@@ -318,10 +321,10 @@ class Cluster:
         self.primary = s
         told = self.hub.send(s.name, Promote(epoch=self.epoch))
         self.view.set(Target(s.name, s.port, self.epoch), await_ack=told)
+        cpu_ms = cpu.since() if cpu is not None else None  # (inside the wall-clock window)
         promote_ms = round((time.monotonic() - t_detect) * 1000, 3)
         realtime = self.realtime.held
         self.realtime.leave()  # (entered where the loss was seen, if it was)
-        cpu_ms = cpu.since() if cpu is not None else None
         self._move(
             s,
             "promoted",

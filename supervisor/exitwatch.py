@@ -21,6 +21,8 @@ import os
 import signal
 from collections.abc import Callable
 
+from supervisor.realtime import RealtimeSection
+
 PF_EXITING = 0x4  # include/linux/sched.h: getting shut down
 SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
 
@@ -84,13 +86,25 @@ def is_exiting(pid: int) -> bool:
 
 class ExitWatch:
     """Polls the stat of one group of processes every `interval_s`; `on_exiting(key, pid)`
-    is called once, for the first that is exiting, then the group is dropped."""
+    is called once, for the first that is exiting, then the group is dropped.
 
-    def __init__(self, interval_s: float, on_exiting: Callable[[str, int], None]) -> None:
+    With `realtime`, each look runs inside that real-time section, and so does
+    `on_exiting` until it leaves the section itself (a promotion does, once routed and
+    told): the switch to SCHED_FIFO is made before the look, not in the response to what
+    it saw. The section is left at once after a look that saw nothing, and after
+    `on_exiting` returns."""
+
+    def __init__(
+        self,
+        interval_s: float,
+        on_exiting: Callable[[str, int], None],
+        realtime: RealtimeSection | None = None,
+    ) -> None:
         if interval_s <= 0:
             raise ValueError("interval_s must be positive")
         self.interval_s = interval_s
         self._on_exiting = on_exiting
+        self._realtime = realtime
         self._key = ""
         self._looks: list[Look] = []
         self._task: asyncio.Task[None] | None = None
@@ -113,13 +127,20 @@ class ExitWatch:
         return next((look.pid for look in self._looks if look.done()), None)
 
     async def _run(self) -> None:
+        rt = self._realtime
         while self._looks:
-            pid = self.poll()
-            if pid is not None:
-                key = self._key
-                self.clear()
-                self._on_exiting(key, pid)  # may watch() the next group: the loop goes on
-                continue
+            if rt is not None:
+                rt.enter()
+            try:
+                pid = self.poll()
+                if pid is not None:
+                    key = self._key
+                    self.clear()
+                    self._on_exiting(key, pid)  # may watch() the next group: the loop goes on
+                    continue
+            finally:
+                if rt is not None:
+                    rt.leave()
             await asyncio.sleep(self.interval_s)
 
     async def close(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import resource
 import subprocess
@@ -13,21 +14,12 @@ from typing import Any
 import pytest
 import structlog
 
+from supervisor.exitwatch import ExitWatch
 from supervisor.realtime import RealtimeSection
 from tests.as_user import as_user
+from tests.realtime_probe import realtime_allowed
 
 NOBODY = 65534
-
-
-def realtime_allowed() -> bool:
-    """Whether this process may switch a thread to SCHED_FIFO (root, CAP_SYS_NICE or an
-    RLIMIT_RTPRIO of 1 or more)."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
-    except PermissionError:
-        return False
-    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-    return True
 
 
 def on_a_thread(work: Callable[[], Any]) -> Any:
@@ -118,3 +110,40 @@ def test_without_the_right_it_says_so_once_at_start_and_promotes_as_before() -> 
     assert (enabled, policy) == (False, os.SCHED_OTHER)
     assert len(events) == 1 and "SCHED_FIFO needs root, CAP_SYS_NICE" in events[0]
     assert "heartbeat.realtime_promotion: false" in events[0]
+
+
+@needs_rt
+def test_the_exit_watch_looks_inside_the_section_and_leaves_it_between_looks() -> None:
+    """Each look runs as SCHED_FIFO, so the switch is made before an exit is seen, not in
+    the response to it; the callback starts inside; between looks the thread is normal
+    again, and after a callback that did not leave the section itself."""
+    policies: dict[str, int] = {}
+
+    async def watch() -> None:
+        rt = RealtimeSection(True)
+        seen = asyncio.Event()
+
+        def on_exiting(key: str, pid: int) -> None:
+            policies["callback"] = os.sched_getscheduler(0)
+            seen.set()
+
+        watcher = ExitWatch(0.002, on_exiting, rt)
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            watcher.watch("primary", [child.pid])
+            for _ in range(5):  # looks that see nothing: normal between them
+                await asyncio.sleep(0.002)
+                policies.setdefault("between", os.sched_getscheduler(0))
+                assert os.sched_getscheduler(0) == os.SCHED_OTHER
+            child.kill()
+            await asyncio.wait_for(seen.wait(), 10)
+            await asyncio.sleep(0)  # the watch's turn ends: its finally has run
+            policies["after"] = os.sched_getscheduler(0)
+        finally:
+            child.kill()
+            child.wait()
+            await watcher.close()
+
+    on_a_thread(lambda: asyncio.run(watch()))
+    fifo = os.SCHED_FIFO | os.SCHED_RESET_ON_FORK
+    assert policies == {"between": os.SCHED_OTHER, "callback": fifo, "after": os.SCHED_OTHER}
