@@ -90,8 +90,9 @@ class HeartbeatSpec(_Spec, frozen=True):
     # how often the primary's processes are looked at for having begun to exit (a killed
     # CUDA process takes 100+ ms to finish exiting); 0: wait for the exit itself
     exit_poll_ms: int = 2
-    # promote as SCHED_FIFO, from detection to routed and told (supervisor/realtime.py);
-    # needs root or CAP_SYS_NICE, else promotions run at normal priority
+    # the exit watch's looks, and a promotion one sets off up to routed and told, run as
+    # SCHED_FIFO (supervisor/realtime.py); needs root or CAP_SYS_NICE, else they run at
+    # normal priority
     realtime_promotion: bool = True
 
 
