@@ -42,9 +42,9 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
 
 
 @pytest.fixture
-def mqtt() -> Iterator[Broker]:
+def mqtt(tmp_path: Path) -> Iterator[Broker]:
     """A mosquitto of our own on a free port."""
-    b = Broker(free_port())
+    b = Broker(free_port(), tmp_path / "broker")
     b.start()
     try:
         yield b

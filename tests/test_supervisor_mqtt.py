@@ -25,15 +25,24 @@ PREFIX = "hf-test/mqtt"
 
 
 class Broker:
-    """A mosquitto of our own on a free port (never the machine's shared one)."""
+    """A mosquitto of our own on a free port (never the machine's shared one). It keeps
+    its sessions in `store` across a restart, as a broker in service does: a subscriber's
+    persistent session, and the QoS 1 messages queued for it, outlive the outage."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, store: Path) -> None:
         self.port = port
         self.proc: subprocess.Popen[bytes] | None = None
+        store.mkdir(parents=True, exist_ok=True)
+        self.conf = store / "mosquitto.conf"
+        self.conf.write_text(
+            f"listener {port} 127.0.0.1\nallow_anonymous true\n"
+            f"persistence true\npersistence_location {store}/\n"
+            "user root\n"  # (as root it would run as `mosquitto`, which cannot write `store`)
+        )
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [MOSQUITTO, "-p", str(self.port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            [MOSQUITTO, "-c", str(self.conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
 
     def stop(self) -> None:
@@ -118,8 +127,8 @@ class Subscriber:
 
 
 @pytest.fixture
-def broker() -> Iterator[Broker]:
-    b = Broker(free_port())
+def broker(tmp_path: Path) -> Iterator[Broker]:
+    b = Broker(free_port(), tmp_path / "broker")
     b.start()
     try:
         yield b
