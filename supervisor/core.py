@@ -206,15 +206,12 @@ class Cluster:
             return
         t_detect = time.monotonic()
         rank = next((i for i, p in enumerate(inc.procs) if p.pid == pid), 0)
-        self.realtime.enter()  # (held already: the exit watch looks inside it) left once
-        # routed and told (`promote`), or below
-        try:
-            if rank != 0:
-                for p in inc.procs:
-                    p.kill_group()
-            self.down(e, inc, cause="exit", detail=f"rank {rank} is exiting", t_detect=t_detect)
-        finally:
-            self.realtime.leave()
+        # (the exit watch looked inside the real-time section: `promote` leaves it once
+        # routed and told, the watch after this returns)
+        if rank != 0:
+            for p in inc.procs:
+                p.kill_group()
+        self.down(e, inc, cause="exit", detail=f"rank {rank} is exiting", t_detect=t_detect)
         if rank == 0:
             for p in inc.procs:
                 p.kill_group()

@@ -16,10 +16,10 @@ otherwise the promotion leaves it once the standby is routed to and told (the ev
 publication and the log run as before). The switch is thus made before an exit is seen,
 not in the response to it: cold, it took 17 µs of a 170 µs promotion. The cost is two
 system calls per look (every `heartbeat.exit_poll_ms`). Children never inherit it
-(SCHED_RESET_ON_FORK). It needs CAP_SYS_NICE (root) or
-an RLIMIT_RTPRIO of at least 1: without either, or with `heartbeat.realtime_promotion:
-false`, it does nothing (said once, at start, in the log); a thread started under another
-policy than the normal one is left as it is.
+(SCHED_RESET_ON_FORK). It needs CAP_SYS_NICE (root) or an RLIMIT_RTPRIO of at least 1:
+without either, or with `heartbeat.realtime_promotion: false`, it does nothing (said once,
+at start, in the log); a thread started under another policy than the normal one is left
+as it is.
 """
 
 from __future__ import annotations
