@@ -119,6 +119,18 @@ def test_the_exit_watch_looks_inside_the_section_and_leaves_it_between_looks() -
     again, and after a callback that did not leave the section itself."""
     policies: dict[str, int] = {}
 
+    class Counted(ExitWatch):
+        """An exit watch that says how it ran each look, and when five have been made."""
+
+        looks: list[int] = []
+        five = asyncio.Event()
+
+        def poll(self) -> int | None:
+            self.looks.append(os.sched_getscheduler(0))
+            if len(self.looks) == 5:
+                self.five.set()
+            return super().poll()
+
     async def watch() -> None:
         rt = RealtimeSection(True)
         seen = asyncio.Event()
@@ -127,18 +139,15 @@ def test_the_exit_watch_looks_inside_the_section_and_leaves_it_between_looks() -
             policies["callback"] = os.sched_getscheduler(0)
             seen.set()
 
-        watcher = ExitWatch(0.002, on_exiting, rt)
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        watcher = Counted(0.002, on_exiting, rt)
+        child = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
         try:
             watcher.watch("primary", [child.pid])
-            for _ in range(5):  # looks that see nothing: normal between them
-                await asyncio.sleep(0.002)
-                policies.setdefault("between", os.sched_getscheduler(0))
-                assert os.sched_getscheduler(0) == os.SCHED_OTHER
+            await watcher.five.wait()  # five looks that saw nothing
+            policies["between"] = os.sched_getscheduler(0)
             child.kill()
-            await asyncio.wait_for(seen.wait(), 10)
-            await asyncio.sleep(0)  # the watch's turn ends: its finally has run
-            policies["after"] = os.sched_getscheduler(0)
+            await asyncio.wait_for(seen.wait(), 60)
+            policies["after"] = os.sched_getscheduler(0)  # (the watch's finally has run)
         finally:
             child.kill()
             child.wait()
@@ -146,4 +155,5 @@ def test_the_exit_watch_looks_inside_the_section_and_leaves_it_between_looks() -
 
     on_a_thread(lambda: asyncio.run(watch()))
     fifo = os.SCHED_FIFO | os.SCHED_RESET_ON_FORK
+    assert set(Counted.looks) == {fifo}  # every look, the one that saw the exit too
     assert policies == {"between": os.SCHED_OTHER, "callback": fifo, "after": os.SCHED_OTHER}
