@@ -76,10 +76,13 @@ def main() -> None:
         "machine": {"host": platform.node(), "cores": os.cpu_count(), "load": os.getloadavg()},
         "runs": runs,
     }
-    text = json.dumps(out, indent=2)
-    print(text)
-    if a.out:
-        a.out.write_text(text + "\n")
+    text = json.dumps(out, indent=2) + "\n"
+    if a.out is None:
+        sys.stdout.write(text)
+    else:
+        a.out.write_text(text)
+        for run in runs:
+            print(run)
 
 
 if __name__ == "__main__":
