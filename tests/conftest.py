@@ -36,6 +36,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
+    """The test session's own mosquitto on a free loopback port, stopped at the end; tests
+    find it through HOLDFAST_MQTT_HOST/PORT. A broker the machine happens to run is never
+    used."""
+    from tests.mqtt_broker import SessionBroker
+
+    broker = SessionBroker(tmp_path_factory.mktemp("mqtt"))
+    saved = {k: os.environ.get(k) for k in ("HOLDFAST_MQTT_HOST", "HOLDFAST_MQTT_PORT")}
+    os.environ["HOLDFAST_MQTT_HOST"], os.environ["HOLDFAST_MQTT_PORT"] = (
+        broker.host,
+        str(broker.port),
+    )
+    try:
+        yield broker.host, broker.port
+    finally:
+        broker.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 @pytest.fixture
 def etcd(tmp_path: Path) -> Iterator[Etcd]:
     """One real etcd member on free loopback ports, killed after the test."""

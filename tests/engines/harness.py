@@ -41,10 +41,8 @@ def free_port() -> int:
 
 
 def mqtt_broker() -> tuple[str, int]:
-    return (
-        os.environ.get("HOLDFAST_MQTT_HOST", "127.0.0.1"),
-        int(os.environ.get("HOLDFAST_MQTT_PORT", "1883")),
-    )
+    """The test session's own broker (conftest's `session_broker` sets these)."""
+    return os.environ["HOLDFAST_MQTT_HOST"], int(os.environ["HOLDFAST_MQTT_PORT"])
 
 
 def write_policy(path: Path, checkpoint: Path, run: Path, **sections: Any) -> Path:
