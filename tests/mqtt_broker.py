@@ -27,7 +27,8 @@ class SessionBroker:
         )
         self._running = threading.Event()
         self._seen: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
+        self._pumping = threading.Thread(target=self._pump, daemon=True)
+        self._pumping.start()
         if not self._running.wait(timeout):
             self.stop()
             raise RuntimeError(
@@ -51,3 +52,6 @@ class SessionBroker:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._pumping.join(5)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
