@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # A fleet of nodes on one machine, for tests: network namespaces joined by a bridge, and a
 # 3-member etcd cluster in namespaces of its own. Needs root and iproute2. Traffic stays
-# between these namespaces: the bridge has no address in the host's namespace.
+# between these namespaces: the bridge has no address in the host's namespace, and while a
+# fleet is up the host holds an `unreachable` route for the fleet's subnet (added before the
+# bridge, removed last by `down`), so a host-side connect to a fleet address fails at once
+# with EHOSTUNREACH instead of leaving through the default gateway.
 #
 #   scripts/fleet.sh up N          nodes hf-n1..hf-nN (10.77.0.1..N), etcd in hf-e1..hf-e3
 #                                  (10.77.0.201..203:2379), a client namespace hf-c1
@@ -17,7 +20,11 @@
 #   scripts/fleet.sh start-member I...  ... start them again on their data dirs, wait for /health
 #   scripts/fleet.sh endpoints     the etcd endpoints, comma-separated
 #
-# HF_FLEET_STATE: where etcd data, logs and pids go (default /tmp/hf-fleet).
+# HF_FLEET_PREFIX: the names' prefix (default hf: namespaces hf-n1, hf-e1, hf-c1, bridge
+# hf-br0, host-side links hfv-n1); 1-6 lower-case letters or digits, a letter first.
+# HF_FLEET_SUBNET: the fleet's /24 as its first three octets (default 10.77.0). Two fleets
+# up at once need each their own prefix and subnet.
+# HF_FLEET_STATE: where etcd data, logs and pids go (default /tmp/<prefix>-fleet).
 # HF_FLEET_ETCD_FLAGS: more etcd flags, e.g. "--heartbeat-interval 50 --election-timeout 500"
 # (etcd grants no lease shorter than 1.5 x its election timeout: that lets ttl_s be 1).
 #
@@ -27,22 +34,38 @@
 #       --node n1 --fingerprint abc
 set -euo pipefail
 
-STATE=${HF_FLEET_STATE:-/tmp/hf-fleet}  # etcd data, logs, pids
-BRIDGE=hf-br0
-NET=10.77.0
+PREFIX=${HF_FLEET_PREFIX:-hf}
+NET=${HF_FLEET_SUBNET:-10.77.0}
+STATE=${HF_FLEET_STATE:-/tmp/$PREFIX-fleet}  # etcd data, logs, pids
+BRIDGE=$PREFIX-br0
 MEMBERS=3
 
 die() { echo "fleet.sh: $*" >&2; exit 1; }
+
+[[ $PREFIX =~ ^[a-z][a-z0-9]{0,5}$ ]] ||
+  die "HF_FLEET_PREFIX '$PREFIX': use 1-6 lower-case letters or digits, a letter first"
+[[ $NET =~ ^(25[0-5]|2[0-4][0-9]|1?[0-9]?[0-9])(\.(25[0-5]|2[0-4][0-9]|1?[0-9]?[0-9])){2}$ ]] ||
+  die "HF_FLEET_SUBNET '$NET': give the /24's first three octets, like 10.77.0"
 
 need() {
   [ "$(id -u)" = 0 ] || die "needs root (network namespaces); run it with sudo"
   command -v ip >/dev/null || die "needs iproute2's ip: apt-get install -y iproute2"
 }
 
-ns_name() { case $1 in hf-*) echo "$1" ;; *) echo "hf-$1" ;; esac; }
+ns_name() { case $1 in "$PREFIX"-*) echo "$1" ;; *) echo "$PREFIX-$1" ;; esac; }
 
 # host-side end of a namespace's veth: hf-n2 -> hfv-n2
-host_if() { echo "hfv-${1#hf-}"; }
+host_if() { echo "${PREFIX}v-${1#"$PREFIX"-}"; }
+
+# The host's route for the fleet's subnet: `unreachable`, so nothing the host sends to a
+# fleet address leaves the machine. Added before anything of the fleet exists.
+hold_subnet() {
+  [ -z "$(ip route show root "$NET.0/24")" ] ||
+    die "the host routes $NET.0/24 already ($(ip route show root "$NET.0/24" | head -n 1)); set HF_FLEET_SUBNET to another /24, or run fleet.sh down if a fleet left it"
+  [ -z "$(ip -o addr show to "$NET.0/24")" ] ||
+    die "the host has an address in $NET.0/24; set HF_FLEET_SUBNET to another /24"
+  ip route add unreachable "$NET.0/24"
+}
 
 endpoints() {
   local i out=""
@@ -56,25 +79,25 @@ add_ns() {  # NAME ADDRESS
   ip netns add "$ns"
   ip -n "$ns" link set lo up
   ip link add "$hif" type veth peer name eth0 netns "$ns"
-  ip link set "$hif" master $BRIDGE up
+  ip link set "$hif" master "$BRIDGE" up
   ip -n "$ns" addr add "$addr/24" dev eth0
   ip -n "$ns" link set eth0 up
 }
 
 start_member() {  # INDEX
-  local i=$1 ns="hf-e$1" ip="$NET.$((200 + $1))" cluster="" j
+  local i=$1 ns="$PREFIX-e$1" ip="$NET.$((200 + $1))" cluster="" j
   for j in $(seq 1 $MEMBERS); do cluster+="${cluster:+,}e$j=http://$NET.$((200 + j)):2380"; done
   mkdir -p "$STATE/e$i"
   ip netns exec "$ns" setsid etcd --name "e$i" --data-dir "$STATE/e$i/data" \
     --listen-client-urls "http://$ip:2379" --advertise-client-urls "http://$ip:2379" \
     --listen-peer-urls "http://$ip:2380" --initial-advertise-peer-urls "http://$ip:2380" \
-    --initial-cluster "$cluster" --initial-cluster-token hf-fleet \
+    --initial-cluster "$cluster" --initial-cluster-token "$PREFIX-fleet" \
     --initial-cluster-state new ${HF_FLEET_ETCD_FLAGS:-} </dev/null >"$STATE/e$i/etcd.log" 2>&1 &
   echo $! >"$STATE/e$i/pid"
 }
 
 healthy() {  # INDEX: 0 when the member answers healthy
-  ip netns exec "hf-e$1" python3 - "http://$NET.$((200 + $1)):2379/health" <<'PY' 2>/dev/null
+  ip netns exec "$PREFIX-e$1" python3 - "http://$NET.$((200 + $1)):2379/health" <<'PY' 2>/dev/null
 import sys, urllib.request
 sys.exit(b'"health":"true"' not in urllib.request.urlopen(sys.argv[1], timeout=2).read())
 PY
@@ -96,13 +119,16 @@ up() {
   [[ $n =~ ^[1-9][0-9]?$ ]] || die "usage: fleet.sh up N (1-99 nodes)"
   need
   command -v etcd >/dev/null || die "etcd not installed: apt-get install -y etcd-server"
-  ip link show $BRIDGE >/dev/null 2>&1 && die "a fleet is up already ($BRIDGE); run fleet.sh down"
+  ip link show "$BRIDGE" >/dev/null 2>&1 &&
+    die "a fleet is up already ($BRIDGE); run fleet.sh down, or set HF_FLEET_PREFIX"
   mkdir -p "$STATE"
-  ip link add $BRIDGE type bridge
-  ip link set $BRIDGE up
-  for i in $(seq 1 "$n"); do add_ns "hf-n$i" "$NET.$i"; done
-  for i in $(seq 1 $MEMBERS); do add_ns "hf-e$i" "$NET.$((200 + i))"; done
-  add_ns hf-c1 "$NET.100"
+  hold_subnet
+  echo "$NET" >"$STATE/subnet"
+  ip link add "$BRIDGE" type bridge
+  ip link set "$BRIDGE" up
+  for i in $(seq 1 "$n"); do add_ns "$PREFIX-n$i" "$NET.$i"; done
+  for i in $(seq 1 $MEMBERS); do add_ns "$PREFIX-e$i" "$NET.$((200 + i))"; done
+  add_ns "$PREFIX-c1" "$NET.100"
   echo "$n" >"$STATE/nodes"
   for i in $(seq 1 $MEMBERS); do start_member "$i"; done
   wait_healthy
@@ -122,22 +148,25 @@ stop_member() {  # PIDFILE: kill it only if it is still our etcd
 
 down() {
   need
-  local f ns
+  local f ns net=$NET
+  [ -r "$STATE/subnet" ] && net=$(cat "$STATE/subnet")
   for f in "$STATE"/e*/pid; do [ -e "$f" ] && stop_member "$f"; done
-  for ns in $(ip netns list | awk '{print $1}' | grep -E '^hf-(n|e|c)[0-9]+$' || true); do
+  for ns in $(ip netns list | awk '{print $1}' | grep -E "^$PREFIX-(n|e|c)[0-9]+\$" || true); do
     ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
     ip netns del "$ns"
   done
-  for f in $(ip -o link show | awk -F': ' '{print $2}' | cut -d@ -f1 | grep -E '^hfv-' || true); do
+  for f in $(ip -o link show | awk -F': ' '{print $2}' | cut -d@ -f1 | grep -E "^${PREFIX}v-" || true); do
     ip link del "$f" 2>/dev/null || true
   done
-  ip link del $BRIDGE 2>/dev/null || true
+  ip link del "$BRIDGE" 2>/dev/null || true
   rm -rf "$STATE"
+  # last, once nothing of the fleet is left to send to
+  ip route del unreachable "$net.0/24" 2>/dev/null || true
 }
 
 member() {  # INDEX: checked to be one of ours
   [[ ${1:-} =~ ^[1-9]$ ]] && [ "$1" -le $MEMBERS ] || die "no etcd member '${1:-}'; members are 1-$MEMBERS"
-  ip netns list | grep -qw "hf-e$1" || die "no namespace hf-e$1; is the fleet up (fleet.sh up N)?"
+  ip netns list | grep -qw "$PREFIX-e$1" || die "no namespace $PREFIX-e$1; is the fleet up (fleet.sh up N)?"
 }
 
 wait_member() {  # INDEX

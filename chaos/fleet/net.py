@@ -1,8 +1,10 @@
 """The fleet's network: scripts/fleet.sh (namespaces, bridge, 3-member etcd) and threads that
 work inside one namespace.
 
-The host has no address on the fleet's bridge, so whatever talks to a node's router or
-health API runs in a thread that has entered a namespace first (setns(2) moves only the
+The host has no address on the fleet's bridge, and holds an `unreachable` route for the
+fleet's subnet while it is up (a connect from the host fails at once with EHOSTUNREACH), so
+whatever talks to a node's router or health API runs in a thread that has entered a
+namespace first (setns(2) moves only the
 calling thread, and threads it starts inherit it). Every time here is CLOCK_MONOTONIC,
 which every namespace of the machine shares.
 """
@@ -25,7 +27,9 @@ from typing import TypeVar
 
 REPO = Path(__file__).resolve().parents[2]
 FLEET_SH = REPO / "scripts" / "fleet.sh"
-CLIENT_NS = "hf-c1"  # fleet.sh's client namespace, 10.77.0.100
+DEFAULT_PREFIX = "hf"  # fleet.sh's default HF_FLEET_PREFIX
+DEFAULT_SUBNET = "10.77.0"  # ... and HF_FLEET_SUBNET
+CLIENT_NS = "hf-c1"  # fleet.sh's client namespace with the default prefix, 10.77.0.100
 CLONE_NEWNET = 0x40000000
 GONE_TIMEOUT_S = 30.0
 T = TypeVar("T")
@@ -117,11 +121,28 @@ def signal_ns(ns: str, sig: signal.Signals) -> list[int]:
 
 
 class Fleet:
-    """`scripts/fleet.sh` with its own state dir and etcd flags."""
+    """`scripts/fleet.sh` with its own state dir, etcd flags, name prefix and subnet (two
+    fleets with different prefixes and subnets can be up at once)."""
 
-    def __init__(self, state: Path, etcd_flags: str = "") -> None:
+    def __init__(
+        self,
+        state: Path,
+        etcd_flags: str = "",
+        prefix: str = DEFAULT_PREFIX,
+        subnet: str = DEFAULT_SUBNET,
+    ) -> None:
         self.state = state
-        self.env = {**os.environ, "HF_FLEET_STATE": str(state), "HF_FLEET_ETCD_FLAGS": etcd_flags}
+        self.prefix = prefix
+        self.subnet = subnet
+        self.bridge = f"{prefix}-br0"
+        self.client_ns = f"{prefix}-c1"
+        self.env = {
+            **os.environ,
+            "HF_FLEET_STATE": str(state),
+            "HF_FLEET_ETCD_FLAGS": etcd_flags,
+            "HF_FLEET_PREFIX": prefix,
+            "HF_FLEET_SUBNET": subnet,
+        }
         self.nodes: list[str] = []
         self.endpoints: list[str] = []
 
@@ -138,8 +159,11 @@ class Fleet:
         return done.stdout
 
     def up(self, n: int) -> None:
-        if subprocess.run(["ip", "link", "show", "hf-br0"], capture_output=True).returncode == 0:
-            raise FleetError("a fleet is up already (hf-br0 exists); run `scripts/fleet.sh down`")
+        if subprocess.run(["ip", "link", "show", self.bridge], capture_output=True).returncode == 0:
+            raise FleetError(
+                f"a fleet is up already ({self.bridge} exists); run "
+                f"`HF_FLEET_PREFIX={self.prefix} scripts/fleet.sh down`"
+            )
         out = self.sh("up", str(n))
         self.endpoints = out.strip().splitlines()[-1].removeprefix("HF_FLEET_ETCD=").split(",")
         self.nodes = [f"n{i}" for i in range(1, n + 1)]
@@ -178,8 +202,13 @@ class Fleet:
                     return i
             return None
 
-        return in_ns(CLIENT_NS, ask)
+        return in_ns(self.client_ns, ask)
+
+    def ns(self, node: str) -> str:
+        """The namespace of `node` (n2 or <prefix>-n2)."""
+        return node if node.startswith(f"{self.prefix}-") else f"{self.prefix}-{node}"
 
     @staticmethod
-    def address(node: str) -> str:
-        return f"10.77.0.{int(node.removeprefix('hf-').removeprefix('n'))}"
+    def address(node: str, prefix: str = DEFAULT_PREFIX, subnet: str = DEFAULT_SUBNET) -> str:
+        """Node `node`'s address (n2 or <prefix>-n2 -> <subnet>.2)."""
+        return f"{subnet}.{int(node.removeprefix(f'{prefix}-').removeprefix('n'))}"
