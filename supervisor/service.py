@@ -23,7 +23,7 @@ import zmq
 from aiohttp import web
 
 from holdfast_contract.control import ControlReply, Request
-from supervisor import reconcile
+from supervisor import reconcile, sdnotify
 from supervisor.agent_hub import AgentHub
 from supervisor.aio import cancel_all
 from supervisor.api import HealthApi
@@ -216,6 +216,7 @@ class Service:
             router=self.policy.router.listen,
             api=self.policy.api.listen,
         )
+        sdnotify.ready(f"daemons serve; router {self.policy.router.listen}")
         # what start-up built lives as long as the supervisor: out of the collector's
         # sight, a full collection no longer walks it in the middle of a promotion
         gc.freeze()
