@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import msgspec
 import structlog
 import torch
 
-from cachedaemon import protocol
+from cachedaemon import protocol, readonly
 from cachedaemon.backends import Mapping, get_backend
 from cachedaemon.config import CacheConfig
 from cachedaemon.errors import CacheError, CacheMismatch, DaemonUnavailable
 from cachedaemon.hf import fill_buffers
 from cachedaemon.loader import load_state_dict
 from cachedaemon.pool import views
+from holdfast_contract import wire
 
 log = structlog.get_logger("cachedaemon.client")
 
@@ -42,24 +44,27 @@ def attach(
 ) -> Attached:
     """Connect, get manifest + fds, map every chunk read-only, build the views."""
     reply, fds = protocol.call(
-        str(socket_path), protocol.AttachRequest(config), max_fds=protocol.MAX_FDS, timeout=timeout
+        str(socket_path), protocol.AttachRequest(config), max_fds=wire.MAX_FDS, timeout=timeout
     )
     if isinstance(reply, protocol.Mismatch):
         raise CacheMismatch(reply.fields)
     if not isinstance(reply, protocol.AttachReply):
-        protocol.close_fds(fds)
+        wire.close_fds(fds)
         detail = reply.message if isinstance(reply, protocol.ErrorReply) else type(reply).__name__
         raise CacheError(f"daemon at {socket_path} refused the attach: {detail}")
     manifest = reply.manifest
     if len(fds) != len(manifest.chunks):
-        protocol.close_fds(fds)
+        wire.close_fds(fds)
         raise CacheError(f"daemon sent {len(fds)} fds for {len(manifest.chunks)} chunks")
     backend = get_backend(manifest.backend, manifest.device)
     try:
         mappings = [backend.open(fd, c.size) for fd, c in zip(fds, manifest.chunks, strict=True)]
     finally:
-        protocol.close_fds(fds)  # a mapping outlives its fd
-    return Attached(views(manifest, [m.tensor for m in mappings]), mappings)
+        wire.close_fds(fds)  # a mapping outlives its fd
+    tensors = views(manifest, [m.tensor for m in mappings])
+    if manifest.backend == "memfd":  # host memory: a write faults; say so when it does
+        readonly.guard([(t.data_ptr(), t.nbytes, name) for name, t in tensors.items()])
+    return Attached(tensors, mappings)
 
 
 def attach_state_dict(
@@ -77,9 +82,13 @@ def attach_model(
     model_dir: str | Path | None = None,
     fallback: bool = False,
     timeout: float = 10.0,
+    copy: bool | Collection[str] = False,
 ) -> AttachReport:
     """Replace every parameter and buffer of a meta-device module with pool views.
 
+    The views are read-only (a write into one ends the process with SIGSEGV and a message
+    naming the tensor): `copy=True` gives the module private copies of every tensor
+    instead, `copy=["name", ...]` of those only (memory of their own, free to change).
     Raises CacheError when a tensor's shape or dtype differs or anything stays on meta.
     With fallback and model_dir, a missing daemon or a mismatch loads from disk instead.
     """
@@ -93,10 +102,26 @@ def attach_model(
         source, reason = "disk", str(exc)
         log.warning("attach failed; loading from disk", socket=str(socket_path), reason=reason)
         state = _disk_state(model_dir, config)
-    nbytes = assign(module, state)
+    nbytes = assign(module, _private_copies(state, copy))
     return AttachReport(
         source, (time.perf_counter() - t0) * 1e3, len(state), nbytes, str(socket_path), reason
     )
+
+
+def _private_copies(
+    state: dict[str, torch.Tensor], copy: bool | Collection[str]
+) -> dict[str, torch.Tensor]:
+    """`state` with the tensors `copy` names (all for True) cloned out of the pool."""
+    if copy is False:
+        return state
+    names = set(state) if copy is True else set(copy)
+    unknown = sorted(names - set(state))
+    if unknown:
+        raise CacheError(
+            f"attach_model(copy=...) names {unknown[:3]}, which the pool does not hold; "
+            f"its names are the checkpoint's (first: {sorted(state)[:3]})"
+        )
+    return {k: v.clone() if k in names else v for k, v in state.items()}
 
 
 def _disk_state(model_dir: str | Path, config: CacheConfig | None) -> dict[str, torch.Tensor]:

@@ -96,30 +96,47 @@ def fill_buffers(root: nn.Module, device: torch.device) -> list[str]:
     """Non-persistent buffers still on meta, made real on `device` by the model's own
     init (transformers' `_init_weights`, which computes them). The names it filled.
 
-    The init sees only the buffers: the module's own parameters (views of a read-only pool
-    by now) are swapped for meta stand-ins while it runs, so it can never write to them.
+    The init writes only into what was not attached: while it runs, the module's
+    parameters are meta stand-ins and its attached buffers private copies (transformers 5
+    `copy_`s into every buffer of a module, such as BERT's `position_ids`, which an old
+    checkpoint holds); the pool's views are put back untouched afterwards.
     """
     filled = []
     for name, module in root.named_modules():
         missing = [
-            (leaf, buf)
+            leaf
             for leaf, buf in module._buffers.items()
             if buf is not None and buf.is_meta and leaf in module._non_persistent_buffers_set
         ]
         init = _init_owner(root, name) if missing else None
         if init is None:
             continue
-        for leaf, buf in missing:
-            module._buffers[leaf] = torch.zeros(buf.shape, dtype=buf.dtype, device=device)
-        params = module._parameters
-        module._parameters = {
-            k: None if v is None else nn.Parameter(v.to("meta"), requires_grad=False)
-            for k, v in params.items()
-        }
-        try:
-            with torch.no_grad():
-                init(module)
-        finally:
-            module._parameters = params
-        filled += [f"{name}.{leaf}" if name else leaf for leaf, _ in missing]
+        _run_init(init, module, missing, device)
+        filled += [f"{name}.{leaf}" if name else leaf for leaf in missing]
     return filled
+
+
+def _run_init(init: Any, module: nn.Module, missing: list[str], device: torch.device) -> None:
+    """`init(module)` with the `missing` buffers real and nothing attached reachable."""
+    params, buffers = module._parameters, module._buffers
+    module._parameters = {
+        k: None if v is None else nn.Parameter(v.to("meta"), requires_grad=False)
+        for k, v in params.items()
+    }
+    module._buffers = {
+        k: None if v is None else _private(v, k in missing, device) for k, v in buffers.items()
+    }
+    try:
+        with torch.no_grad():
+            init(module)
+        computed = {k: module._buffers[k] for k in missing}
+    finally:
+        module._parameters, module._buffers = params, buffers
+    buffers.update(computed)
+
+
+def _private(buf: torch.Tensor, missing: bool, device: torch.device) -> torch.Tensor:
+    """What the init sees of one buffer: zeros to fill, or a copy of an attached one."""
+    if missing:
+        return torch.zeros(buf.shape, dtype=buf.dtype, device=device)
+    return buf.clone()

