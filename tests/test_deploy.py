@@ -15,13 +15,11 @@ import re
 import shutil
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
@@ -222,7 +220,7 @@ type Panel = Omit<Json<dashboard.Panel>, "targets"> & { targets?: Target[] };
 type Row = Omit<Json<dashboard.RowPanel>, "panels"> & { panels: Panel[] };
 type Dashboard = Omit<Json<dashboard.Dashboard>, "panels"> & { panels?: (Panel | Row)[] };
 
-export const dash: Dashboard = 
+export const dash: Dashboard =
 """
 
 
