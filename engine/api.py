@@ -2,7 +2,10 @@
 
 An OpenAI-compatible subset: unknown fields are ignored so stock clients work. Decoding is
 always greedy: sampling fields set to anything but their greedy value are refused by name.
-`prompt_token_ids`, `ignore_eos` and `token_ids` in replies are extensions.
+`prompt_token_ids`, `ignore_eos` and `token_ids` in replies are extensions, and so is
+`return_token_ids` (vLLM's name): streamed chunks then carry the token ids of each delta and
+the first one the prompt's (`prompt_token_ids`), so a router can continue a cut stream at
+the token level (supervisor/migration.py). `max_tokens: null` means as many as fit.
 """
 
 from __future__ import annotations
@@ -73,11 +76,13 @@ def check_greedy(req: Sampling) -> None:
 class CompletionRequest(Sampling, frozen=True):
     prompt: str | list[int] | None = None
     prompt_token_ids: list[int] | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: as many as fit, as for chat
     stream: bool = False
     logprobs: int | None = None
     ignore_eos: bool = False
     stop: str | list[str] | None = None
+    return_token_ids: bool = False
+    skip_special_tokens: bool = False
 
 
 class EmbeddingRequest(msgspec.Struct, frozen=True):
@@ -149,8 +154,15 @@ def check_budget(prompt_len: int, max_tokens: int, limits: Limits, field: str) -
         )
 
 
-def completion_prompt(req: CompletionRequest, tok: Tokenizer | None, limits: Limits) -> list[int]:
-    """The prompt's token ids, after every check a request can fail."""
+def fitting(prompt_len: int, limits: Limits) -> int:
+    """max_tokens when a request leaves it out (null): as many as fit."""
+    return max(1, min(limits.max_tokens_cap, limits.max_model_len - prompt_len))
+
+
+def completion_prompt(
+    req: CompletionRequest, tok: Tokenizer | None, limits: Limits
+) -> tuple[list[int], int]:
+    """The prompt's token ids and max_tokens, after every check a request can fail."""
     check_greedy(req)
     stops(req.stop)
     given = [
@@ -163,10 +175,11 @@ def completion_prompt(req: CompletionRequest, tok: Tokenizer | None, limits: Lim
     field, raw = given[0]
     ids = tokens(raw, tok, field)
     check_ids(ids, limits, field)
-    check_budget(len(ids), req.max_tokens, limits, "max_tokens")
+    max_tokens = req.max_tokens if req.max_tokens is not None else fitting(len(ids), limits)
+    check_budget(len(ids), max_tokens, limits, "max_tokens")
     if req.logprobs is not None and not 0 <= req.logprobs <= TOP_LOGPROBS_MAX:
         raise BadRequest(f"`logprobs` must be in 0..{TOP_LOGPROBS_MAX}")
-    return ids
+    return ids, max_tokens
 
 
 def embedding_inputs(

@@ -47,6 +47,7 @@ class ChatRequest(api.Sampling, frozen=True):
     logprobs: bool | None = None
     ignore_eos: bool = False
     tools: list[Any] | None = None
+    return_token_ids: bool = False
     response_format: dict[str, Any] | None = None
 
 
@@ -168,7 +169,7 @@ def chat_prompt(
     api.check_ids(ids, limits, "messages")
     max_tokens = req.max_completion_tokens or req.max_tokens
     if max_tokens is None:  # OpenAI's default: as many as fit
-        max_tokens = max(1, min(limits.max_tokens_cap, limits.max_model_len - len(ids)))
+        max_tokens = api.fitting(len(ids), limits)
     api.check_budget(len(ids), max_tokens, limits, "max_completion_tokens")
     return ids, max_tokens
 

@@ -5,6 +5,9 @@ text that could still become a stop string (or an unfinished UTF-8 character), a
 itself `stopped` once a stop string appears: the caller then cancels the generation, and
 the text ends just before the stop string, with finish_reason "stop".
 `CompletionReply` shapes /v1/completions, `ChatReply` /v1/chat/completions.
+With `prompt_ids` set (the request's `return_token_ids`), every streamed token's chunk
+carries its id in the choice's `token_ids` (a chat chunk goes out even when its text is
+held back) and the first chunk the prompt's ids in `prompt_token_ids`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,14 @@ class Reply:
         self.text = ""  # what the client may see: before any stop string
         self.sent = 0  # characters of `text` already streamed
         self.stopped = False
+        self.prompt_ids: list[int] | None = None  # sent in the first chunk when set
+
+    def first_ids(self) -> dict[str, Any]:
+        """What the first streamed chunk's choice adds: the prompt's ids, once."""
+        if self.prompt_ids is None:
+            return {}
+        ids, self.prompt_ids = self.prompt_ids, []
+        return {"prompt_token_ids": ids} if ids else {}
 
     def feed(self, token: int) -> str:
         """Take the next token; the text that became final with it (maybe "")."""
@@ -105,7 +116,7 @@ class Reply:
     def start(self) -> list[dict[str, Any]]:
         return []
 
-    def chunk(self, piece: str, token: int) -> list[dict[str, Any]]:
+    def chunk(self, piece: str, token: int | None) -> list[dict[str, Any]]:
         raise NotImplementedError
 
     def end(self, gen: Generation, with_usage: bool) -> list[dict[str, Any]]:
@@ -117,16 +128,23 @@ class Reply:
 
 class CompletionReply(Reply):
     def __init__(
-        self, model: str, tok: Tokenizer | None, stop: tuple[str, ...], with_logprobs: bool
+        self,
+        model: str,
+        tok: Tokenizer | None,
+        stop: tuple[str, ...],
+        with_logprobs: bool,
+        skip_special: bool = False,
     ) -> None:
         super().__init__(model, tok, stop)
         self.with_logprobs = with_logprobs
+        self.skip_special = skip_special
 
     def _choice(self, text: str, ids: list[int], finish: str | None) -> dict[str, Any]:
         return {"index": 0, "text": text, "token_ids": ids, "finish_reason": finish}
 
-    def chunk(self, piece: str, token: int) -> list[dict[str, Any]]:
-        return [self.envelope([self._choice(piece, [token], None)], chunk=True)]
+    def chunk(self, piece: str, token: int | None) -> list[dict[str, Any]]:
+        choice = self._choice(piece, [] if token is None else [token], None)
+        return [self.envelope([{**choice, **self.first_ids()}], chunk=True)]
 
     def end(self, gen: Generation, with_usage: bool = False) -> list[dict[str, Any]]:
         reason = self.finish(gen)
@@ -157,14 +175,18 @@ class ChatReply(Reply):
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
 
     def start(self) -> list[dict[str, Any]]:
-        return [self.envelope([self._delta({"role": "assistant", "content": ""}, None)], True)]
+        choice = {**self._delta({"role": "assistant", "content": ""}, None), **self.first_ids()}
+        return [self.envelope([choice], True)]
 
-    def chunk(self, piece: str, token: int) -> list[dict[str, Any]]:
+    def chunk(self, piece: str, token: int | None) -> list[dict[str, Any]]:
+        if token is not None and self.prompt_ids is not None:  # ids asked for: every token
+            choice = {**self._delta({"content": piece}, None), "token_ids": [token]}
+            return [self.envelope([choice], True)]
         return [self.envelope([self._delta({"content": piece}, None)], True)] if piece else []
 
     def end(self, gen: Generation, with_usage: bool = False) -> list[dict[str, Any]]:
         reason = self.finish(gen)
-        out = self.chunk(self.rest(), 0)
+        out = self.chunk(self.rest(), None)
         out.append(self.envelope([self._delta({}, reason)], True))
         if with_usage:
             out.append({**self.envelope([], True), "usage": self.usage(gen)})

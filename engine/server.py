@@ -231,11 +231,17 @@ class EngineServer:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self._check_serving("generate")
         req = api.decode_body(await request.read(), api.CompletionRequest)
-        prompt = api.completion_prompt(req, self.tokenizer, self.limits)
-        job = Job(tuple(prompt), req.max_tokens, req.logprobs or 0, req.ignore_eos)
+        prompt, max_tokens = api.completion_prompt(req, self.tokenizer, self.limits)
+        job = Job(tuple(prompt), max_tokens, req.logprobs or 0, req.ignore_eos)
         out = CompletionReply(
-            self.model_id, self.tokenizer, api.stops(req.stop), req.logprobs is not None
+            self.model_id,
+            self.tokenizer,
+            api.stops(req.stop),
+            req.logprobs is not None,
+            req.skip_special_tokens,
         )
+        if req.return_token_ids:
+            out.prompt_ids = list(prompt)
         if req.stream:
             return await self._stream(request, job, out)
         return web.json_response(await self._generate(job, out))
@@ -246,6 +252,8 @@ class EngineServer:
         prompt, max_tokens = chat.chat_prompt(req, self.tokenizer, self.limits)
         job = Job(tuple(prompt), max_tokens, 0, req.ignore_eos)
         out = ChatReply(self.model_id, self.tokenizer, api.stops(req.stop))
+        if req.return_token_ids:
+            out.prompt_ids = list(prompt)
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
             return await self._stream(request, job, out, usage)
@@ -327,13 +335,14 @@ class EngineServer:
         req = api.decode_body(await request.read(), api.EmbeddingRequest)
         batch = api.embedding_inputs(req, self.tokenizer, self.limits)
         vectors: list[list[float]] = await self.call_model(self.model.embed, batch)
+        tokens = sum(map(len, batch))
         data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
         return web.json_response(
             {
                 "object": "list",
                 "data": data,
-                "model": self.name,
-                "usage": {"prompt_tokens": sum(map(len, batch))},
+                "model": self.model_id,  # as /v1/models lists it
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
             }
         )
 

@@ -3,21 +3,33 @@
 Requests go only to the primary of the current epoch. A request whose upstream fails before
 the first response byte is retried once on the next primary, within the retry deadline; a
 request that arrives while no primary serves waits for one within the same deadline.
-The router's own errors (413, 502) have the OpenAI error shape the engines use:
+The router's own errors (413, 502, 503) have the OpenAI error shape the engines use:
 `{"error": {"message": ..., "type": ...}}`.
+
+A streamed completion or chat completion cut after its first byte (the primary died or
+was fenced) is migrated: continued on the next primary by token replay
+(supervisor/migration.py), at most `router.migration_limit` times. A stream that cannot be
+continued ends with an error event in the same shape and no `data: [DONE]`: never a clean
+end. Once the supervisor stops (`stop()`), new requests get 503 with Retry-After at once and
+those under way finish within the engines' stop grace.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import structlog
 from aiohttp import web
 
+from supervisor import migration
+from supervisor.migration import Stalls, Stream, StreamCut
 from supervisor.policy import RouterSpec
 
 log = structlog.get_logger("supervisor.router")
@@ -51,6 +63,30 @@ class LeadershipEnded(Exception):
 UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError, NotLeader)
 MAX_BODY = 64 * 1024 * 1024  # bytes of one request body
 NOT_LEADER_WAIT_S = 0.02  # after a 421, ask the same term again this much later at most
+BUSY_WAIT_S = 0.01  # a continuation answered 503 (busy) is asked again this much later
+STOPPING_RETRY_AFTER_S = 1  # Retry-After of the 503 a stopping router answers
+CUT = (*UPSTREAM_ERRORS, StreamCut, LeadershipEnded)
+Emit = Callable[..., Any]  # EventBus.emit
+
+
+class ClientGone(Exception):
+    """The client of a stream left: nothing to migrate, nobody to tell."""
+
+
+async def write(resp: web.StreamResponse, data: bytes) -> None:
+    """Write to the client; its hang-up is ClientGone, never mistaken for a cut upstream."""
+    try:
+        await resp.write(data)
+    except (ConnectionError, aiohttp.ClientConnectionError, RuntimeError) as e:
+        raise ClientGone(str(e)) from e
+
+
+class Refused(Exception):
+    """A continuation was answered with an error status instead of a stream."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def error(status: int, message: str, kind: str) -> web.Response:
@@ -175,15 +211,28 @@ class PrimaryView:
 
 
 class Router:
-    def __init__(self, spec: RouterSpec, view: PrimaryView, node: str = "") -> None:
+    def __init__(
+        self, spec: RouterSpec, view: PrimaryView, node: str = "", emit: Emit | None = None
+    ) -> None:
         self.spec = spec
         self.view = view
         self.node = node  # this node's name in a cluster; "" alone
+        self.emit = emit  # events (router.<node or main>.migrated, ...) go to the bus
         self.forwarded = 0
         self.retried = 0
         self.failed = 0
         self.broken = 0
+        self.migrations = dict.fromkeys(("attempted", "succeeded", "failed"), 0)
+        self.stalls = Stalls()
+        self.stopping = False
+        self.in_flight = 0
+        self._stopped = asyncio.Event()
         self._session: aiohttp.ClientSession | None = None
+
+    def stop(self) -> None:
+        """From now on new requests get 503 at once; those under way go on."""
+        self.stopping = True
+        self._stopped.set()  # requests waiting for a primary give up now
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY)
@@ -206,6 +255,17 @@ class Router:
         return self._session
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        if self.stopping:
+            resp = error(503, "the supervisor is stopping; retry on the next one", "unavailable")
+            resp.headers["Retry-After"] = str(STOPPING_RETRY_AFTER_S)
+            return resp
+        self.in_flight += 1
+        try:
+            return await self._handle(request)
+        finally:
+            self.in_flight -= 1
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -218,7 +278,10 @@ class Router:
         if FORWARDED_BY in request.headers and self.view.misdirected():
             return not_leader()
         deadline = time.monotonic() + self.spec.retry_deadline_s
-        target = choose(self.view.route(), -1) or await self.view.next_after(-1, deadline)
+        stream = migration.plan(request.method, request.path, body)
+        if stream is not None:
+            return await self._stream(request, stream, deadline)
+        target = await self._first(deadline)
         tries = attempts(self.spec)
         reason = "no primary is serving"
         attempt = 0
@@ -247,7 +310,7 @@ class Router:
                 attempt += 1
                 if attempt < tries:
                     self.retried += 1
-                    target = await self.view.next_after(target.epoch, deadline)
+                    target = await self._next(target.epoch, deadline)
         self.failed += 1
         log.warning("route_failed", path=request.path, error=reason)
         return error(502, reason, "upstream_error")
@@ -305,4 +368,229 @@ class Router:
             except UPSTREAM_ERRORS as e:  # after the first byte: too late to retry
                 self.broken += 1
                 log.warning("stream_broken", engine=target.name, error=type(e).__name__)
+                if request.transport is not None:
+                    request.transport.abort()  # the client sees a cut, not a short answer
             return resp
+
+    # ---- waiting for a primary ----
+    async def _first(self, deadline: float) -> Target | None:
+        return choose(self.view.route(), -1) or await self._next(-1, deadline)
+
+    async def _next(self, epoch: int, deadline: float) -> Target | None:
+        """`PrimaryView.next_after`, or None at once when the router stops."""
+        if self.stopping:
+            return None
+        waiting = asyncio.ensure_future(self.view.next_after(epoch, deadline))
+        stopped = asyncio.ensure_future(self._stopped.wait())
+        try:
+            await asyncio.wait([waiting, stopped], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not waiting.done():
+                waiting.cancel()
+        return None if waiting.cancelled() else waiting.result()
+
+    # ---- streams, migrated when cut ----
+    async def _stream(
+        self, request: web.Request, st: Stream, deadline: float
+    ) -> web.StreamResponse:
+        """A streamed request: relayed chunk by chunk, and continued on the next primary
+        when cut (token replay), up to router.migration_limit times."""
+        sent: list[web.StreamResponse] = []  # the client's response, once prepared
+        target = await self._first(deadline)
+        tries, attempt = attempts(self.spec), 0
+        reason = "no primary is serving"
+        while target is not None:
+            if not target.remote:
+                await self.view.acked(deadline)
+                target = self.view.route() or target
+            try:
+                if not self.view.valid(target) or (
+                    target.remote and FORWARDED_BY in request.headers
+                ):
+                    raise NotLeader(f"{target.node or target.name} is not leading here")
+                async with self.view.serving(target):
+                    return await self._stream_once(request, st, target, sent)
+            except ClientGone:
+                log.info("client went away", stream=True, tokens=len(st.emitted))
+                return sent[0]
+            except Refused as e:
+                if e.status == 503 and time.monotonic() < deadline:  # busy: ask again
+                    await asyncio.sleep(BUSY_WAIT_S)
+                    continue
+                reason = f"the continuation on {target.name} was refused: {e}"
+                break
+            except CUT as e:
+                if isinstance(e, NotLeader) and FORWARDED_BY in request.headers and not sent:
+                    return not_leader()
+                reason = f"primary {target.name} failed: {type(e).__name__}"
+                if isinstance(e, NotLeader) and target.remote and not sent:
+                    target = await self.view.again(target, deadline, NOT_LEADER_WAIT_S)
+                    continue
+                if not sent or not st.wrote:  # nothing reached the client: a plain retry
+                    attempt += 1
+                    if attempt >= tries:
+                        break
+                    self.retried += 1
+                    target = await self._next(target.epoch, deadline)
+                    continue
+                if st.complete():  # the cut came after the last token
+                    return await self._finish(sent[0], st)
+                why = self._unmigratable(st)
+                if why:
+                    reason = f"{reason}; {why}"
+                    break
+                self._migrating(st, target, reason)
+                deadline = time.monotonic() + self.spec.retry_deadline_s
+                failed_epoch = target.epoch
+                target = await self._next(failed_epoch, deadline)
+                if target is None:
+                    reason = (
+                        f"{reason}; no primary took over within router.retry_deadline_s "
+                        f"({self.spec.retry_deadline_s:g} s)"
+                    )
+        return await self._end_with_error(request, st, sent, reason)
+
+    def _unmigratable(self, st: Stream) -> str:
+        if self.stopping:
+            return "the supervisor is stopping"
+        if not st.can_continue():
+            return "the engine's stream carries no token ids (return_token_ids)"
+        if st.migrated >= self.spec.migration_limit:
+            return f"router.migration_limit ({self.spec.migration_limit}) reached"
+        return ""
+
+    def _migrating(self, st: Stream, target: Target, reason: str) -> None:
+        st.migrated += 1
+        st.cut_at = st.last_token_at or time.monotonic()
+        st.pending = True
+        self.migrations["attempted"] += 1
+        log.warning("stream_migrating", engine=target.name, tokens=len(st.emitted), why=reason)
+        self._event("migrating", target.epoch, engine=target.name, tokens=len(st.emitted))
+
+    def _resumed(self, st: Stream, tokens: int) -> None:
+        """The first token after a cut reached the client: the stall it saw."""
+        stall, st.cut_at = st.last_token_at - st.cut_at, 0.0
+        self.stalls.observe(stall)
+        self._event("migrated", st.epoch, tokens=tokens, stall_ms=round(stall * 1e3, 2))
+
+    def _event(self, event: str, epoch: int, **data: Any) -> None:
+        if self.emit is not None:
+            self.emit("router", self.node or "main", event, epoch, **data)
+
+    async def _end_with_error(
+        self, request: web.Request, st: Stream, sent: list[web.StreamResponse], reason: str
+    ) -> web.StreamResponse:
+        """The end of a stream that cannot go on: a 502 before any byte, else an error
+        event and no [DONE]."""
+        self.failed += 1
+        log.warning("route_failed", path=request.path, error=reason)
+        if st.pending:
+            st.pending = False
+            self.migrations["failed"] += 1
+            self._event("migration-failed", 0, tokens=len(st.emitted), why=reason)
+        if not sent:
+            status = 503 if self.stopping else 502
+            return error(status, reason, "unavailable" if self.stopping else "upstream_error")
+        self.broken += 1
+        resp = sent[0]
+        with contextlib.suppress(ClientGone, *UPSTREAM_ERRORS):
+            await write(resp, migration.error_event(reason))
+            await resp.write_eof()
+        return resp
+
+    async def _finish(self, resp: web.StreamResponse, st: Stream) -> web.StreamResponse:
+        for body in st.closing():
+            await write(resp, migration.sse(body))
+        await write(resp, migration.DONE)
+        with contextlib.suppress(ConnectionError):
+            await resp.write_eof()
+        if st.pending:
+            st.pending = False
+            self.migrations["succeeded"] += 1
+        return resp
+
+    async def _stream_once(
+        self, request: web.Request, st: Stream, target: Target, sent: list[web.StreamResponse]
+    ) -> web.StreamResponse:
+        """One upstream request of a stream: the original, or (after a cut) a continuation."""
+        cont = bool(sent) and st.wrote > 0
+        path = migration.COMPLETIONS if cont else str(request.rel_url)
+        body = st.continuation() if cont else st.first_body()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers["Content-Type"] = "application/json"
+        headers.pop("Content-Encoding", None)
+        if target.remote:
+            headers[FORWARDED_BY] = self.node or "-"
+        url = f"http://{target.host}:{target.port}{path}"
+        st.epoch = target.epoch
+        async with self._client().post(url, headers=headers, data=body) as up:
+            if target.remote and up.status == 421 and NOT_LEADER in up.headers:
+                raise NotLeader(f"{target.name} answered that it does not lead")
+            streaming = up.status == 200 and up.content_type == "text/event-stream"
+            if not streaming and cont:
+                raise Refused(up.status, (await up.read()).decode(errors="replace")[:500])
+            if not sent:
+                resp = self._response(up, target)
+                if not streaming:  # an error answer, or not a stream after all: as it is
+                    first = await up.read()
+                    await resp.prepare(request)
+                    await resp.write(first)
+                    await resp.write_eof()
+                    self.forwarded += 1
+                    return resp
+                first = await up.content.readany()  # failures up to here are retried
+                await resp.prepare(request)
+                sent.append(resp)
+                self.forwarded += 1
+                return await self._pump(up, sent[0], st, cont, bytearray(first))
+            return await self._pump(up, sent[0], st, cont, bytearray())
+
+    def _response(self, up: aiohttp.ClientResponse, target: Target) -> web.StreamResponse:
+        resp = web.StreamResponse(status=up.status, reason=up.reason)
+        for k, v in up.headers.items():
+            if k.lower() not in HOP_BY_HOP and k.lower() != "content-encoding":
+                resp.headers.add(k, v)
+        if not target.remote:
+            resp.headers["X-Holdfast-Engine"] = target.name
+            resp.headers["X-Holdfast-Epoch"] = str(target.epoch)
+        return resp
+
+    async def _pump(
+        self,
+        up: aiohttp.ClientResponse,
+        resp: web.StreamResponse,
+        st: Stream,
+        cont: bool,
+        buf: bytearray,
+    ) -> web.StreamResponse:
+        """Relay upstream events to the client until `[DONE]` (StreamCut before it)."""
+        while True:
+            for raw in migration.events(buf):
+                data = migration.data_of(raw)
+                if data == b"[DONE]":
+                    return await self._finish(resp, st)
+                try:
+                    obj = json.loads(data) if data is not None else None
+                except ValueError:
+                    obj = None
+                if not isinstance(obj, dict):  # not a JSON chunk: through as it came
+                    await write(resp, raw)
+                    st.wrote += 1
+                    continue
+                if "error" in obj:  # the engine's own error end: through, then stop
+                    await write(resp, raw)
+                    await resp.write_eof()
+                    self.broken += 1
+                    return resp
+                for body in st.reshape(obj) if cont else [obj]:
+                    tokens = len(st.emitted)
+                    st.seen(body)
+                    await write(resp, raw if not cont else migration.sse(body))
+                    st.wrote += 1
+                    if st.cut_at and len(st.emitted) > tokens:
+                        self._resumed(st, tokens)
+            chunk = await up.content.readany()
+            if not chunk:
+                raise StreamCut("the upstream stream ended before data: [DONE]")
+            buf += chunk

@@ -1,0 +1,249 @@
+"""Token-replay migration of a streamed reply: what the router keeps per stream, and how it
+continues the stream on the next primary when the one answering dies or is fenced.
+
+The router asks the engine for `return_token_ids` (vLLM's extension; engine/api.py): each
+chunk then carries the ids of its tokens and the first one the prompt's ids. After a cut
+the continuation is a `/v1/completions` request of the prompt's ids followed by the ids
+already sent, with `max_tokens` reduced by them and the same sampling fields. A chat
+request is continued the same way, at the token level (the chat template is not rendered
+again), and its chunks are reshaped into chat chunks. The client sees one stream: the
+first chunk's id and `created` throughout, no token twice, none missing, the continuation's
+`finish_reason`, and (chat with `stream_options.include_usage`) usage over the whole answer.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+DONE = b"data: [DONE]\n\n"
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# the request fields a continuation keeps: what decides which tokens come next
+KEEP = (
+    "model",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "n",
+    "best_of",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "user",
+)
+# upper bounds (s) of the stream stall histogram's buckets
+STALL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class StreamCut(Exception):
+    """The upstream stream ended before `data: [DONE]` (an EOF, not an error)."""
+
+
+@dataclass
+class Stream:
+    """One streamed request under way: the request, and what its client has seen."""
+
+    path: str  # COMPLETIONS or CHAT, as the client asked
+    request: dict[str, Any]
+    prompt_ids: list[int] | None = None  # from the first chunk
+    emitted: list[int] = field(default_factory=list)  # token ids sent to the client
+    chunk_id: str = ""
+    created: int = 0
+    model: str = ""
+    finish_reason: str | None = None
+    usage_sent: bool = False
+    migrated: int = 0  # continuations started
+    last_token_at: float = 0.0  # monotonic time of the last token chunk written
+    cut_at: float = 0.0  # last_token_at of a cut not yet resumed (0: none)
+    pending: bool = False  # a migration under way: it succeeds at [DONE]
+    wrote: int = 0  # events written to the client
+    epoch: int = 0  # of the primary answering now
+
+    @property
+    def chat(self) -> bool:
+        return self.path == CHAT
+
+    @property
+    def max_tokens(self) -> int | None:
+        r = self.request
+        if self.chat:
+            value = r.get("max_completion_tokens") or r.get("max_tokens")
+        else:
+            value = r.get("max_tokens", DEFAULT_MAX_TOKENS)
+        return value if isinstance(value, int) else None
+
+    @property
+    def wants_usage(self) -> bool:
+        opts = self.request.get("stream_options")
+        return self.chat and isinstance(opts, dict) and bool(opts.get("include_usage"))
+
+    def first_body(self) -> bytes:
+        return json.dumps({**self.request, "return_token_ids": True}).encode()
+
+    def can_continue(self) -> bool:
+        """Whether the ids needed for a continuation are known."""
+        return self.prompt_ids is not None
+
+    def left(self) -> int | None:
+        """Tokens still owed to the client (None: as many as fit)."""
+        m = self.max_tokens
+        return None if m is None else m - len(self.emitted)
+
+    def continuation(self) -> bytes:
+        """The `/v1/completions` body that continues this stream where it was cut."""
+        prompt = self.prompt_ids if self.prompt_ids is not None else []
+        body = {k: self.request[k] for k in KEEP if k in self.request}
+        body.update(
+            prompt_token_ids=[*prompt, *self.emitted],
+            max_tokens=self.left(),
+            stream=True,
+            return_token_ids=True,
+            skip_special_tokens=self.chat,  # as the chat reply decodes
+        )
+        return json.dumps(body).encode()
+
+    # ---- reading chunks ----
+    def seen(self, event: dict[str, Any]) -> None:
+        """Record what one chunk going to the client carries."""
+        if not self.chunk_id:
+            self.chunk_id = str(event.get("id", ""))
+            self.created = int(event.get("created", 0) or 0)
+            self.model = str(event.get("model", ""))
+        if "usage" in event and event.get("usage"):
+            self.usage_sent = True
+        for choice in event.get("choices") or ():
+            if self.prompt_ids is None and isinstance(choice.get("prompt_token_ids"), list):
+                self.prompt_ids = list(choice["prompt_token_ids"])
+            ids = choice.get("token_ids") or ()
+            if ids:
+                self.emitted.extend(ids)
+                self.last_token_at = time.monotonic()
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = choice["finish_reason"]
+
+    def reshape(self, event: dict[str, Any]) -> list[dict[str, Any]]:
+        """A continuation's completion chunk as the client's stream carries it."""
+        out: list[dict[str, Any]] = []
+        for choice in event.get("choices") or ():
+            text = str(choice.get("text", ""))
+            ids = list(choice.get("token_ids") or ())
+            finish = choice.get("finish_reason")
+            if not self.chat:
+                c = {"index": 0, "text": text, "token_ids": ids, "finish_reason": finish}
+                out.append(self.envelope([c]))
+                continue
+            if ids or text:
+                delta = {"index": 0, "delta": {"content": text}, "logprobs": None}
+                out.append(self.envelope([{**delta, "finish_reason": None, "token_ids": ids}]))
+            if finish is not None:
+                end = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}
+                out.append(self.envelope([end]))
+        return out
+
+    def envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {
+            "id": self.chunk_id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def closing(self) -> list[dict[str, Any]]:
+        """What goes before `[DONE]` that the continuation did not send: a finish chunk
+        when every owed token was sent but no finish_reason, and usage when asked for."""
+        out: list[dict[str, Any]] = []
+        if self.finish_reason is None and self.left() == 0:
+            self.finish_reason = "length"
+            if self.chat:
+                out.append(
+                    self.envelope(
+                        [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}]
+                    )
+                )
+            else:
+                choice = {"index": 0, "text": "", "token_ids": [], "finish_reason": "length"}
+                out.append(self.envelope([choice]))
+        if self.wants_usage and not self.usage_sent and self.prompt_ids is not None:
+            prompt, done = len(self.prompt_ids), len(self.emitted)
+            usage = {"prompt_tokens": prompt, "completion_tokens": done}
+            out.append({**self.envelope([]), "usage": {**usage, "total_tokens": prompt + done}})
+            self.usage_sent = True
+        return out
+
+    def complete(self) -> bool:
+        """Whether nothing is owed: the stream may end with `[DONE]` without an upstream."""
+        return self.finish_reason is not None or self.left() == 0
+
+
+def plan(method: str, path: str, body: bytes) -> Stream | None:
+    """The `Stream` of a streamed generation request, else None (relayed as bytes)."""
+    if method != "POST" or path not in (COMPLETIONS, CHAT):
+        return None
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return None  # the engine answers it with its 400
+    if not isinstance(request, dict) or request.get("stream") is not True:
+        return None
+    if path == COMPLETIONS and (request.get("n") or 1) != 1:
+        return None
+    return Stream(path, request)
+
+
+def events(buf: bytearray) -> list[bytes]:
+    """Take the complete server-sent events out of `buf` (each with its blank line)."""
+    out = []
+    while (end := buf.find(b"\n\n")) >= 0:
+        out.append(bytes(buf[: end + 2]))
+        del buf[: end + 2]
+    return out
+
+
+def data_of(event: bytes) -> bytes | None:
+    """The data of one event (its `data:` lines joined), None if it has none."""
+    lines = [ln[5:].lstrip() for ln in event.split(b"\n") if ln.startswith(b"data:")]
+    return b"\n".join(lines) if lines else None
+
+
+def sse(body: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+def error_event(message: str, kind: str = "upstream_error", code: str | None = None) -> bytes:
+    """The end of a stream that cannot be completed: OpenAI's error shape, no `[DONE]`."""
+    return sse({"error": {"message": message, "type": kind, "param": None, "code": code}})
+
+
+@dataclass
+class Stalls:
+    """Stream stalls seen by clients (last token before a cut to the first after it): a
+    histogram, bucket counts not cumulative."""
+
+    buckets: list[int] = field(default_factory=lambda: [0] * (len(STALL_BUCKETS) + 1))
+    total: float = 0.0
+    count: int = 0
+
+    def observe(self, seconds: float) -> None:
+        self.buckets[bisect.bisect_left(STALL_BUCKETS, seconds)] += 1
+        self.total += seconds
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        edges = [*(f"{b:g}" for b in STALL_BUCKETS), "+Inf"]
+        running, out = 0, []
+        for edge, n in zip(edges, self.buckets, strict=True):
+            running += n
+            out.append((edge, float(running)))
+        return out

@@ -1,0 +1,191 @@
+"""Streams through the router survive a kill -9 of the primary: the router continues each
+cut stream on the promoted standby by token replay, and the client sees one stream equal
+to the same request run without a fault. With no primary to continue on, the stream ends
+with an error event and no `[DONE]`, and the official `openai` client raises.
+
+Real `supervisor run`, real engines (`python -m engine`) on the tiny checkpoint; answers are
+sized in tokens (long enough that a kill after 20 chunks lands mid-stream)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.engines.harness import Supervisor, free_port, get, write_policy
+
+openai = pytest.importorskip("openai")
+
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
+TOKENS = 480  # the tiny checkpoint's context is 512
+CUT_AFTER = 20  # chunks read before the primary is killed
+ENGINE = ["{python}", "-m", "engine"]
+
+
+def boot(base: Path, model: Path, **sections: Any) -> Supervisor:
+    policy = write_policy(
+        base / "policy.yaml",
+        model,
+        base / "run",
+        **{
+            "engines": {"command": ENGINE, "ready_timeout_s": 120, "stop_grace_s": 5.0},
+            "heartbeat": {"interval_ms": 100, "miss_limit": 10},
+            **sections,
+        },
+    )
+    return Supervisor(policy)
+
+
+def stream(router: str, path: str = "/v1/completions", **fields: Any) -> Iterator[bytes]:
+    """The data of each server-sent event of one streamed request, as it arrives."""
+    host, port = router.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    body = {"stream": True, "ignore_eos": True, **fields}
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    try:
+        buf = b""
+        while chunk := resp.read1(65536):
+            buf += chunk
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                yield event.removeprefix(b"data: ")
+    finally:
+        conn.close()
+
+
+def token_ids(events: list[bytes]) -> list[int]:
+    ids: list[int] = []
+    for data in events:
+        if data != b"[DONE]":
+            for choice in json.loads(data).get("choices", []):
+                ids.extend(choice.get("token_ids") or [])
+    return ids
+
+
+def cut_stream(sup: Supervisor, **fields: Any) -> list[bytes]:
+    """A stream whose primary is killed with SIGKILL after CUT_AFTER chunks."""
+    events: list[bytes] = []
+    for data in stream(sup.router, **fields):
+        events.append(data)
+        if len(events) == CUT_AFTER:
+            os.kill(get(f"{sup.api}/primary")[1]["pid"], signal.SIGKILL)
+    return events
+
+
+def migrations(sup: Supervisor) -> dict[str, float]:
+    text = get_text(f"{sup.api}/metrics")
+    out = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "holdfast_supervisor_router_migrations":
+            for s in family.samples:
+                if s.name.endswith("_total"):
+                    out[s.labels["outcome"]] = s.value
+        if family.name == "holdfast_supervisor_router_stream_stall_seconds":
+            for s in family.samples:
+                if s.name.endswith("_count"):
+                    out["stalls"] = s.value
+    return out
+
+
+def get_text(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return str(r.read().decode())
+
+
+def test_a_stream_cut_by_kill_9_is_continued_on_the_standby(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    sup = boot(tmp_path, tiny_model)
+    try:
+        first = sup.wait_pair()
+        reference = list(stream(sup.router, prompt_token_ids=PROMPT, max_tokens=TOKENS))
+        assert reference[-1] == b"[DONE]" and len(token_ids(reference)) == TOKENS
+        mark = sup.tap.mark()
+        events = cut_stream(sup, prompt_token_ids=PROMPT, max_tokens=TOKENS)
+        promoted = sup.wait(lambda e: e.event == "promoted", timeout=10, after=mark)
+        assert promoted.name != first.name and promoted.epoch == first.epoch + 1
+        migrated = sup.wait(lambda e: e.topic == "router.main.migrated", timeout=10, after=mark)
+        assert 0 < migrated.data["tokens"] < TOKENS
+        # one stream: every token once, the same ones as without the fault, a finish, [DONE]
+        assert events[-1] == b"[DONE]"
+        assert token_ids(events) == token_ids(reference)
+        finals = [
+            c["finish_reason"]
+            for d in events[:-1]
+            for c in json.loads(d)["choices"]
+            if c["finish_reason"] is not None
+        ]
+        assert finals == ["length"]
+        assert len({json.loads(d)["id"] for d in events[:-1]}) == 1
+        counts = migrations(sup)
+        assert (counts["attempted"], counts["succeeded"], counts["failed"]) == (1, 1, 0)
+        assert counts["stalls"] == 1
+        assert sup.stop(signal.SIGTERM) == 0, sup.output()
+    finally:
+        if sup.proc.poll() is None:
+            sup.stop(signal.SIGKILL)
+
+
+def test_a_cut_stream_with_no_primary_to_continue_on_ends_with_an_error(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    sup = boot(
+        tmp_path,
+        tiny_model,
+        engines={"command": ENGINE, "standby": 0, "ready_timeout_s": 120},
+        router={"listen": f"127.0.0.1:{free_port()}", "retry_deadline_s": 0.5},
+        restart={"initial_s": 60.0, "max_s": 60.0, "jitter_s": 0.0},
+    )
+    try:
+        sup.wait(lambda e: e.event == "promoted", timeout=180)
+        # raw: an error event in OpenAI's shape, and no [DONE]
+        events = cut_stream(sup, prompt_token_ids=PROMPT, max_tokens=TOKENS)
+        assert b"[DONE]" not in events
+        last = json.loads(events[-1])
+        assert set(last) == {"error"} and last["error"]["type"] == "upstream_error"
+        assert "retry_deadline_s" in last["error"]["message"]
+        assert 0 < len(token_ids(events)) < TOKENS
+        assert migrations(sup)["failed"] == 1
+    finally:
+        sup.stop(signal.SIGKILL)
+
+
+def test_the_openai_client_raises_on_a_stream_that_cannot_be_continued(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    sup = boot(
+        tmp_path,
+        tiny_model,
+        engines={"command": ENGINE, "standby": 0, "ready_timeout_s": 120},
+        router={"listen": f"127.0.0.1:{free_port()}", "migration_limit": 0},
+    )
+    try:
+        sup.wait(lambda e: e.event == "promoted", timeout=180)
+        client = openai.OpenAI(base_url=sup.router + "/v1", api_key="-", max_retries=0)
+        chunks = client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=TOKENS,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        seen = 0
+        with pytest.raises(openai.APIError, match="migration_limit"):
+            for _ in chunks:
+                seen += 1
+                if seen == CUT_AFTER:
+                    os.kill(get(f"{sup.api}/primary")[1]["pid"], signal.SIGKILL)
+        assert CUT_AFTER <= seen < TOKENS
+    finally:
+        sup.stop(signal.SIGKILL)
