@@ -19,9 +19,11 @@ import yaml
 
 from holdfast_contract.command import FORKABLE, is_forkable, template_errors
 from holdfast_contract.env import DEFAULT_HEARTBEAT_MS
-from supervisor import schema
+from holdfast_contract.formats import Dtype, Quantization
+from supervisor import schema, vllm_kind
 from supervisor.errors import PolicyError
 from supervisor.fleet.spec import ClusterSpec, advertise_errors, cluster_errors
+from supervisor.vllm_spec import VllmSpec
 
 
 class _Spec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
