@@ -34,6 +34,7 @@ from prometheus_client.core import (
 from holdfast_contract.events import Event
 from supervisor.aio import cancel_all
 from supervisor.events import EventBus
+from supervisor.migration import Stalls
 
 PREFIX = "holdfast_supervisor_"
 KINDS = ("daemon", "engine")
@@ -52,6 +53,8 @@ class RouterCounts(Protocol):
     retried: int
     failed: int
     broken: int
+    migrations: dict[str, int]  # attempted, succeeded, failed
+    stalls: Stalls
 
 
 @dataclass
@@ -253,6 +256,20 @@ class SupervisorMetrics:
                 ("router_broken_streams", r.broken, "responses cut off after their first byte"),
             ):
                 yield CounterMetricFamily(PREFIX + key, help_, value=n)
+            migrations = CounterMetricFamily(
+                PREFIX + "router_migrations",
+                "cut streams continued on the next primary, by outcome",
+                labels=["outcome"],
+            )
+            for outcome, n in r.migrations.items():
+                migrations.add_metric([outcome], n)
+            yield migrations
+            yield HistogramMetricFamily(
+                PREFIX + "router_stream_stall_seconds",
+                "a migrated stream's last token before the cut to its first after it",
+                buckets=r.stalls.cumulative(),
+                sum_value=r.stalls.total,
+            )
 
 
 def _reason(reason: object) -> str:

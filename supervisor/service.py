@@ -100,6 +100,7 @@ class Service:
         self.launcher: EngineLauncher | None = None
         self.cluster: Cluster | None = None
         self._control_server: ControlServer | None = None
+        self.router: Router | None = None
 
     def _own(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
         self._tasks.append(asyncio.get_running_loop().create_task(coro, name=name))
@@ -192,6 +193,7 @@ class Service:
             self.policy, bus, self.view, hub=hub, launcher=launcher, daemons=daemons
         )
         inbox.attach(c)
+        self._own(c.pace.run(), "pace")
         if self.policy.cluster is not None and isinstance(self.view, FleetView):
             self.node = Node(self.policy.cluster, self.policy.api.listen, bus, c, self.view)
         await self._listen(c, rd, hub)
@@ -238,7 +240,8 @@ class Service:
         self._control_server = control
         self._own(control.serve(), "control")
         spec = self.policy.cluster
-        router = Router(self.policy.router, self.view, spec.node if spec else "")
+        router = Router(self.policy.router, self.view, spec.node if spec else "", c.bus.emit)
+        self.router = router
         # a client that hangs up cancels its routed request, so the engine stops generating
         await self._serve_http(router.app(), "router.listen", cancel_on_hangup=True)
         metrics = SupervisorMetrics(c.bus, router=router, agents=hub, control=control)
@@ -287,6 +290,8 @@ class Service:
                 raise StartupError(f"supervisor task {t.get_name()} failed") from t.exception()
 
     async def _teardown(self) -> None:
+        if self.router is not None:  # new requests: 503 now; those under way go on
+            self.router.stop()
         # leave the cluster first (the lease is revoked): another node takes over at once
         await cancel_all([t for t in self._tasks if t.get_name() == "fleet"])
         if self.cluster is not None:
