@@ -18,6 +18,7 @@ from bench.cuda_procs import env
 ATTACH = r"""
 import gc, json, statistics, sys, time, torch
 from cachedaemon import protocol
+from holdfast_contract import wire
 from cachedaemon.backends import get_backend
 from cachedaemon.loader import dtype_of
 t0 = time.perf_counter(); torch.zeros(1, device="cuda:0"); torch.cuda.synchronize()
@@ -27,12 +28,12 @@ from cachedaemon.client import attach_state_dict
 def one_op_views(sock):
     # connect + manifest, import + map, then one as_strided per tensor over typed chunk views
     t0 = time.perf_counter()
-    reply, fds = protocol.call(sock, protocol.AttachRequest(None), max_fds=protocol.MAX_FDS)
+    reply, fds = protocol.call(sock, protocol.AttachRequest(None), max_fds=wire.MAX_FDS)
     m = reply.manifest
     t1 = time.perf_counter()
     backend = get_backend(m.backend, m.device)
     maps = [backend.open(fd, c.size) for fd, c in zip(fds, m.chunks)]
-    protocol.close_fds(fds)
+    wire.close_fds(fds)
     t2 = time.perf_counter()
     typed, out = {}, {}
     for e in m.tensors:

@@ -18,6 +18,7 @@ from cachedaemon.hf import fill_buffers
 from cachedaemon.loader import load_state_dict
 from cachedaemon.pool import views
 from holdfast_contract import wire
+from holdfast_contract.errors import ProtocolError
 
 log = structlog.get_logger("cachedaemon.client")
 
@@ -42,10 +43,14 @@ class Attached:
 def attach(
     socket_path: str | Path, config: CacheConfig | None = None, *, timeout: float = 10.0
 ) -> Attached:
-    """Connect, get manifest + fds, map every chunk read-only, build the views."""
-    reply, fds = protocol.call(
-        str(socket_path), protocol.AttachRequest(config), max_fds=wire.MAX_FDS, timeout=timeout
-    )
+    """Connect, get manifest + fds, map every chunk read-only, build the views. Every
+    failure is a CacheError (a bad or missing reply too)."""
+    try:
+        reply, fds = protocol.call(
+            str(socket_path), protocol.AttachRequest(config), max_fds=wire.MAX_FDS, timeout=timeout
+        )
+    except ProtocolError as exc:
+        raise CacheError(f"daemon at {socket_path}: {exc}") from exc
     if isinstance(reply, protocol.Mismatch):
         raise CacheMismatch(reply.fields)
     if not isinstance(reply, protocol.AttachReply):

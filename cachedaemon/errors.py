@@ -1,4 +1,7 @@
-"""One root exception for the weight cache; every failure a user can act on is one of these."""
+"""One root exception for the weight cache; every failure a user can act on is one of these.
+
+A bad frame on the daemon's or the keeper's socket is the wire's
+`holdfast_contract.errors.ProtocolError`, shared by every holdfast socket."""
 
 from __future__ import annotations
 
@@ -31,10 +34,6 @@ class CacheMismatch(CacheError):
             or "the daemon's pool was built for another config; fields that differ: "
             + ", ".join(self.fields)
         )
-
-
-class ProtocolError(CacheError):
-    """A frame on a holdfast socket is garbage, truncated, oversized or unexpected."""
 
 
 class DaemonUnavailable(CacheError):

@@ -22,7 +22,8 @@ from collections.abc import Callable
 import structlog
 
 from cachedaemon import protocol
-from cachedaemon.errors import ProtocolError
+from holdfast_contract import wire
+from holdfast_contract.errors import ProtocolError
 
 log = structlog.get_logger("cachedaemon.server")
 
@@ -76,7 +77,7 @@ class FrameServer:
     def _dispatch(self, conn: socket.socket) -> bool:
         """Give `conn` a thread: a user's or a refusal's; False when no slot is free."""
         try:
-            uid = protocol.peer_uid(conn)
+            uid = wire.peer_uid(conn)
         except OSError:
             return False
         if uid != os.getuid():
@@ -118,7 +119,7 @@ class FrameServer:
         log.warning("peer refused", peer_uid=uid)
         msg = f"peer uid {uid} is not this server's uid {os.getuid()}; connect as that user"
         try:
-            protocol.drop_frame(conn, within=self._refused_timeout)
+            wire.drop_frame(conn, max_frame=protocol.MAX_FRAME, within=self._refused_timeout)
             conn.settimeout(self._refused_timeout)
             protocol.send(conn, protocol.ErrorReply(msg))
         except (OSError, ProtocolError) as exc:
@@ -143,4 +144,4 @@ class FrameServer:
                 protocol.send(conn, reply, reply_fds)
             finally:
                 if self._close_reply_fds:
-                    protocol.close_fds(reply_fds)
+                    wire.close_fds(reply_fds)

@@ -17,6 +17,7 @@ from cachedaemon import protocol
 from cachedaemon.frameserver import FrameServer, Reply
 from cachedaemon.manifest import Manifest
 from cachedaemon.rundir import claim, listen, prepare, write_json_atomic
+from holdfast_contract import wire
 
 log = structlog.get_logger("cachedaemon.keeper")
 MAX_POOL_BYTES = 2**63 - 1  # a pool size a reply can carry
@@ -28,7 +29,7 @@ def _dup_all(fds: list[int]) -> list[int]:
         for fd in fds:
             dups.append(os.dup(fd))
     except OSError:
-        protocol.close_fds(dups)
+        wire.close_fds(dups)
         raise
     return dups
 
@@ -60,7 +61,7 @@ class Keeper:
             sock,
             self._handle,
             read_timeout=self._timeout,
-            max_fds=protocol.MAX_FDS,
+            max_fds=wire.MAX_FDS,
             close_reply_fds=True,
         )
         self._server.start()
@@ -76,7 +77,7 @@ class Keeper:
         Path(str(self.socket_path) + ".ready").unlink(missing_ok=True)
         with self._lock:
             for esc in self._pools.values():
-                protocol.close_fds(esc.fds)
+                wire.close_fds(esc.fds)
             self._pools.clear()
 
     def __enter__(self) -> Keeper:
@@ -95,7 +96,7 @@ class Keeper:
     def _handle(self, msg: protocol._Msg, fds: list[int]) -> Reply:
         if isinstance(msg, protocol.Deposit):
             return self._deposit(msg, fds)
-        protocol.close_fds(fds)  # only a deposit carries fds
+        wire.close_fds(fds)  # only a deposit carries fds
         if isinstance(msg, protocol.Reclaim):
             with self._lock:
                 esc = self._pools.get(msg.fingerprint)
@@ -110,7 +111,7 @@ class Keeper:
             with self._lock:
                 gone = self._pools.pop(msg.fingerprint, None)
             if gone is not None:
-                protocol.close_fds(gone.fds)
+                wire.close_fds(gone.fds)
                 log.info("pool withdrawn", fingerprint=msg.fingerprint)
             return protocol.Ok(), []
         if isinstance(msg, protocol.ListPools):
@@ -119,13 +120,13 @@ class Keeper:
 
     def _deposit(self, msg: protocol.Deposit, fds: list[int]) -> Reply:
         if len(fds) != len(msg.manifest.chunks):
-            protocol.close_fds(fds)
+            wire.close_fds(fds)
             return protocol.ErrorReply(
                 f"deposit carries {len(fds)} fds for {len(msg.manifest.chunks)} chunks"
             ), []
         sizes = [c.size for c in msg.manifest.chunks]
         if min(sizes, default=0) < 0 or sum(sizes) > MAX_POOL_BYTES:  # ListPools must carry it
-            protocol.close_fds(fds)
+            wire.close_fds(fds)
             return protocol.ErrorReply(
                 f"deposit's chunk sizes must be >= 0 and add up to at most {MAX_POOL_BYTES}"
             ), []
@@ -133,7 +134,7 @@ class Keeper:
             old = self._pools.pop(msg.manifest.fingerprint, None)
             self._pools[msg.manifest.fingerprint] = _Escrow(msg.manifest, fds)
         if old is not None:
-            protocol.close_fds(old.fds)
+            wire.close_fds(old.fds)
         log.info(
             "pool deposited",
             fingerprint=msg.manifest.fingerprint,

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from cachedaemon.errors import SocketDirError
+from holdfast_contract import wire
 
 
 def prepare(run_dir: str | Path) -> Path:
@@ -72,18 +73,6 @@ def read_owner(ready: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def socket_answers(sock_path: Path) -> bool:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(1.0)
-    try:
-        s.connect(str(sock_path))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
-
-
 def claim(sock_path: Path, ready: Path, what: str) -> None:
     """Remove a stale socket / ready file; refuse if their owner still lives."""
     owner = read_owner(ready) or {}
@@ -97,7 +86,7 @@ def claim(sock_path: Path, ready: Path, what: str) -> None:
             f"{what} is already served by live pid {pid} ({ready}); "
             "stop it first or choose another --runtime-dir"
         )
-    if sock_path.exists() and socket_answers(sock_path):
+    if wire.socket_answers(sock_path):
         raise SocketDirError(
             f"{sock_path} answers: another process serves {what}; stop it or choose another --runtime-dir"
         )

@@ -15,7 +15,7 @@ import structlog
 from cachedaemon import protocol
 from cachedaemon.backends import Backend, get_backend
 from cachedaemon.config import CacheConfig, LoadOptions
-from cachedaemon.errors import DaemonUnavailable, ProtocolError
+from cachedaemon.errors import DaemonUnavailable
 from cachedaemon.frameserver import FrameServer, Reply
 from cachedaemon.pool import Pool, build_pool
 from cachedaemon.rundir import (
@@ -27,6 +27,8 @@ from cachedaemon.rundir import (
     start_time,
     write_json_atomic,
 )
+from holdfast_contract import wire
+from holdfast_contract.errors import ProtocolError
 from holdfast_contract.ready import DaemonReady, daemon_ready_path
 
 log = structlog.get_logger("cachedaemon.daemon")
@@ -48,7 +50,7 @@ def reclaim(keeper: str, config: CacheConfig, backend: Backend, verify: bool) ->
     """The keeper's pool for this config, checked; None when there is none or it is bad."""
     fp = config.fingerprint()
     try:
-        reply, fds = protocol.call(keeper, protocol.Reclaim(fp), max_fds=protocol.MAX_FDS)
+        reply, fds = protocol.call(keeper, protocol.Reclaim(fp), max_fds=wire.MAX_FDS)
     except (DaemonUnavailable, ProtocolError, OSError) as exc:
         log.warning("keeper unavailable; loading from disk", keeper=keeper, error=str(exc))
         return None
@@ -210,7 +212,7 @@ class Daemon:
             self.pool = None
 
     def _handle(self, msg: protocol._Msg, fds: list[int]) -> Reply:
-        protocol.close_fds(fds)
+        wire.close_fds(fds)
         pool = self.pool
         if pool is None:
             return protocol.ErrorReply("the daemon is not serving yet"), []

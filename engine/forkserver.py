@@ -35,11 +35,11 @@ from typing import Any
 import msgspec
 import structlog
 
-from cachedaemon import protocol
-from cachedaemon.errors import ProtocolError
-from cachedaemon.rundir import listen, socket_answers
+from cachedaemon.rundir import listen
 from engine import spare
 from engine.errors import EngineError
+from holdfast_contract import wire
+from holdfast_contract.errors import ProtocolError
 from holdfast_contract.forkserver import (
     MAX_FRAME,
     Exited,
@@ -60,7 +60,7 @@ PRELOAD = ("engine.app", "engine.model", "engine.runner", "engine.weights", "eng
 # ---- server ----
 def bind(path: Path) -> socket.socket:
     """Listen on `path`: refused if a server answers there, a dead one's socket replaced."""
-    if socket_answers(path):
+    if wire.socket_answers(path):
         raise EngineError(f"a fork server already listens on {path}")
     path.unlink(missing_ok=True)  # left by one that died
     staging = path.with_name(f".{path.name}.{os.getpid()}")
@@ -71,45 +71,23 @@ def bind(path: Path) -> socket.socket:
 
 
 class _Request:
-    """A connection whose request is still arriving: its bytes, its fds, its deadline.
-    Read as it comes, so one slow or silent peer never holds up the others."""
+    """A connection whose request is still arriving (a `wire.FrameReader`), its deadline,
+    and the refusal it gets once read, if any."""
 
     def __init__(self, conn: socket.socket, refusal: str = "") -> None:
         self.conn = conn
         self.refusal = refusal  # read it all the same, then refuse it with this
-        self.buf = bytearray()
-        self.fds: list[int] = []
+        self.reader = wire.FrameReader(max_frame=MAX_FRAME, max_fds=3)
+        self.fds = self.reader.fds  # stdin, stdout, stderr once it is whole
         self.deadline = time.monotonic() + READ_TIMEOUT
 
     def feed(self) -> bytes | None:
         """Read what has arrived; the body once whole, else None. Raises ProtocolError or
         EOFError on a bad frame or a closed connection (the fds stay in `fds`)."""
-        size = protocol._HEADER.size
-        length = protocol._HEADER.unpack(self.buf[:size])[0] if len(self.buf) >= size else 0
-        need = size - len(self.buf) if len(self.buf) < size else size + length - len(self.buf)
-        try:
-            if not self.buf:  # the fds ride on the first byte
-                data, fds, flags, _ = socket.recv_fds(self.conn, 1, 3)
-                self.fds += fds
-                if flags & socket.MSG_CTRUNC:
-                    raise ProtocolError("more than 3 fds sent with one frame")
-            else:
-                data = self.conn.recv(need)
-        except BlockingIOError:
-            return None
-        if not data:
-            raise EOFError(f"connection closed mid-frame ({len(self.buf)} bytes)")
-        self.buf += data
-        if len(self.buf) == size:
-            (length,) = protocol._HEADER.unpack(self.buf)
-            if length > MAX_FRAME:
-                raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME}-byte cap")
-        if len(self.buf) < size or len(self.buf) < size + length:
-            return None
-        return bytes(self.buf[size:])
+        return self.reader.feed(self.conn)
 
     def close(self) -> None:
-        protocol.close_fds(self.fds)
+        wire.close_fds(self.fds)
         self.conn.close()
 
 
@@ -157,7 +135,7 @@ class Server:
             log.warning("accept failed", error=str(e))
             return
         try:
-            uid: int | None = protocol.peer_uid(conn)
+            uid: int | None = wire.peer_uid(conn)
         except OSError:
             uid = None
         refusal = ""
@@ -202,7 +180,7 @@ class Server:
             conn.close()
             return
         finally:
-            protocol.close_fds(fds)
+            wire.close_fds(fds)
             fds.clear()
         self.children[pidfd] = (pid, conn)
         with contextlib.suppress(OSError):  # a client gone already: its engine runs on
@@ -335,11 +313,9 @@ class Server:
         data, fds, _, _ = socket.recv_fds(sock, _CLAIM.size, 3)
         if not data:
             return 0  # dropped, or the server is gone
-        while len(data) < _CLAIM.size and (more := sock.recv(_CLAIM.size - len(data))):
-            data += more
+        data += wire.recv_exact(sock, _CLAIM.size - len(data), "spare's claim")
         arrived, warm_ms = _CLAIM.unpack(data)
-        head = _read_exact(sock, protocol._HEADER.size)
-        body = _read_exact(sock, protocol._HEADER.unpack(head)[0])
+        body, _ = wire.recv_frame(sock, max_frame=MAX_FRAME, what="claimed request")
         claimed.set()
         sock.close()
         return self._become(decode_spawn(body), fds, arrived, spare_ms=warm_ms)
@@ -384,7 +360,7 @@ class Server:
         """Run the engine `spawn` asks for, on its fds, its clock started at `t0`."""
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
-        protocol.close_fds([fd for fd in fds if fd > 2])
+        wire.close_fds([fd for fd in fds if fd > 2])
         os.environ.clear()
         os.environ.update(spawn.env)
         os.chdir(spawn.cwd)
@@ -397,16 +373,6 @@ class Server:
             return main(spawn.argv, t0=t0, spare_ms=spare_ms)
         except SystemExit as e:  # argparse: --help, or a usage error
             return e.code if isinstance(e.code, int) else 2
-
-
-def _read_exact(sock: socket.socket, n: int) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        part = sock.recv(n - len(data))
-        if not part:
-            raise EOFError(f"the server closed a spare's claim after {len(data)} of {n} bytes")
-        data += part
-    return bytes(data)
 
 
 def die_with(pid: int, unless: threading.Event | None = None) -> None:

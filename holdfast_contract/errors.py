@@ -17,3 +17,7 @@ class EnvError(ContractError):
 
 class ForkServerError(ContractError):
     """No engine fork server answers, or it refused the request; the message says which."""
+
+
+class ProtocolError(ContractError):
+    """A frame on a holdfast socket is garbage, truncated, oversized or unexpected."""

@@ -3,24 +3,24 @@
 A connection to the fork server's unix socket carries one `Spawn` (the engine's flags,
 environment and working directory; stdin, stdout and stderr ride beside it as SCM_RIGHTS
 file descriptors) and gets `Started(pid)` at once, or `Refused(message)`; `Exited(code)`
-follows on the same connection when the engine ends. Each message is one frame: a 4-byte
-big-endian length, then a tagged msgpack struct. The server is `python -m engine.forkserver`;
-the supervisor starts it as a process and speaks to it through this module only.
+follows on the same connection when the engine ends. Each message is one frame of
+`holdfast_contract.wire`: a length header, then a tagged msgpack struct. The server is
+`python -m engine.forkserver`; the supervisor starts it as a process and speaks to it
+through this module only.
 """
 
 from __future__ import annotations
 
 import socket
-import struct
 from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
 
-from holdfast_contract.errors import ForkServerError
+from holdfast_contract import wire
+from holdfast_contract.errors import ForkServerError, ProtocolError
 
-MAX_FRAME = 1 << 20
-_HEADER = struct.Struct(">I")
+MAX_FRAME = 1 << 20  # flags, environment and cwd of one engine; far more than any needs
 
 
 class Spawn(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
@@ -49,8 +49,8 @@ _encode = msgspec.msgpack.Encoder().encode
 
 
 def frame(msg: Spawn | Started | Exited | Refused) -> bytes:
-    """`msg` encoded, with its length header."""
-    return _HEADER.pack(len(body := _encode(msg))) + body
+    """`msg` encoded, with its length header; ProtocolError past MAX_FRAME."""
+    return wire.frame_of(_encode(msg), MAX_FRAME)
 
 
 def decode_spawn(body: bytes) -> Spawn:
@@ -58,29 +58,15 @@ def decode_spawn(body: bytes) -> Spawn:
     return _spawn_decoder.decode(body)
 
 
-def _read(sock: socket.socket, n: int) -> bytes:
-    """`n` bytes, or fewer when the connection closes first."""
-    data = bytearray()
-    while len(data) < n and (part := sock.recv(n - len(data))):
-        data += part
-    return bytes(data)
-
-
 def read_reply(sock: socket.socket) -> Started | Exited | Refused:
     """The next reply on a request's connection; ForkServerError once the server is gone."""
     try:
-        head = _read(sock, _HEADER.size)
-        if len(head) < _HEADER.size:
-            raise ForkServerError("fork server connection: closed before a reply")
-        (length,) = _HEADER.unpack(head)
-        if length > MAX_FRAME:
-            raise ForkServerError(f"fork server connection: a reply of {length} bytes")
-        body = _read(sock, length)
-        if len(body) < length:
-            raise ForkServerError("fork server connection: closed mid-reply")
+        body, _ = wire.recv_frame(sock, max_frame=MAX_FRAME, what="reply")
         reply: Started | Exited | Refused = _reply_decoder.decode(body)
         return reply
-    except (OSError, msgspec.DecodeError) as e:
+    except EOFError as e:
+        raise ForkServerError("fork server connection: closed before a reply") from e
+    except (OSError, ProtocolError, msgspec.DecodeError) as e:
         raise ForkServerError(f"fork server connection: {e}") from e
 
 
@@ -94,11 +80,9 @@ def request(
     try:
         sock.settimeout(timeout)
         sock.connect(str(path))
-        data = frame(spawn)
-        sent = socket.send_fds(sock, [data[:1]], list(fds))
-        sock.sendall(data[sent:])
+        wire.send_frame(sock, frame(spawn), fds)
         reply = read_reply(sock)
-    except (OSError, ForkServerError) as e:
+    except (OSError, ProtocolError, ForkServerError) as e:
         sock.close()
         raise ForkServerError(f"fork server at {path}: {e}") from e
     if not isinstance(reply, Started):

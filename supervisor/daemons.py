@@ -19,6 +19,7 @@ from typing import Any
 
 import structlog
 
+from holdfast_contract.errors import ProtocolError
 from holdfast_contract.ready import DaemonReady, daemon_ready_path, read_daemon_ready
 from supervisor.backoff import RestartBook
 from supervisor.errors import StartupError
@@ -39,7 +40,7 @@ def daemon_status(sock: str, timeout: float = 2.0) -> Any:
 
     try:
         reply, _ = protocol.call(sock, protocol.StatusRequest(), timeout=timeout)
-    except (CacheError, OSError):
+    except (CacheError, ProtocolError, OSError):
         return None
     return reply if isinstance(reply, protocol.StatusReply) else None
 
@@ -218,7 +219,7 @@ class DaemonPool:
                 await protocol.call_async(sock, protocol.Ping(), timeout=deadline)
                 silent_since = None
                 continue
-            except (CacheError, OSError):
+            except (CacheError, ProtocolError, OSError):
                 # a refused or closed connection is what a dying daemon gives: its exit is
                 # seen by `_watch`; only silence that lasts the deadline is a hang
                 silent_since = t0 if silent_since is None else silent_since

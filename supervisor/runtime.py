@@ -12,10 +12,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import socket
 import stat
 from pathlib import Path
 
+from holdfast_contract import wire
 from supervisor.errors import RuntimeDirError
 
 OWN_SOCKETS = ("agents", "control", "events")
@@ -106,25 +106,13 @@ def clear_stale_sockets(run: Path) -> None:
                 f"cannot listen on ipc://{path}: something that is not a socket is in the "
                 f"way; remove {path} or set cache.runtime_dir"
             )
-        if _listening(path):
+        if wire.socket_answers(path):
             raise RuntimeDirError(
                 f"cannot listen on ipc://{path}: another process listens there; stop it "
                 "or set cache.runtime_dir"
             )
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
-
-
-def _listening(path: Path) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(1.0)
-        try:
-            s.connect(str(path))
-        except (ConnectionRefusedError, FileNotFoundError):  # its owner is gone
-            return False
-        except OSError:  # busy or slow: someone is there
-            return True
-    return True
 
 
 def holder_pid(path: str | os.PathLike[str]) -> int | None:

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from cachedaemon import protocol
 from cachedaemon.client import attach_state_dict
+from holdfast_contract import wire
 from tests.conftest import REPO, child_env
 
 
@@ -137,7 +138,7 @@ def test_a_client_cannot_change_the_shared_weights(
         with pytest.raises(PermissionError):
             os.pwrite(fds[0], b"x", 0)
     finally:
-        protocol.close_fds(fds)
+        wire.close_fds(fds)
 
 
 def test_daemon_death_keeps_clients_and_the_keeper_restores_the_pool(
@@ -224,7 +225,7 @@ def test_keeper_pool_with_bad_checksums_is_reloaded_from_disk(
             ),
         )
         protocol.call(str(keeper.socket_path), protocol.Deposit(bad), fds)
-        protocol.close_fds(fds)
+        wire.close_fds(fds)
         keeper_arg = ("--keeper", str(keeper.socket_path), "--verify", verify)
         if verify == "background":
             # serves at once, finds the mismatch, withdraws the pool and exits 3 ...

@@ -26,11 +26,12 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from cachedaemon import protocol
-from cachedaemon.errors import ProtocolError
 from cachedaemon.manifest import ChunkEntry, Manifest
 from holdfast_contract import agent_protocol as sp
 from holdfast_contract import control as wire_control
 from holdfast_contract import forkserver as fs
+from holdfast_contract import wire
+from holdfast_contract.errors import ProtocolError
 from supervisor import control
 from tests.conftest import LoggedProc, child_env
 from tests.engines.harness import Supervisor, write_policy
@@ -105,7 +106,7 @@ class GoodClient:
 def fd_pool(tmp_path: Path) -> Iterator[list[int]]:
     fds = open_fd_pool(str(tmp_path))
     yield fds
-    protocol.close_fds(fds)
+    wire.close_fds(fds)
 
 
 def decodes_as(decode: Callable[[bytes], object]) -> Callable[[bytes], bool]:
@@ -193,8 +194,8 @@ def test_daemon_survives_fuzzing(
     counts = Counts()
 
     def attach() -> None:
-        reply, fds = protocol.call(path, protocol.AttachRequest(), max_fds=protocol.MAX_FDS)
-        protocol.close_fds(fds)
+        reply, fds = protocol.call(path, protocol.AttachRequest(), max_fds=wire.MAX_FDS)
+        wire.close_fds(fds)
         if not isinstance(reply, protocol.AttachReply) or len(fds) != len(reply.manifest.chunks):
             raise AssertionError(f"attach answered {reply!r} with {len(fds)} fds")
 
@@ -231,8 +232,8 @@ def test_keeper_survives_fuzzing(
         os.close(memfd)
 
         def reclaim() -> None:
-            reply, fds = protocol.call(path, protocol.Reclaim(fp), max_fds=protocol.MAX_FDS)
-            protocol.close_fds(fds)
+            reply, fds = protocol.call(path, protocol.Reclaim(fp), max_fds=wire.MAX_FDS)
+            wire.close_fds(fds)
             if reply != protocol.Reclaimed(manifest) or len(fds) != 1:
                 raise AssertionError(f"reclaim answered {reply!r} with {len(fds)} fds")
             pools = protocol.call(path, protocol.ListPools())[0]
@@ -245,7 +246,7 @@ def test_keeper_survives_fuzzing(
         before = fd_count(pid)
         good = GoodClient(reclaim, counts)
         msgs = messages(KEEPER_TYPES, fingerprints)
-        fuzz_frame_server(path, msgs, fd_pool, counts, max_fds=protocol.MAX_FDS)
+        fuzz_frame_server(path, msgs, fd_pool, counts, max_fds=wire.MAX_FDS)
         assert good.stop() == []
         assert keeper.proc.poll() is None, keeper.log[-3000:]
         pools = protocol.call(path, protocol.ListPools())[0]
@@ -656,7 +657,7 @@ def test_a_deposit_too_big_to_list_is_refused(tmp_path: Path) -> None:
             try:
                 reply = protocol.call(path, protocol.Deposit(manifest), fds)[0]
             finally:
-                protocol.close_fds(fds)
+                wire.close_fds(fds)
             assert isinstance(reply, protocol.ErrorReply) and "chunk sizes" in reply.message
         assert protocol.call(path, protocol.ListPools())[0] == protocol.Pools([])
 
@@ -695,7 +696,7 @@ def test_reclaims_racing_new_deposits_get_the_pool_s_own_fds(tmp_path: Path) -> 
                     assert reply == protocol.Reclaimed(manifest) and len(fds) == 1
                     assert os.fstat(fds[0]).st_ino in inodes, os.readlink(f"/proc/self/fd/{fds[0]}")
                 finally:
-                    protocol.close_fds(fds)
+                    wire.close_fds(fds)
         finally:
             stop.set()
             depositor.join()

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from cachedaemon import protocol
-from cachedaemon.errors import DaemonUnavailable, ProtocolError
+from cachedaemon.errors import DaemonUnavailable
+from holdfast_contract import wire
+from holdfast_contract.errors import ProtocolError
 
 _open: list[socket.socket] = []
 
@@ -42,7 +44,7 @@ def test_round_trip_with_fds() -> None:
         assert len(fds) == 1
         os.write(fds[0], b"hi")  # the received fd is the pipe's write end
         assert os.read(r, 2) == b"hi"
-        protocol.close_fds(fds)
+        wire.close_fds(fds)
     finally:
         os.close(r)
         os.close(w)
@@ -121,7 +123,7 @@ def answering(reply: bytes | None) -> Handler:
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            (length,) = protocol._HEADER.unpack(await reader.readexactly(protocol._HEADER.size))
+            (length,) = wire.HEADER.unpack(await reader.readexactly(wire.HEADER.size))
             protocol.decode(await reader.readexactly(length))
             if reply is None:
                 await reader.read()  # until the client gives up and closes
@@ -151,7 +153,7 @@ def test_call_async_round_trip_and_its_errors(tmp_path: Path) -> None:
         with pytest.raises(ProtocolError, match="without a reply"):
             await ask(protocol.encode(pong)[:6])  # cut off mid-body
         with pytest.raises(ProtocolError, match="exceeds"):
-            await ask(protocol._HEADER.pack(protocol.MAX_FRAME + 1))
+            await ask(wire.HEADER.pack(protocol.MAX_FRAME + 1))
         with pytest.raises(ProtocolError, match="did not answer within 0.20 s"):
             await ask(None, timeout=0.2)
         with pytest.raises(DaemonUnavailable, match="nothing answers"):
