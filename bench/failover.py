@@ -36,7 +36,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.engines.harness import ECHO, Supervisor, free_port, get  # noqa: E402
+from holdfast_contract.wire import free_port  # noqa: E402
+from tests.engines.harness import ECHO, Supervisor, get  # noqa: E402
 
 HEARTBEAT_MS, MISS_LIMIT = 50, 4
 

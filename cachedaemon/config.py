@@ -16,9 +16,9 @@ from typing import Any
 import msgspec
 
 from cachedaemon.sharding import Rule
+from holdfast_contract.formats import DTYPES as DTYPES
+from holdfast_contract.formats import QUANTIZATIONS as QUANTIZATIONS
 
-DTYPES = ("bfloat16", "float16", "float32")
-QUANTIZATIONS = ("none", "fp8-block")
 BACKENDS = ("memfd", "cuda-vmm")
 
 

@@ -6,23 +6,16 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 from pathlib import Path
 
 import structlog
 
 from chaos.errors import ChaosError
+from holdfast_contract.wire import free_port
 
 log = structlog.get_logger("chaos.broker")
 
 MOSQUITTO_CANDIDATES = ("/usr/sbin/mosquitto", "mosquitto")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def mosquitto_binary() -> str:

@@ -19,12 +19,12 @@ import msgspec
 import structlog
 import yaml
 
-from chaos.broker import free_port
 from chaos.errors import ClusterError
 from chaos.procs import ProcRef, descendants, wait_gone
 from chaos.stagepolicy import load_stage_policy
 from holdfast_contract.control import ClusterStatus, decode_status_json
 from holdfast_contract.env import var
+from holdfast_contract.wire import free_port
 from supervisor.errors import PolicyError
 from supervisor.policy import MqttSpec, Policy, split_listen
 

@@ -17,10 +17,9 @@ import msgspec
 from engine.errors import EngineError
 from holdfast_contract.env import DEFAULT_HEARTBEAT_MS, read_env, var
 from holdfast_contract.errors import EnvError
+from holdfast_contract.formats import DTYPES, QUANTIZATIONS
 
 ROLES = ("primary", "standby", "batch")
-DTYPES = ("bfloat16", "float16", "float32")
-QUANTIZATIONS = ("none", "fp8-block")
 IMPLS = ("llama", "hf")
 
 EXAMPLE = """example:

@@ -23,14 +23,9 @@ from typing import IO, Any
 from engine.errors import EngineError
 from holdfast_contract import forkserver as fs
 from holdfast_contract.errors import ForkServerError
+from holdfast_contract.wire import free_port
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ForkedChild:

@@ -19,10 +19,11 @@ import structlog
 
 from holdfast_contract.command import FORKABLE, Placeholders, is_forkable, render
 from holdfast_contract.env import EngineEnv, to_environ, var
+from holdfast_contract.wire import free_port
 from supervisor.errors import StartupError
 from supervisor.fswatch import DirWatch
 from supervisor.policy import Policy
-from supervisor.procs import Proc, free_port
+from supervisor.procs import Proc
 from supervisor.units import Engine, Incarnation
 
 log = structlog.get_logger("supervisor.engines")

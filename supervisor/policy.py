@@ -34,8 +34,8 @@ class ModelSpec(_Spec, frozen=True):
     path: str | None = None  # HF checkpoint dir; relative to the policy file
     preset: Literal["tiny", "small", "llama-8b"] | None = None  # generated when path is unset
     seed: int = 0
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    quantization: Literal["none", "fp8-block"] = "none"
+    dtype: Dtype = "bfloat16"
+    quantization: Quantization = "none"
     tp_size: int = 1
 
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from cachedaemon import protocol
-from engine.launch import EngineProcess, free_port
+from engine.launch import EngineProcess
+from holdfast_contract.wire import free_port
 from tests.conftest import Daemons, ForkServerProc
 from tests.engines.harness import Load, Supervisor, topic, write_policy
 from tests.test_engine_serve import assert_leaving_stops, leave_a_stream

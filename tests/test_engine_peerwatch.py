@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from engine.launch import EngineProcess, free_port
+from engine.launch import EngineProcess
+from holdfast_contract.wire import free_port
 
 STALE_S = 2.0
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,8 +17,9 @@ import pytest
 from conftest import DaemonProc
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.launch import EngineProcess, free_port
+from engine.launch import EngineProcess
 from engine.server import ENDED_EARLY
+from holdfast_contract.wire import free_port
 
 PROMPTS = [[1, 2, 3], [200, 17, 5, 9, 77, 3, 12], [42]]
 ENDED = ENDED_EARLY  # logged once the generation of a client that left stops

@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from holdfast_contract.wire import free_port
 from supervisor.errors import PolicyError
 from supervisor.fleet.decide import IllegalMove, NodeInfo, Role, Term, may_campaign, move, yield_to
 from supervisor.fleet.election import DuplicateNode, Elector, FingerprintMismatch
@@ -20,7 +21,7 @@ from supervisor.fleet.errors import LeaseLost
 from supervisor.fleet.etcd import EtcdClient, EtcdUnavailable
 from supervisor.fleet.registry import register
 from supervisor.fleet.spec import ClusterSpec, parse_cluster
-from tests.fleet_etcd import Etcd, free_port
+from tests.fleet_etcd import Etcd
 
 DEADLINE = 60.0  # generous: two shared cores; what is checked is order, not speed
 

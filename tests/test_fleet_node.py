@@ -24,9 +24,10 @@ from typing import Any
 import pytest
 
 from holdfast_contract.events import Event
+from holdfast_contract.wire import free_port
 from supervisor.fleet.node import term_floor
 from tests.engines.harness import Supervisor, get, write_policy
-from tests.fleet_etcd import Etcd, free_port
+from tests.fleet_etcd import Etcd
 from tests.test_supervisor_mqtt import PREFIX, Broker, Subscriber
 
 DEADLINE = 90.0  # generous: two shared cores

@@ -18,7 +18,8 @@ import aiomqtt
 import msgspec
 import pytest
 
-from tests.engines.harness import Load, Supervisor, free_port, get, topic, write_policy
+from holdfast_contract.wire import free_port
+from tests.engines.harness import Load, Supervisor, get, topic, write_policy
 
 MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
 PREFIX = "hf-test/mqtt"

@@ -10,9 +10,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from holdfast_contract.wire import free_port
 from supervisor.policy import RouterSpec
 from supervisor.router import PrimaryView, Router
-from tests.engines.harness import free_port
 
 MAX_BODY = 64 * 1024 * 1024  # the router's documented limit
 

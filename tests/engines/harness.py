@@ -19,6 +19,7 @@ import yaml
 import zmq
 
 from holdfast_contract.events import Event, decode_event
+from holdfast_contract.wire import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 ECHO = ["{python}", "-m", "tests.engines.echo"]
@@ -29,15 +30,6 @@ def env() -> dict[str, str]:
     e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), e.get("PYTHONPATH")]))
     e["PYTHONUNBUFFERED"] = "1"
     return e
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def mqtt_broker() -> tuple[str, int]:
