@@ -101,6 +101,17 @@ def test_the_unit_runs_as_documented() -> None:
     assert s["ExecStart"].endswith("run /etc/holdfast/policy.yaml")
 
 
+def test_sysusers_creates_the_units_user(tmp_path: Path) -> None:
+    (tmp_path / "etc").mkdir()
+    conf = DEPLOY / "systemd" / "holdfast.sysusers.conf"
+    cp = run("systemd-sysusers", f"--root={tmp_path}", conf)
+    assert cp.returncode == 0, cp.stderr
+    user = [ln.split(":") for ln in (tmp_path / "etc" / "passwd").read_text().splitlines()]
+    (entry,) = [u for u in user if u[0] == "holdfast"]
+    assert entry[5] == "/var/lib/holdfast" and entry[6] == "/usr/sbin/nologin"
+    assert "holdfast:" in (tmp_path / "etc" / "group").read_text()
+
+
 def test_no_sighup_handler_in_the_supervisor() -> None:
     """What the unit and docs/deploy.md say: `systemctl reload` is not supported. If the
     supervisor learns SIGHUP, give the unit an ExecReload and say so in the docs."""
@@ -146,10 +157,12 @@ def test_containerfile_copies_tracked_files_runs_unprivileged_and_checks_health(
 # ---- kubernetes ----
 
 
+@pytest.mark.parametrize("version", ["1.30.0", "1.37.0"])
 @pytest.mark.parametrize("manifest", MANIFESTS, ids=[m.name for m in MANIFESTS])
-def test_manifest_validates_against_kubernetes_schemas(manifest: Path) -> None:
-    cp = run(sys.executable, "-m", "kubernetes_validate", "--strict", manifest)
-    assert cp.returncode == 0, cp.stdout + cp.stderr
+def test_manifest_validates_against_kubernetes_schemas(manifest: Path, version: str) -> None:
+    argv = ["-m", "kubernetes_validate", "--strict", "-k", version, manifest]
+    cp = run(sys.executable, *argv)
+    assert cp.returncode == 0 and "passed" in cp.stdout, cp.stdout + cp.stderr
 
 
 def test_the_validator_refuses_an_unknown_field(tmp_path: Path) -> None:
