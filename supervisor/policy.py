@@ -20,10 +20,9 @@ import yaml
 from holdfast_contract.command import FORKABLE, is_forkable, template_errors
 from holdfast_contract.env import DEFAULT_HEARTBEAT_MS
 from holdfast_contract.formats import Dtype, Quantization
-from supervisor import schema, vllm_kind
+from supervisor import schema
 from supervisor.errors import PolicyError
 from supervisor.fleet.spec import ClusterSpec, advertise_errors, cluster_errors
-from supervisor.vllm_spec import VllmSpec
 
 
 class _Spec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -112,6 +111,7 @@ class RouterSpec(_Spec, frozen=True):
     retry: bool = True
     retry_deadline_s: float = 5.0
     upstream_timeout_s: float = 300.0
+    migration_limit: int = 3  # continuations of one cut stream; 0: none (a cut ends it)
 
 
 class ApiSpec(_Spec, frozen=True):
