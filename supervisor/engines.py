@@ -20,6 +20,7 @@ import structlog
 from holdfast_contract.command import FORKABLE, Placeholders, is_forkable, render
 from holdfast_contract.env import EngineEnv, to_environ, var
 from holdfast_contract.wire import free_port
+from supervisor import vllm_kind
 from supervisor.errors import StartupError
 from supervisor.fswatch import DirWatch
 from supervisor.policy import Policy
@@ -176,6 +177,8 @@ class EngineLauncher:
         self._own(self._watch(e, inc))
         if self.policy.engines.health == "http":
             self._own(self._http_health(e, inc))
+        if self.policy.engines.kind == "vllm":
+            self._own(vllm_kind.watch_load(e, inc, self.policy))
         return inc
 
     async def _start(self, argv: list[str], env: dict[str, str], log_path: Path) -> Proc:
@@ -210,6 +213,8 @@ class EngineLauncher:
         for w in pending:
             w.cancel()
         detail = f"rank {rank} exited with {first.result()}"
+        if not inc.ready:  # it never answered: a start-up failure, its log tail says why
+            detail += " during start-up, before it was ready"
         if not inc.handled:
             self.on_exit(e, inc, detail)
 

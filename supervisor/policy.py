@@ -20,9 +20,10 @@ import yaml
 from holdfast_contract.command import FORKABLE, is_forkable, template_errors
 from holdfast_contract.env import DEFAULT_HEARTBEAT_MS
 from holdfast_contract.formats import Dtype, Quantization
-from supervisor import schema
+from supervisor import schema, vllm_kind
 from supervisor.errors import PolicyError
 from supervisor.fleet.spec import ClusterSpec, advertise_errors, cluster_errors
+from supervisor.vllm_spec import VllmSpec
 
 
 class _Spec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -67,6 +68,10 @@ class LoadSpec(_Spec, frozen=True):
 
 
 class EnginesSpec(_Spec, frozen=True):
+    # holdfast: `command` (the reference engine by default); vllm: vLLM API servers built
+    # from `vllm` (supervisor/vllm_kind.py)
+    kind: Literal["holdfast", "vllm"] = "holdfast"
+    vllm: VllmSpec = msgspec.field(default_factory=VllmSpec)
     command: list[str] = msgspec.field(default_factory=lambda: list(FORKABLE))
     env: dict[str, str] = msgspec.field(default_factory=dict)
     # fork engines from a process that has imported them already; None: whenever the
@@ -207,13 +212,14 @@ def _resolve(policy: Policy, base: Path) -> Policy:
         model = msgspec.structs.replace(model, path=str((base / model.path).resolve()))
     run = str(Path(os.path.expandvars(os.path.expanduser(policy.cache.runtime_dir))).absolute())
     cache = msgspec.structs.replace(policy.cache, runtime_dir=run)
-    return msgspec.structs.replace(policy, model=model, cache=cache)
+    return vllm_kind.resolve(msgspec.structs.replace(policy, model=model, cache=cache))
 
 
 def semantic_errors(p: Policy, *, schema_only: bool = False) -> list[str]:
     """Cross-field rules msgspec cannot express, each naming the key to change; with
     `schema_only`, none that look at this machine's files."""
     errors = _model_errors(p, schema_only) + _engine_errors(p.engines)
+    errors += vllm_kind.errors(p, schema_only=schema_only)
     for path, value in (("$.router.listen", p.router.listen), ("$.api.listen", p.api.listen)):
         errors += _listen_errors(path, value)
     if p.router.listen == p.api.listen:

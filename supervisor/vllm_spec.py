@@ -1,0 +1,34 @@
+"""The policy's `engines.vllm` section: how the supervisor starts vLLM API servers.
+
+Read only when `engines.kind` is `vllm` (supervisor/vllm_kind.py expands it into the
+engine command and environment). It imports nothing of the supervisor, so the policy
+schema can hold it beside its own sections.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+DEFAULT_VENV = "/opt/holdfast/vllm-venv"  # where scripts/install-vllm.sh installs vLLM
+VENV_ENV = "HOLDFAST_VLLM_VENV"  # a venv elsewhere; engines.vllm.python overrides both
+
+
+class VllmSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # the interpreter that has vLLM; "": $HOLDFAST_VLLM_VENV/bin/python, else
+    # /opt/holdfast/vllm-venv/bin/python
+    python: str = ""
+    # holdfast: attach the weights from the pool's daemons (the holdfast_vllm plugin);
+    # auto: vLLM reads the checkpoint itself, as without holdfast
+    loader: Literal["holdfast", "auto"] = "holdfast"
+    mode: Literal["zero_copy", "copy"] = "zero_copy"  # the plugin's: views of the pool or copies
+    fallback: bool = True  # the plugin loads from disk when no daemon answers or it mismatches
+    kv_cache_gb: int = 1  # VLLM_CPU_KVCACHE_SPACE on a CPU device (GiB, at least 1)
+    max_model_len: int = 0  # 0: the checkpoint's max_position_embeddings
+    enforce_eager: bool = True  # no torch.compile: ready in seconds, not after a compile
+    args: list[str] = msgspec.field(default_factory=list)  # more flags; placeholders allowed
+    # how often the primary's /metrics is read for the load rule (engines.load)
+    metrics_interval_ms: int = 200
+    # KV cache usage (0..1) at or above which the primary counts as over evict_above
+    kv_evict_above: float = 0.95
