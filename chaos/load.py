@@ -125,7 +125,7 @@ class LoadGenerator:
 
     async def _one(self, session: aiohttp.ClientSession, slots: asyncio.Semaphore) -> None:
         body = {
-            "prompt_token_ids": [
+            self.spec.prompt_key: [
                 self._rng.randrange(1, 200) for _ in range(self.spec.prompt_tokens)
             ],
             "max_tokens": self.spec.max_tokens,

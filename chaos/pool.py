@@ -37,16 +37,17 @@ def kept_out(engine: EngineStatus, view: ClusterStatus, policy: Policy) -> str |
     return None
 
 
-def missing(view: ClusterStatus, policy: Policy) -> list[str]:
-    """What the pool lacks for the policy as it stands now; empty when it is whole."""
+def missing(view: ClusterStatus, policy: Policy, standbys: int | None = None) -> list[str]:
+    """What the pool lacks for the policy as it stands now; empty when it is whole.
+    `standbys`: that many ready standbys are enough (None: every one the policy wants)."""
     out: list[str] = []
     if view.primary is None or len(view.in_state("primary")) != 1:
         out.append("a primary (none serving)")
-    standbys = view.in_state("standby")
-    if len(standbys) < policy.engines.standby:
+    ready = view.in_state("standby")
+    want = policy.engines.standby if standbys is None else min(standbys, policy.engines.standby)
+    if len(ready) < want:
         out.append(
-            f"standby {len(standbys)}/{policy.engines.standby} ready"
-            + _others(view, "standby", {e.name for e in standbys})
+            f"standby {len(ready)}/{want} ready" + _others(view, "standby", {e.name for e in ready})
         )
     batch = [e for e in view.engines if e.role == "batch"]
     wanted = [e for e in batch if kept_out(e, view, policy) is None]

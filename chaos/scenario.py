@@ -61,6 +61,9 @@ class LoadSpec(_Spec, frozen=True):
     rate: float | None = 40.0  # at most this many requests/s in all; null: back to back
     max_tokens: int = 2  # output tokens asked for per request
     prompt_tokens: int = 8
+    # where the prompt's token ids go: the reference engine's field, or OpenAI's `prompt`
+    # (a list of ids; what vLLM reads)
+    prompt_key: Literal["prompt_token_ids", "prompt"] = "prompt_token_ids"
     ignore_eos: bool = False  # true: every request generates exactly max_tokens
     timeout_s: float = 5.0  # one attempt
     retries: int = 2  # extra attempts after a failed one
@@ -100,6 +103,10 @@ class Scenario(_Spec, frozen=True):
     detect_timeout_s: float = 5.0  # how long a trial waits for the supervisor to notice
     ready_timeout_s: float = 90.0  # per trial: the pool whole again, else the trial fails
     start_timeout_s: float | None = None  # the first whole pool of a stage; null: ready_timeout_s
+    # ready standbys a trial waits for, before its fault and after (null: every one the
+    # policy wants); fewer lets an engine that starts slowly (vLLM) restart during the
+    # next trials while a ready standby still covers each primary fault
+    ready_standbys: int | None = None
     # several nodes electing a leader through etcd, in network namespaces (chaos/fleet/):
     # the stage's policy is every node's base; only fleet fault kinds run
     fleet: FleetConfig | None = None

@@ -61,7 +61,7 @@ async def wait_ready(h: Harness, timeout: float, since: float) -> ClusterStatus:
         view = await h.sup.cluster()
         if view is not None:
             h.load.fallback = (view.primary or "", view.epoch)
-            lacking = missing(view, h.sup.policy)
+            lacking = missing(view, h.sup.policy, h.scenario.ready_standbys)
             if not lacking:
                 h.status("")
                 return view
