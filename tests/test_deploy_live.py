@@ -1,6 +1,8 @@
 """A real supervisor started as systemd would start it (NOTIFY_SOCKET set): READY=1 comes
 once its daemons serve, from its own pid; and every metric the Grafana dashboard and the
-alert rules in deploy/ read is exported by its live /metrics or its engine's.
+alert rules in deploy/ read is exported by its live /metrics or its engine's. What
+KillMode=mixed relies on: SIGTERM to the supervisor alone stops the engines, then the
+daemons, and leaves no process behind.
 
 Also sdnotify itself over real unix datagram sockets (a path and an abstract name).
 """
@@ -19,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor import sdnotify
-from tests.engines.harness import Supervisor, mqtt_broker, write_policy
+from tests.engines.harness import Supervisor, mqtt_broker, pid_alive, write_policy
 from tests.test_deploy import METRIC, alert_exprs, dashboard_exprs
 
 SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count")}
@@ -133,3 +135,26 @@ def test_every_metric_read_is_exported_live(booted: Booted, source: str) -> None
         used = set(METRIC.findall(expr))
         assert used, f"{source} query reads no holdfast metric: {expr}"
         assert used <= live, f"{source} reads {sorted(used - live)}, not exported: {expr}"
+
+
+def test_sigterm_to_the_supervisor_alone_stops_engines_then_daemons(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """What `systemctl stop` does under KillMode=mixed (a supervisor of its own)."""
+    sup = Supervisor(write_policy(tmp_path / "policy.yaml", tiny_model, tmp_path / "run"))
+    try:
+        sup.wait_pair()
+        st = sup.status()
+        pids = [e["pid"] for e in st["engines"] if e["pid"]] + [d["pid"] for d in st["daemons"]]
+        assert len(pids) >= 3, st
+        mark = sup.tap.mark()
+        assert sup.stop(signal.SIGTERM) == 0, sup.output()
+        topics = [e.topic for e in sup.tap.events[mark:]]
+        engines = [i for i, t in enumerate(topics) if t.startswith("engine.")]
+        daemons = [i for i, t in enumerate(topics) if t == "daemon.0.stopped"]
+        assert engines and daemons and max(engines) < daemons[0], topics
+        assert topics[-1] == "supervisor.main.stopped", topics
+        assert [p for p in pids if pid_alive(p)] == []
+    finally:
+        if sup.proc.poll() is None:
+            sup.stop(signal.SIGKILL)
