@@ -173,16 +173,31 @@ def test_the_validator_refuses_an_unknown_field(tmp_path: Path) -> None:
     assert cp.returncode != 0 and "readinesProbe" in cp.stdout + cp.stderr
 
 
-def test_the_pod_probes_and_policy_agree(tmp_path: Path) -> None:
-    (config,) = yaml.safe_load_all((DEPLOY / "kubernetes" / "configmap.yaml").read_text())
-    rendered = config["data"]["policy.yaml.in"].replace("@NODE@", "holdfast-0")
-    path = tmp_path / "policy.yaml"
-    path.write_text(rendered.replace("@POD_IP@", "10.1.2.3"))
-    cp = run(sys.executable, "-m", "supervisor", "validate", "--schema-only", path)
-    assert cp.returncode == 0, cp.stdout + cp.stderr
-    policy = yaml.safe_load(path.read_text())
+def test_the_pods_start_renders_a_valid_policy_and_its_probes_agree(tmp_path: Path) -> None:
+    """The container's start command itself, run by sh with the pod's environment: the
+    ConfigMap's template at /etc/holdfast, the rendered policy in /var/lib/holdfast (both
+    moved under tmp_path), and `supervisor validate` in place of `supervisor run`."""
     (sts,) = yaml.safe_load_all((DEPLOY / "kubernetes" / "statefulset.yaml").read_text())
     (c,) = sts["spec"]["template"]["spec"]["containers"]
+    (config,) = yaml.safe_load_all((DEPLOY / "kubernetes" / "configmap.yaml").read_text())
+    for d in ("etc", "state"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "etc" / "policy.yaml.in").write_text(config["data"]["policy.yaml.in"])
+    assert c["command"][:2] == ["tini", "--"]
+    (script,) = c["args"]
+    script = script.replace("/etc/holdfast/", f"{tmp_path}/etc/").replace(
+        "/var/lib/holdfast/", f"{tmp_path}/state/"
+    )
+    script = script.replace("exec supervisor run", "exec supervisor validate --schema-only")
+    assert "supervisor validate" in script
+    env = {"PATH": f"{Path(tool('supervisor')).parent}:/usr/bin:/bin"}
+    env |= {"POD_NAME": "holdfast-0", "POD_IP": "10.1.2.3"}
+    cp = subprocess.run(
+        [*c["command"][2:], script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    policy = yaml.safe_load((tmp_path / "state" / "policy.yaml").read_text())
+    assert policy["cluster"]["node"] == "holdfast-0"
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports["api"] == int(policy["api"]["listen"].rsplit(":", 1)[1])
     assert ports["router"] == int(policy["router"]["listen"].rsplit(":", 1)[1])

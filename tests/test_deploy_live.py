@@ -9,9 +9,12 @@ Also sdnotify itself over real unix datagram sockets (a path and an abstract nam
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import socket
+import subprocess
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -22,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor import sdnotify
 from tests.engines.harness import Supervisor, mqtt_broker, pid_alive, write_policy
-from tests.test_deploy import METRIC, alert_exprs, dashboard_exprs
+from tests.test_deploy import CONTAINERFILE, METRIC, alert_exprs, dashboard_exprs
 
 SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count")}
 
@@ -137,18 +140,29 @@ def test_every_metric_read_is_exported_live(booted: Booted, source: str) -> None
         assert used <= live, f"{source} reads {sorted(used - live)}, not exported: {expr}"
 
 
+def healthcheck(api: str) -> int:
+    """The Containerfile's HEALTHCHECK command, pointed at `api`: its exit status."""
+    (argv,) = re.findall(r"HEALTHCHECK [^\n]*\\\n\s*CMD (\[.*\])", CONTAINERFILE.read_text())
+    command = [a.replace("http://127.0.0.1:8001", api) for a in json.loads(argv)]
+    assert command[0] == "python3" and any(api in a for a in command)
+    return subprocess.run(command, capture_output=True, timeout=30, check=False).returncode
+
+
 def test_sigterm_to_the_supervisor_alone_stops_engines_then_daemons(
     tmp_path: Path, tiny_model: Path
 ) -> None:
-    """What `systemctl stop` does under KillMode=mixed (a supervisor of its own)."""
+    """What `systemctl stop` does under KillMode=mixed (a supervisor of its own); the
+    image's HEALTHCHECK passes while it runs and fails once it has stopped."""
     sup = Supervisor(write_policy(tmp_path / "policy.yaml", tiny_model, tmp_path / "run"))
     try:
         sup.wait_pair()
         st = sup.status()
         pids = [e["pid"] for e in st["engines"] if e["pid"]] + [d["pid"] for d in st["daemons"]]
         assert len(pids) >= 3, st
+        assert healthcheck(sup.api) == 0
         mark = sup.tap.mark()
         assert sup.stop(signal.SIGTERM) == 0, sup.output()
+        assert healthcheck(sup.api) != 0
         topics = [e.topic for e in sup.tap.events[mark:]]
         engines = [i for i, t in enumerate(topics) if t.startswith("engine.")]
         daemons = [i for i, t in enumerate(topics) if t == "daemon.0.stopped"]
