@@ -93,6 +93,10 @@ class HeartbeatSpec(_Spec, frozen=True):
     miss_limit: int = 4
     # an engine still starting (CUDA context, kernels compiled) may be silent this long
     starting_silence_ms: int = 5000
+    # a ready engine silent past interval x miss_limit whose threads are runnable (waiting
+    # for a CPU on a busy machine) is fenced only once silent this long; a stopped or
+    # blocked one is fenced at interval x miss_limit
+    busy_silence_ms: int = 2000
     # how often the primary's processes are looked at for having begun to exit (a killed
     # CUDA process takes 100+ ms to finish exiting); 0: wait for the exit itself
     exit_poll_ms: int = 2
@@ -188,17 +192,29 @@ def parse_policy(text: str, src: Path, *, schema_only: bool = False) -> Policy:
             [f"$: expected a mapping at the top, got {type(data).__name__}"], str(src)
         )
     errors = schema.check(data, Policy)
-    if errors:
+    usable = schema.salvage(data, Policy) if errors else data
+    if usable is None:  # a required key missing or wrong: nothing to check the rules on
         raise PolicyError(errors, str(src))
-    policy = msgspec.convert({**data, "source": str(src)}, Policy)
-    policy = _resolve(policy, src.parent)
-    errors = semantic_errors(policy, schema_only=schema_only)
+    policy = _resolve(msgspec.convert({**usable, "source": str(src)}, Policy), src.parent)
+    # the rules between fields run on what converted, so one run reports every error
+    errors += [
+        e
+        for e in semantic_errors(policy, schema_only=schema_only)
+        if not any(_same_place(e, bad) for bad in errors)
+    ]
     if errors:
         raise PolicyError(errors, str(src))
     if policy.cluster is not None and not policy.cluster.advertise:
         cluster = msgspec.structs.replace(policy.cluster, advertise=policy.router.listen)
         policy = msgspec.structs.replace(policy, cluster=cluster)
     return policy
+
+
+def _same_place(error: str, other: str) -> bool:
+    """Whether two `$.path: message` lines are about the same value (or one inside the
+    other): a rule is not reported on a value whose type was wrong already."""
+    a, b = error.partition(":")[0], other.partition(":")[0]
+    return a == b or a.startswith((b + ".", b + "[")) or b.startswith((a + ".", a + "["))
 
 
 def miss_window_s(p: Policy) -> float:
@@ -220,11 +236,13 @@ def semantic_errors(p: Policy, *, schema_only: bool = False) -> list[str]:
     `schema_only`, none that look at this machine's files."""
     errors = _model_errors(p, schema_only) + _engine_errors(p.engines)
     errors += vllm_kind.errors(p, schema_only=schema_only)
+    if not schema_only:
+        errors += _runtime_dir_errors(p.cache.runtime_dir)
     for path, value in (("$.router.listen", p.router.listen), ("$.api.listen", p.api.listen)):
         errors += _listen_errors(path, value)
     if p.router.listen == p.api.listen:
         errors.append("$.api.listen: same address as router.listen; give each its own port")
-    for key in ("interval_ms", "miss_limit", "starting_silence_ms"):
+    for key in ("interval_ms", "miss_limit", "starting_silence_ms", "busy_silence_ms"):
         if getattr(p.heartbeat, key) < 1:
             errors.append(f"$.heartbeat.{key}: must be at least 1")
     if p.heartbeat.exit_poll_ms < 0:
@@ -255,6 +273,11 @@ def _model_errors(p: Policy, schema_only: bool) -> list[str]:
             f"$.model.path: {m.path} holds no config.json; point it at a Hugging Face "
             "checkpoint dir (config.json + *.safetensors)"
         )
+    elif m.path is not None and not schema_only and not any(Path(m.path).glob("*.safetensors")):
+        errors.append(
+            f"$.model.path: {m.path} holds no *.safetensors; point it at a Hugging Face "
+            "checkpoint dir with its weights (config.json + *.safetensors)"
+        )
     if m.tp_size < 1:
         errors.append("$.model.tp_size: must be at least 1")
     elif len(p.devices.ids) != m.tp_size:
@@ -263,6 +286,21 @@ def _model_errors(p: Policy, schema_only: bool) -> list[str]:
             "list one device per rank"
         )
     return errors
+
+
+def _runtime_dir_errors(run: str) -> list[str]:
+    """cache.runtime_dir must be a directory, or be makeable as one: its nearest existing
+    ancestor must be a directory."""
+    path = Path(run)
+    while not path.exists() and not path.is_symlink() and path != path.parent:
+        path = path.parent
+    if path.is_dir():
+        return []
+    what = "is" if str(path) == run else f"has {path} in it, which is"
+    return [
+        f"$.cache.runtime_dir: {run} {what} not a directory; set cache.runtime_dir to a "
+        "directory (it is made when missing)"
+    ]
 
 
 def _engine_errors(e: EnginesSpec) -> list[str]:

@@ -77,3 +77,30 @@ def _check_struct(data: dict[Any, Any], struct: type[msgspec.Struct], path: str)
         elif field.default is msgspec.NODEFAULT and field.default_factory is msgspec.NODEFAULT:
             errors.append(f"{path}.{key}: required key is missing")
     return errors
+
+
+_DROP: Any = object()  # what `_salvage` returns for a value that must go
+
+
+def salvage(data: Any, tp: Any) -> Any:
+    """`data` without what `check` reports (unknown keys dropped, values of a wrong type
+    left to their defaults), so the rest converts and the rules between fields can be
+    checked too; None when a required key is missing or wrong."""
+    out = _salvage(data, tp)
+    return None if out is _DROP else out
+
+
+def _salvage(data: Any, tp: Any) -> Any:
+    struct = _struct_of(tp)
+    if struct is None or not isinstance(data, dict):
+        return data if not check(data, tp) else _DROP
+    hints = typing.get_type_hints(struct)
+    out: dict[Any, Any] = {}
+    for field in msgspec.structs.fields(struct):
+        key = field.encode_name
+        value = _salvage(data[key], hints[field.name]) if key in data else _DROP
+        if value is not _DROP:
+            out[key] = value
+        elif field.default is msgspec.NODEFAULT and field.default_factory is msgspec.NODEFAULT:
+            return _DROP
+    return out
