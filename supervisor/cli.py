@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import signal
+import stat
 import sys
 from collections.abc import Sequence
 
@@ -21,7 +24,7 @@ from holdfast_contract.control import (
 )
 from holdfast_contract.errors import HoldfastError
 from supervisor.control import request
-from supervisor.errors import PolicyError
+from supervisor.errors import ControlError, PolicyError
 from supervisor.policy import load_policy
 
 EXAMPLES = """examples:
@@ -108,6 +111,20 @@ def parser() -> argparse.ArgumentParser:
 
 def _endpoint(args: argparse.Namespace) -> str:
     run = args.runtime_dir or load_policy(args.policy).cache.runtime_dir
+    try:
+        is_dir = stat.S_ISDIR(os.stat(run).st_mode)
+    except FileNotFoundError:
+        is_dir = True  # not there: `request` says no supervisor runs on it
+    except NotADirectoryError:
+        is_dir = False
+    if not is_dir:
+        fix = (
+            "give --runtime-dir the dir `supervisor run` uses (its policy's "
+            "cache.runtime_dir), or pass --policy"
+            if args.runtime_dir
+            else f"set cache.runtime_dir in {args.policy or 'the policy'} to a directory"
+        )
+        raise ControlError(f"runtime dir {run} is not a directory; {fix}")
     return f"ipc://{run}/control"
 
 
@@ -199,6 +216,18 @@ def _print_policy_error(e: PolicyError) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """`supervisor ...`; a reader that stops early (`supervisor status | head`) ends it
+    quietly, as it ends any Unix tool, with SIGPIPE's exit status."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 128 + signal.SIGPIPE
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = parser().parse_args(argv)
     try:
         if args.cmd == "validate":

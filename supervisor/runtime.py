@@ -54,6 +54,11 @@ class RuntimeDir:
                 f"cannot use runtime dir {run}: {e.strerror}; "
                 "set cache.runtime_dir to a dir you can write"
             ) from e
+        except (FileExistsError, NotADirectoryError) as e:  # a file where a dir must be
+            raise RuntimeDirError(
+                f"cannot use runtime dir {run}: {e.filename or run} is not a directory; "
+                "set cache.runtime_dir to a directory (it is made when missing)"
+            ) from e
         finally:
             os.umask(old)
         try:
