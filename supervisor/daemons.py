@@ -92,15 +92,38 @@ class DaemonPool:
             while d.state != DaemonState.SERVING:
                 left = deadline - time.monotonic()
                 if d.state in (DaemonState.QUARANTINED, DaemonState.DEAD) or left <= 0:
-                    tail = d.inc.tail(2000) if d.inc else ""
-                    raise StartupError(
-                        f"cache daemon rank {d.rank} did not serve ({d.state}) "
-                        f"within cache.ready_timeout_s; it printed:\n{tail}"
-                    )
+                    raise StartupError(await self._not_serving(d))
                 self._changed.clear()
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(left):
                         await self._changed.wait()
+
+    async def _not_serving(self, d: Daemon) -> str:
+        """Why rank d does not serve at start: it died (how, when, its last log lines), or
+        it is still loading when cache.ready_timeout_s ran out."""
+        inc, log_path = d.inc, self.run / "logs" / f"daemon-{d.rank}.log"
+        tail = inc.tail(2000) if inc else ""
+        lines = f"; its last log lines ({log_path}):\n{tail}" if tail else f"; see {log_path}"
+        proc = inc.procs[0] if inc and inc.procs else None
+        if proc is not None and proc.alive:
+            return (
+                f"cache daemon rank {d.rank} (pid {proc.pid}) did not serve within "
+                f"cache.ready_timeout_s ({self.policy.cache.ready_timeout_s:g} s); raise it "
+                f"if loading the checkpoint takes longer{lines}"
+            )
+        code = await proc.wait() if proc is not None else None  # it has exited
+        how = (
+            "exit status unknown"
+            if code is None
+            else f"killed by signal {-code}"
+            if code < 0
+            else f"exit status {code}"
+        )
+        after = time.monotonic() - inc.started if inc else 0.0
+        return (
+            f"cache daemon rank {d.rank} died {after:.1f} s after it started, before it "
+            f"served ({how}){lines}"
+        )
 
     def argv(self, d: Daemon) -> list[str]:
         m = self.policy.model
@@ -263,11 +286,23 @@ class DaemonPool:
         if ok and d.spare is inc:
             self.bus.emit("daemon", str(d.rank), "spare_ready", self._epoch(), pid=inc.pid)
 
+    def _drop_spare_file(self, d: Daemon, inc: Incarnation) -> None:
+        """Remove rank d's .spare file once the spare that wrote it (`inc`) has exited; a
+        file that names any other process is left alone."""
+        spare_file = self.run / f"daemon-{d.rank}.spare"
+        try:
+            owner = json.loads(spare_file.read_text()).get("pid")
+        except (OSError, ValueError, AttributeError):
+            return
+        if owner == inc.pid and not inc.procs[0].alive:
+            spare_file.unlink(missing_ok=True)
+
     async def _watch_spare(self, d: Daemon, inc: Incarnation) -> None:
         code = await inc.procs[0].wait()
         if d.spare is not inc:
             return  # it took over: `_watch` follows it as the serving daemon now
         d.spare = None
+        self._drop_spare_file(d, inc)
         log.warning("spare daemon exited", rank=d.rank, exit_code=code, tail=inc.tail(300))
         if d.state == DaemonState.SERVING and not inc.handled:
             await asyncio.sleep(d.book.delay())
@@ -333,6 +368,7 @@ class DaemonPool:
             if spare is not None:
                 spare.handled = True
                 await spare.procs[0].terminate(grace=5.0)
+                self._drop_spare_file(d, spare)  # killed while it waited: it left its file
             if d.inc is not None:
                 d.inc.handled = True
                 for p in d.inc.procs:
