@@ -79,6 +79,7 @@ def test_defaults_live_in_the_schema(tmp_path: Path) -> None:
 def test_relative_model_path_is_resolved_against_the_policy(tmp_path: Path) -> None:
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("{}")
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"")
     p = parse_policy("model: {path: m}\n", tmp_path / "p.yaml")
     assert p.model.path == str(tmp_path / "m")
 
@@ -105,7 +106,7 @@ def test_schema_only_validate_passes_every_shipped_policy_and_still_finds_errors
     elsewhere = tmp_path / "elsewhere.yaml"
     elsewhere.write_text("model: {path: /no/such/model}\n")
     bad = tmp_path / "bad.yaml"
-    bad.write_text("engines: {standby: x}\n")
+    bad.write_text("model: {preset: tiny}\nengines: {standby: x}\n")
     cp = supervisor_cli("validate", "--schema-only", str(bad), str(elsewhere))
     assert cp.returncode == 2
     assert cp.stderr.splitlines() == [
@@ -122,7 +123,7 @@ def test_a_source_key_is_accepted_and_the_file_name_wins(tmp_path: Path) -> None
     path = tmp_path / "p.yaml"
     path.write_text("source: written-by-a-tool.yaml\nmodel: {preset: tiny}\n")
     assert load_policy(path).source == str(path)
-    unknown = errors_of("bogus: 1\n", tmp_path)
+    unknown = errors_of("model: {preset: tiny}\nbogus: 1\n", tmp_path)
     assert len(unknown) == 1 and "source" in unknown[0]  # listed as allowed, and it is
 
 
