@@ -10,6 +10,10 @@ set -euo pipefail
 TOOLS=${HOLDFAST_DEPLOY_TOOLS:-${XDG_CACHE_HOME:-$HOME/.cache}/holdfast/deploy-tools}
 TYPESCRIPT=5.9.3
 GRAFANA_SDK=11.6.0-cogv0.0.x.1769699379
+# one install at a time: pytest's workers may each call this at once
+mkdir -p "$(dirname "$TOOLS")"
+exec 9>"$TOOLS.lock"
+flock 9
 
 missing=()
 command -v promtool >/dev/null || missing+=(prometheus)
