@@ -43,6 +43,7 @@ from supervisor.wiring import Inbox
 
 log = structlog.get_logger("supervisor")
 T = TypeVar("T")
+HTTP_SHUTDOWN_S = 1.0  # the router's and health API's last connections, at the very end
 
 
 def models_cache() -> Path:
@@ -256,7 +257,14 @@ class Service:
         """Serve `app` on the policy's `key` (router.listen or api.listen)."""
         listen = self.policy.router.listen if key == "router.listen" else self.policy.api.listen
         host, port = split_listen(listen)
-        runner = web.AppRunner(app, access_log=None, handler_cancellation=cancel_on_hangup)
+        # by cleanup the engines are stopped and the router refuses new requests: a request
+        # that arrives as the listener closes is not waited for (aiohttp's default is 60 s)
+        runner = web.AppRunner(
+            app,
+            access_log=None,
+            handler_cancellation=cancel_on_hangup,
+            shutdown_timeout=HTTP_SHUTDOWN_S,
+        )
         await runner.setup()
         self._runners.append(runner)
         try:
