@@ -9,6 +9,8 @@ request is continued the same way, at the token level (the chat template is not 
 again), and its chunks are reshaped into chat chunks. The client sees one stream: the
 first chunk's id and `created` throughout, no token twice, none missing, the continuation's
 `finish_reason`, and (chat with `stream_options.include_usage`) usage over the whole answer.
+Where the continuation begins the router writes an SSE comment, `: migrated`, which clients
+skip (the chaos suite counts them).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 DONE = b"data: [DONE]\n\n"
+MIGRATED = b": migrated\n\n"  # an SSE comment where a continuation begins
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # the request fields a continuation keeps: what decides which tokens come next
 KEEP = (

@@ -544,6 +544,8 @@ class Router:
                 sent.append(resp)
                 self.forwarded += 1
                 return await self._pump(up, sent[0], st, cont, bytearray(first))
+            # an SSE comment (clients skip it) marks where the stream goes on elsewhere
+            await write(sent[0], migration.MIGRATED)
             return await self._pump(up, sent[0], st, cont, bytearray())
 
     def _response(self, up: aiohttp.ClientResponse, target: Target) -> web.StreamResponse:

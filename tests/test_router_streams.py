@@ -62,11 +62,16 @@ def stream(router: str, path: str = "/v1/completions", **fields: Any) -> Iterato
         conn.close()
 
 
+def chunks(events: list[bytes]) -> list[dict[str, Any]]:
+    """The JSON chunks of a stream (not `[DONE]`, not comments such as `: migrated`)."""
+    return [json.loads(d) for d in events if d != b"[DONE]" and not d.startswith(b":")]
+
+
 def token_ids(events: list[bytes]) -> list[int]:
     ids: list[int] = []
-    for data in events:
-        if data != b"[DONE]":
-            for choice in json.loads(data).get("choices", []):
+    for chunk in chunks(events):
+        if chunk:
+            for choice in chunk.get("choices", []):
                 ids.extend(choice.get("token_ids") or [])
     return ids
 
@@ -122,12 +127,13 @@ def test_a_stream_cut_by_kill_9_is_continued_on_the_standby(
         assert token_ids(events) == token_ids(reference)
         finals = [
             c["finish_reason"]
-            for d in events[:-1]
-            for c in json.loads(d)["choices"]
+            for chunk in chunks(events)
+            for c in chunk["choices"]
             if c["finish_reason"] is not None
         ]
         assert finals == ["length"]
-        assert len({json.loads(d)["id"] for d in events[:-1]}) == 1
+        assert len({chunk["id"] for chunk in chunks(events)}) == 1
+        assert events.count(b": migrated") == 1  # where the continuation began
         counts = migrations(sup)
         assert (counts["attempted"], counts["succeeded"], counts["failed"]) == (1, 1, 0)
         assert counts["stalls"] == 1
