@@ -28,6 +28,11 @@ TRIAL_METRICS: dict[str, str] = {
     "fence_before_promote": "1 when the victim's `fenced` event came before `promoted`, else 0",
     "checkpoint_bytes_read": "checkpoint bytes the daemon that took over read (daemon faults)",
     "group_left": "processes of the killed engine's group (every rank) alive once recovered",
+    "broken_streams": "streams that did not end complete (error event, cut, short)",
+    "migrated_streams": "streams the router continued on the next primary",
+    "twin_mismatches": "complete greedy streams whose token ids differ from their twins'",
+    "stream_stall_ms": "the longest stall a migrated stream showed its client in the trial",
+    "stream_stall_p50_ms": "the median stall of the trial's migrated streams",
     **FLEET_METRICS,
 }
 RUN_METRICS: dict[str, str] = {
@@ -41,10 +46,23 @@ RUN_METRICS: dict[str, str] = {
     "faults": "faults injected",
     "skipped_faults": "faults not injected because the policy runs no victim now",
     "failed_trials": "trials never injected: the pool was not whole in time, or no victim",
+    "streams": "streamed requests, whole run",
+    "broken_streams": "streams that did not end complete, whole run",
+    "migrated_streams": "streams continued on the next primary, whole run",
+    "twin_mismatches": "complete greedy streams unlike their fault-free twins, whole run",
 }
 STATS = ("p50", "p95", "p99", "max", "min", "mean", "count", "sum")
 COUNT_METRICS = frozenset(
-    {"failed_requests", "retried_requests", "shed_requests", "failed_elsewhere", "leader_changes"}
+    {
+        "failed_requests",
+        "retried_requests",
+        "shed_requests",
+        "failed_elsewhere",
+        "leader_changes",
+        "broken_streams",
+        "migrated_streams",
+        "twin_mismatches",
+    }
 )
 _OPS: dict[str, Callable[[float, float], bool]] = {
     "<=": operator.le,

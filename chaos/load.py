@@ -7,12 +7,23 @@ A failed attempt (no answer, or 502/503/504) is retried after a short backoff, u
 `retries` times; the row keeps the attempt count. A 503 with Retry-After is the engine
 shedding load: retried after the time it asks for, and counted as shed (not failed) when
 every attempt was shed.
+
+With `stream`, a share of the requests (`stream_fraction`) is streamed, and each such
+client checks its stream as a user would: it must end with `data: [DONE]` (an error event
+or a cut is a broken stream, a failed request), and with `ignore_eos` carry exactly
+`max_tokens` token ids. Streamed requests draw their prompt from `twin_prompts` fixed
+prompts, so every greedy stream has fault-free twins to be compared with (chaos.metrics).
+The router marks a stream it continued on the next primary with a `: migrated` comment;
+the client counts them and measures its stall: last token before the mark to the first
+after it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import random
 import time
 from urllib.parse import urlsplit
@@ -41,10 +52,16 @@ class RequestRow(msgspec.Struct, frozen=True):
     error: str = ""
     tokens: int = 0  # output tokens of a successful answer (its usage.completion_tokens)
     shed: bool = False  # the last attempt was a 503 with Retry-After (load shed, not a failure)
+    streamed: bool = False
+    broken: bool = False  # a stream that did not end complete: an error event, a cut, a short one
+    migrated: int = 0  # times the router continued the stream on the next primary
+    stall_ms: float | None = None  # the longest stall a migration made the client see
+    prompt: int = -1  # which of the twin prompts (streamed requests), -1: a random one
+    digest: str = ""  # of a complete stream's token ids, to compare with its twins
 
     @property
     def ok(self) -> bool:
-        return 200 <= self.status < 300
+        return 200 <= self.status < 300 and not self.broken
 
     @property
     def failed(self) -> bool:
@@ -59,9 +76,13 @@ def describe_load(spec: LoadSpec) -> str:
     """The load in words, for the report."""
     pace = "back to back" if not spec.rate else f"at most {spec.rate:g} requests/s in all"
     eos = ", ignore_eos" if spec.ignore_eos else ""
+    streamed = ""
+    if spec.stream:
+        share = f"{spec.stream_fraction:.0%} of requests" if spec.stream_fraction < 1 else "all"
+        streamed = f"; streamed: {share}, prompts from {spec.twin_prompts} twins"
     return (
         f"{spec.concurrency} concurrent clients, {pace}; {spec.prompt_tokens} prompt tokens, "
-        f"{spec.max_tokens} output tokens{eos}; {spec.retries} retries"
+        f"{spec.max_tokens} output tokens{eos}; {spec.retries} retries{streamed}"
     )
 
 
@@ -80,6 +101,69 @@ class _Reply(msgspec.Struct, frozen=True):
     error: str = ""
     tokens: int = 0
     retry_after: float | None = None  # seconds, from a 503's Retry-After
+    broken: bool = False
+    migrated: int = 0
+    stall_ms: float | None = None
+    digest: str = ""
+
+
+class StreamCheck:
+    """A streamed answer read line by line as a client sees it."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.done = False
+        self.error = ""
+        self.migrated = 0
+        self.stalls: list[float] = []
+        self._last = 0.0  # monotonic time of the last token
+        self._mark: float | None = None  # _last when a `: migrated` comment came
+
+    def line(self, raw: bytes, now: float) -> None:
+        text = raw.strip()
+        if text.startswith(b":"):
+            self.migrated += 1
+            self._mark = self._last
+        elif text.startswith(b"data:"):
+            data = text[5:].strip()
+            if data == b"[DONE]":
+                self.done = True
+                return
+            obj = json.loads(data)
+            if "error" in obj:
+                self.error = str(obj["error"].get("message", obj["error"]))[:200]
+                return
+            before = len(self.ids)
+            for choice in obj.get("choices") or ():
+                self.ids.extend(choice.get("token_ids") or ())
+            if len(self.ids) > before:
+                if self._mark is not None:
+                    self.stalls.append((now - self._mark) * 1000.0)
+                    self._mark = None
+                self._last = now
+
+    def reply(self, resp: aiohttp.ClientResponse, expect: int | None) -> _Reply:
+        short = expect is not None and len(self.ids) != expect
+        broken = not self.done or bool(self.error) or short
+        error = self.error or (
+            "the stream ended without data: [DONE]"
+            if not self.done
+            else f"{len(self.ids)} tokens, not {expect}"
+            if short
+            else ""
+        )
+        epoch_text = resp.headers.get("X-Holdfast-Epoch", "")
+        return _Reply(
+            resp.status,
+            resp.headers.get("X-Holdfast-Engine", ""),
+            int(epoch_text) if epoch_text.isdigit() else None,
+            error=error,
+            tokens=len(self.ids),
+            broken=broken,
+            migrated=self.migrated,
+            stall_ms=round(max(self.stalls), 3) if self.stalls else None,
+            digest="" if broken else hashlib.sha1(str(self.ids).encode()).hexdigest()[:16],
+        )
 
 
 class LoadGenerator:
@@ -93,6 +177,11 @@ class LoadGenerator:
         self.spec = spec
         self.fallback: tuple[str, int | None] = ("", None)
         self._rng = random.Random(seed)
+        twins = random.Random(seed + 1)
+        self._twins = [
+            [twins.randrange(1, 200) for _ in range(spec.prompt_tokens)]
+            for _ in range(spec.twin_prompts)
+        ]
         self._rows: Rows[RequestRow] = Rows()
 
     @property
@@ -124,22 +213,29 @@ class LoadGenerator:
                 await _sleep_or_stop(stop, next_at - time.monotonic())
 
     async def _one(self, session: aiohttp.ClientSession, slots: asyncio.Semaphore) -> None:
-        body = {
-            self.spec.prompt_key: [
-                self._rng.randrange(1, 200) for _ in range(self.spec.prompt_tokens)
-            ],
+        streamed = self.spec.stream and self._rng.random() < self.spec.stream_fraction
+        twin = self._rng.randrange(len(self._twins)) if streamed and self._twins else -1
+        prompt = (
+            self._twins[twin]
+            if twin >= 0
+            else [self._rng.randrange(1, 200) for _ in range(self.spec.prompt_tokens)]
+        )
+        body: dict[str, object] = {
+            self.spec.prompt_key: prompt,
             "max_tokens": self.spec.max_tokens,
             "ignore_eos": self.spec.ignore_eos,
         }
+        if streamed:
+            body["stream"] = True
         start = time.time()
         try:
             row = await self._attempts(session, body, start)
         finally:
             slots.release()
-        self._rows.append(row)
+        self._rows.append(msgspec.structs.replace(row, streamed=streamed, prompt=twin))
 
     async def _attempts(
-        self, session: aiohttp.ClientSession, body: object, start: float
+        self, session: aiohttp.ClientSession, body: dict[str, object], start: float
     ) -> RequestRow:
         reply, attempt = _Reply(0), 0
         for attempt in range(1, self.spec.retries + 2):
@@ -162,9 +258,15 @@ class LoadGenerator:
             reply.error,
             tokens=reply.tokens,
             shed=reply.retry_after is not None,
+            broken=reply.broken,
+            migrated=reply.migrated,
+            stall_ms=reply.stall_ms,
+            digest=reply.digest,
         )
 
-    async def _post(self, session: aiohttp.ClientSession, body: object) -> _Reply:
+    async def _post(self, session: aiohttp.ClientSession, body: dict[str, object]) -> _Reply:
+        if body.get("stream"):
+            return await self._post_stream(session, body)
         try:
             async with session.post(self.url, json=body) as resp:
                 raw = await resp.read()
@@ -178,6 +280,25 @@ class LoadGenerator:
                 )
         except (aiohttp.ClientError, TimeoutError) as exc:
             return _Reply(0, error=f"{type(exc).__name__}: {exc}"[:200])
+
+    async def _post_stream(self, session: aiohttp.ClientSession, body: dict[str, object]) -> _Reply:
+        check, started = StreamCheck(), False
+        expect = self.spec.max_tokens if self.spec.ignore_eos else None
+        try:
+            async with session.post(self.url, json=body) as resp:
+                if resp.status != 200:
+                    await resp.read()
+                    retry = _retry_after(resp.status, resp.headers.get("Retry-After"))
+                    return _Reply(resp.status, retry_after=retry)
+                started = True
+                async for raw in resp.content:
+                    check.line(raw, time.monotonic())
+                return check.reply(resp, expect)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            error = f"{type(exc).__name__}: {exc}"[:200]
+            if started:  # cut after the answer began: a broken stream, never retried
+                return _Reply(200, error=error, tokens=len(check.ids), broken=True)
+            return _Reply(0, error=error)
 
 
 def _tokens(raw: bytes) -> int:

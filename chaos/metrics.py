@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import statistics
 from collections.abc import Callable, Iterable, Sequence
@@ -21,6 +22,13 @@ ENGINE_KILLS = frozenset(
 MS_METRICS = ("detection_ms", "promotion_ms", "recovery_ms", "added_latency_ms")
 COUNTS = ("failed_requests", "retried_requests", "shed_requests")
 EVIDENCE = ("fence_before_promote", "checkpoint_bytes_read", "group_left")
+STREAMS = (
+    "broken_streams",
+    "migrated_streams",
+    "twin_mismatches",
+    "stream_stall_ms",
+    "stream_stall_p50_ms",
+)
 
 
 class TrialRow(msgspec.Struct, frozen=True):
@@ -44,6 +52,11 @@ class TrialRow(msgspec.Struct, frozen=True):
     fence_before_promote: float | None = None  # 1: the victim's fence came first in the events
     checkpoint_bytes_read: float | None = None  # by the daemon that took over (its log)
     group_left: int | None = None  # the killed engine's rank processes alive once recovered
+    broken_streams: int = 0  # streams that did not end complete (counted in failed_requests)
+    migrated_streams: int = 0  # streams the router continued on the next primary
+    twin_mismatches: int = 0  # complete greedy streams whose tokens differ from their twins'
+    stream_stall_ms: float | None = None  # the longest stall a migrated stream showed
+    stream_stall_p50_ms: float | None = None  # the median of the migrated streams' stalls
 
 
 class StageSpan(msgspec.Struct, frozen=True):
@@ -64,6 +77,10 @@ class RunFigures(msgspec.Struct, frozen=True):
     availability_excl_kill_supervisor: float | None = None
     skipped_faults: int = 0
     failed_trials: int = 0  # never injected: the pool was not whole in time, or no victim
+    streams: int = 0
+    broken_streams: int = 0
+    migrated_streams: int = 0
+    twin_mismatches: int = 0
 
 
 class CheckResult(msgspec.Struct, frozen=True):
@@ -104,14 +121,37 @@ def with_requests(
     if slowest is not None and baseline_ms is not None:
         added = round(max(0.0, slowest - baseline_ms), 2)
     recovery = (first_ok - trial.injected) * 1000.0 if first_ok is not None else None
+    twins = references(rows)
+    stalls = [r.stall_ms for r in inside if r.stall_ms is not None]
     return msgspec.structs.replace(
         trial,
+        broken_streams=sum(1 for r in failed if r.broken),
+        migrated_streams=sum(1 for r in inside if r.migrated),
+        twin_mismatches=sum(1 for r in inside if mismatched(r, twins)),
+        stream_stall_ms=round(max(stalls), 3) if stalls else None,
+        stream_stall_p50_ms=round(statistics.median(stalls), 3) if stalls else None,
         recovery_ms=round(recovery, 2) if recovery is not None else None,
         failed_requests=len(failed),
         retried_requests=sum(1 for r in inside if r.attempts > 1),
         shed_requests=sum(1 for r in inside if r.shed),
         added_latency_ms=added,
     )
+
+
+def references(rows: Sequence[RequestRow]) -> dict[int, str]:
+    """Per twin prompt, the token ids (digest) of its complete streams that no fault
+    touched: the most common one, should they ever differ."""
+    seen: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for r in rows:
+        if r.streamed and r.prompt >= 0 and r.digest and not r.migrated:
+            seen[r.prompt][r.digest] += 1
+    return {p: c.most_common(1)[0][0] for p, c in seen.items()}
+
+
+def mismatched(row: RequestRow, twins: dict[int, str]) -> bool:
+    """A complete stream whose tokens differ from its fault-free twins'."""
+    ref = twins.get(row.prompt)
+    return bool(row.digest) and ref is not None and row.digest != ref
 
 
 def trial_of(row: RequestRow, trials: Sequence[TrialRow]) -> TrialRow | None:
@@ -145,6 +185,7 @@ def run_figures(
     rows: Sequence[RequestRow], trials: Sequence[TrialRow], base: float | None
 ) -> RunFigures:
     outside = [r for r in rows if (t := blamed(r, trials)) is None or t.fault != "kill-supervisor"]
+    twins = references(rows)
     return RunFigures(
         requests=len(rows),
         failed_requests=sum(1 for r in rows if r.failed),
@@ -157,6 +198,10 @@ def run_figures(
         availability_excl_kill_supervisor=_availability(outside),
         skipped_faults=sum(1 for t in trials if t.outcome == "skipped"),
         failed_trials=sum(1 for t in trials if t.outcome == "failed"),
+        streams=sum(1 for r in rows if r.streamed),
+        broken_streams=sum(1 for r in rows if r.broken),
+        migrated_streams=sum(1 for r in rows if r.migrated),
+        twin_mismatches=sum(1 for r in rows if mismatched(r, twins)),
     )
 
 

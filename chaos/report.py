@@ -16,6 +16,7 @@ from chaos.metrics import (
     COUNTS,
     EVIDENCE,
     MS_METRICS,
+    STREAMS,
     CheckResult,
     RunFigures,
     StageSpan,
@@ -93,6 +94,7 @@ def markdown(results: Results) -> str:
         "Availability is successful / (successful + failed); shed requests (503 with "
         "Retry-After: the engine refusing overload) count in neither.",
         "",
+        *_streams(run),
         "## Checks",
         "",
         "| check | value | result |",
@@ -114,6 +116,17 @@ def markdown(results: Results) -> str:
     lines += ["", *_failed_requests(results)]
     lines += ["## Plots", "", "![timeline](timeline.png)", "", "![recovery](recovery.png)", ""]
     return "\n".join(lines)
+
+
+def _streams(run: RunFigures) -> list[str]:
+    if not run.streams:
+        return []
+    return [
+        f"Streams: {run.streams} streamed, {run.broken_streams} broken (an error event, a cut "
+        f"or a short answer; counted as failed), {run.migrated_streams} migrated to the next "
+        f"primary, {run.twin_mismatches} unlike their fault-free twins.",
+        "",
+    ]
 
 
 def _throughput(results: Results) -> list[str]:
@@ -171,9 +184,10 @@ def _fault_table(fault: str, trials: Sequence[TrialRow]) -> list[str]:
         "| metric | n | p50 | p95 | p99 | max |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for metric in (*MS_METRICS, *COUNTS, *EVIDENCE):
+    streamed = any(t.migrated_streams or t.broken_streams for t in trials)
+    for metric in (*MS_METRICS, *COUNTS, *STREAMS, *EVIDENCE):
         data = values(trials, metric)
-        if not data:
+        if not data or (metric in STREAMS and not streamed):
             continue
         cells = " | ".join(num(stat(data, name)) for name in STATS)
         lines.append(f"| {metric} | {len(data)} | {cells} |")

@@ -25,6 +25,8 @@ LOAD_FLOORS = {  # key: (floor, whether the floor itself is out)
     "retries": (0, False),
     "max_tokens": (1, False),
     "prompt_tokens": (1, False),
+    "stream_fraction": (0, True),
+    "twin_prompts": (1, False),
 }
 LOAD_RANGES = {
     "concurrency": "at least 1",
@@ -32,6 +34,8 @@ LOAD_RANGES = {
     "retries": "0 or more",
     "max_tokens": "at least 1",
     "prompt_tokens": "at least 1",
+    "stream_fraction": "above 0 (1: every request streamed)",
+    "twin_prompts": "at least 1",
 }
 
 FAULT_KINDS: dict[str, str] = {
@@ -70,6 +74,9 @@ class LoadSpec(_Spec, frozen=True):
     retry_backoff_ms: float = 20.0
     max_requests: int = 1_000_000  # per stage
     max_duration_s: float = 86_400.0  # per stage
+    stream: bool = False  # stream answers (chaos.load checks each stream for completeness)
+    stream_fraction: float = 1.0  # with stream: the share of requests streamed
+    twin_prompts: int = 8  # streamed requests draw their prompt from this many fixed ones
 
 
 class FaultSpec(_Spec, frozen=True):
