@@ -219,8 +219,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`supervisor ...`; a reader that stops early (`supervisor status | head`) ends it
     quietly, as it ends any Unix tool, with SIGPIPE's exit status."""
     try:
-        code = _main(argv)
-        sys.stdout.flush()
+        try:
+            code = _main(argv)
+        finally:  # also on `--help`'s SystemExit
+            sys.stdout.flush()
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 128 + signal.SIGPIPE

@@ -84,12 +84,17 @@ def test_a_runtime_dir_that_is_a_file_is_named_not_a_traceback(tmp_path: Path) -
     assert afile.read_text() == "mine"
 
 
-def test_a_reader_that_closes_the_pipe_ends_chaos_kinds_quietly() -> None:
+@pytest.mark.parametrize(
+    "argv",
+    [["chaos", "kinds"], ["supervisor", "validate"]],
+    ids=" ".join,
+)
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(argv: list[str]) -> None:
     r, w = os.pipe()
     os.close(r)  # like `| head` that has read its lines and gone
     try:
         cp = subprocess.run(
-            [sys.executable, "-m", "chaos", "kinds"],
+            [sys.executable, "-m", *argv],
             env=env(),
             stdout=w,
             stderr=subprocess.PIPE,
