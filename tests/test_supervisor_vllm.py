@@ -8,8 +8,11 @@ expansion, the /metrics load mapping, `supervisor validate` without vLLM) run an
 
 from __future__ import annotations
 
+import os
+import select
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -166,9 +169,10 @@ def test_router_serves_and_killing_the_primary_promotes_the_standby(
         assert second.data["promote_ms"] < 1000
         assert load.failures == [], load.failures[:3]
         assert second.name in load.engines
-        assert not pid_alive(primary["pid"]) and _group_left(primary["pid"]) == []
         died = sup.wait(lambda e: e.event == "died" and e.name == first.name, timeout=10)
         assert died.data["role"] == "primary"
+        assert not pid_alive(primary["pid"])
+        assert _group_gone(primary["pid"], timeout=30) == []  # its EngineCore went with it
     finally:
         assert sup.stop() == 0, sup.output()
 
@@ -192,7 +196,7 @@ def test_vllm_dying_during_startup_is_reported_and_the_supervisor_stays_up(
         assert sup.status()["engines"][0]["state"] == "quarantined"
     finally:
         assert sup.stop() == 0, sup.output()
-    assert _group_left(gone.data["pid"]) == []
+    assert _group_gone(gone.data["pid"], timeout=30) == []
 
 
 def _group_left(pgid: int) -> list[int]:
@@ -207,3 +211,19 @@ def _group_left(pgid: int) -> list[int]:
             if int(stat[2]) == pgid and stat[0] != "Z":
                 out.append(int(d.name))
     return out
+
+
+def _group_gone(pgid: int, timeout: float) -> list[int]:
+    """Waits (on pidfds, up to `timeout`) for every process of group `pgid` to exit; the
+    ones still there."""
+    deadline = time.monotonic() + timeout
+    for pid in _group_left(pgid):
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        try:
+            select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        finally:
+            os.close(fd)
+    return _group_left(pgid)
