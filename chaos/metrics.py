@@ -121,13 +121,19 @@ def with_requests(
     if slowest is not None and baseline_ms is not None:
         added = round(max(0.0, slowest - baseline_ms), 2)
     recovery = (first_ok - trial.injected) * 1000.0 if first_ok is not None else None
+    # a stream the fault cut began before it: streams count where they were under way
     twins = references(rows)
-    stalls = [r.stall_ms for r in inside if r.stall_ms is not None]
+    cut = [r for r in overlapping if r.migrated and blamed_cut(r, everyone) is trial]
+    stalls = [r.stall_ms for r in cut if r.stall_ms is not None]
     return msgspec.structs.replace(
         trial,
         broken_streams=sum(1 for r in failed if r.broken),
-        migrated_streams=sum(1 for r in inside if r.migrated),
-        twin_mismatches=sum(1 for r in inside if mismatched(r, twins)),
+        migrated_streams=len(cut),
+        twin_mismatches=sum(
+            1
+            for r in overlapping
+            if mismatched(r, twins) and (blamed_cut(r, everyone) or trial_of(r, everyone)) is trial
+        ),
         stream_stall_ms=round(max(stalls), 3) if stalls else None,
         stream_stall_p50_ms=round(statistics.median(stalls), 3) if stalls else None,
         recovery_ms=round(recovery, 2) if recovery is not None else None,
@@ -152,6 +158,12 @@ def mismatched(row: RequestRow, twins: dict[int, str]) -> bool:
     """A complete stream whose tokens differ from its fault-free twins'."""
     ref = twins.get(row.prompt)
     return bool(row.digest) and ref is not None and row.digest != ref
+
+
+def blamed_cut(row: RequestRow, trials: Sequence[TrialRow]) -> TrialRow | None:
+    """The trial a migrated stream counts in: the last fault injected while it ran."""
+    during = [t for t in trials if row.start <= t.injected <= row.end]
+    return max(during, key=lambda t: t.injected, default=None)
 
 
 def trial_of(row: RequestRow, trials: Sequence[TrialRow]) -> TrialRow | None:

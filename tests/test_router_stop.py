@@ -18,7 +18,8 @@ from typing import Any
 
 from test_router_streams import ENGINE, PROMPT, TOKENS, stream, token_ids
 
-from tests.engines.harness import Supervisor, free_port, topic, write_policy
+from holdfast_contract.wire import free_port
+from tests.engines.harness import Supervisor, topic, write_policy
 
 DEADLINE_S = 60.0  # router.retry_deadline_s: a request held for a primary waits this long
 

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.engines.harness import Supervisor, free_port, get, write_policy
+from holdfast_contract.wire import free_port
+from tests.engines.harness import Supervisor, get, write_policy
 
 openai = pytest.importorskip("openai")
 
@@ -193,5 +194,59 @@ def test_the_openai_client_raises_on_a_stream_that_cannot_be_continued(
                 if seen == CUT_AFTER:
                     os.kill(get(f"{sup.api}/primary")[1]["pid"], signal.SIGKILL)
         assert CUT_AFTER <= seen < TOKENS
+    finally:
+        sup.stop(signal.SIGKILL)
+
+
+def test_a_chat_stream_is_continued_at_the_token_level(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """The continuation of a chat stream is built from token ids (the template is not
+    rendered again) and reshaped into chat chunks: the openai client reads one stream with
+    the fault-free stream's tokens, its finish_reason, and usage over the whole answer."""
+    pytest.importorskip("transformers")
+    from hf_checkpoints import llama_checkpoint
+
+    ckpt = llama_checkpoint(tmp_path_factory.mktemp("llama") / "llama")
+    sup = boot(tmp_path, ckpt)
+    n = 200  # the checkpoint's context is 256
+    messages = [{"role": "user", "content": "When the primary dies, a standby"}]
+
+    def chat(cut: bool) -> tuple[list[int], list[str | None], Any]:
+        client = openai.OpenAI(base_url=sup.router + "/v1", api_key="-", max_retries=0)
+        ids: list[int] = []
+        finish: list[str | None] = []
+        usage = None
+        for chunk in client.chat.completions.create(
+            model="llama",
+            messages=messages,
+            max_tokens=n,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        ):
+            for choice in chunk.choices:
+                ids.extend(getattr(choice, "token_ids", None) or [])
+                if choice.finish_reason is not None:
+                    finish.append(choice.finish_reason)
+            usage = chunk.usage or usage
+            if cut and len(ids) == CUT_AFTER:
+                os.kill(get(f"{sup.api}/primary")[1]["pid"], signal.SIGKILL)
+        return ids, finish, usage
+
+    try:
+        first = sup.wait_pair()
+        reference = chat(cut=False)
+        assert len(reference[0]) == n and reference[1] == ["length"]
+        mark = sup.tap.mark()
+        ids, finish, usage = chat(cut=True)
+        sup.wait(lambda e: e.topic == "router.main.migrated", timeout=10, after=mark)
+        promoted = sup.wait(lambda e: e.event == "promoted", timeout=10, after=mark)
+        assert promoted.name != first.name
+        assert ids == reference[0]
+        assert finish == ["length"]
+        assert usage is not None and usage.completion_tokens == n
+        assert usage.prompt_tokens == reference[2].prompt_tokens
+        assert usage.total_tokens == usage.prompt_tokens + n
     finally:
         sup.stop(signal.SIGKILL)
