@@ -139,6 +139,11 @@ class PrimaryView:
         self.target: Target | None = None
         self._changed = asyncio.Event()
         self._acked = asyncio.Event()
+        self._listeners: list[Callable[[Target | None], None]] = []
+
+    def on_set(self, fn: Callable[[Target | None], None]) -> None:
+        """Call `fn(target)` at each `set`, once the target has changed."""
+        self._listeners.append(fn)
 
     def set(self, target: Target | None, *, await_ack: bool = False) -> None:
         """Route to `target`; with `await_ack`, hold requests until `ack(name)` (bounded)."""
@@ -147,6 +152,8 @@ class PrimaryView:
         if not await_ack:
             self._acked.set()
         self.wake()
+        for fn in self._listeners:
+            fn(target)
 
     def wake(self) -> None:
         """Requests waiting for a primary look again."""
@@ -227,7 +234,18 @@ class Router:
         self.stopping = False
         self.in_flight = 0
         self._stopped = asyncio.Event()
+        # upstream streams by the local primary's epoch: cut at once when another is routed
+        self._upstreams: dict[int, set[aiohttp.ClientResponse]] = {}
+        view.on_set(self._superseded)
         self._session: aiohttp.ClientSession | None = None
+
+    def _superseded(self, target: Target | None) -> None:
+        """The primary changed: a primary is replaced only once fenced, so the streams
+        still read from an older one are cut now (and migrated), not when its sockets
+        close, which the kernel does only after tearing down the dead process's memory."""
+        for epoch in [e for e in self._upstreams if target is None or e < target.epoch]:
+            for up in self._upstreams.pop(epoch):
+                up.close()
 
     def stop(self) -> None:
         """From now on new requests get 503 at once; those under way go on."""
@@ -527,26 +545,47 @@ class Router:
         async with self._client().post(url, headers=headers, data=body) as up:
             if target.remote and up.status == 421 and NOT_LEADER in up.headers:
                 raise NotLeader(f"{target.name} answered that it does not lead")
-            streaming = up.status == 200 and up.content_type == "text/event-stream"
-            if not streaming and cont:
-                raise Refused(up.status, (await up.read()).decode(errors="replace")[:500])
-            if not sent:
-                resp = self._response(up, target)
-                if not streaming:  # an error answer, or not a stream after all: as it is
-                    first = await up.read()
-                    await resp.prepare(request)
-                    await resp.write(first)
-                    await resp.write_eof()
-                    self.forwarded += 1
-                    return resp
-                first = await up.content.readany()  # failures up to here are retried
+            if not target.remote:
+                self._upstreams.setdefault(target.epoch, set()).add(up)
+            try:
+                return await self._answer(request, st, target, sent, up, cont)
+            finally:
+                live = self._upstreams.get(target.epoch)
+                if live is not None:
+                    live.discard(up)
+                    if not live:
+                        del self._upstreams[target.epoch]
+
+    async def _answer(
+        self,
+        request: web.Request,
+        st: Stream,
+        target: Target,
+        sent: list[web.StreamResponse],
+        up: aiohttp.ClientResponse,
+        cont: bool,
+    ) -> web.StreamResponse:
+        """Relay one upstream answer of a stream (see `_stream_once`)."""
+        streaming = up.status == 200 and up.content_type == "text/event-stream"
+        if not streaming and cont:
+            raise Refused(up.status, (await up.read()).decode(errors="replace")[:500])
+        if not sent:
+            resp = self._response(up, target)
+            if not streaming:  # an error answer, or not a stream after all: as it is
+                first = await up.read()
                 await resp.prepare(request)
-                sent.append(resp)
+                await resp.write(first)
+                await resp.write_eof()
                 self.forwarded += 1
-                return await self._pump(up, sent[0], st, cont, bytearray(first))
-            # an SSE comment (clients skip it) marks where the stream goes on elsewhere
-            await write(sent[0], migration.MIGRATED)
-            return await self._pump(up, sent[0], st, cont, bytearray())
+                return resp
+            first = await up.content.readany()  # failures up to here are retried
+            await resp.prepare(request)
+            sent.append(resp)
+            self.forwarded += 1
+            return await self._pump(up, sent[0], st, cont, bytearray(first))
+        # an SSE comment (clients skip it) marks where the stream goes on elsewhere
+        await write(sent[0], migration.MIGRATED)
+        return await self._pump(up, sent[0], st, cont, bytearray())
 
     def _response(self, up: aiohttp.ClientResponse, target: Target) -> web.StreamResponse:
         resp = web.StreamResponse(status=up.status, reason=up.reason)
