@@ -24,7 +24,8 @@ from holdfast_contract.control import ClusterStatus, DaemonStatus, EngineStatus
 from supervisor import decisions
 from supervisor.errors import ControlError, StartupError
 from supervisor.events import EventBus, UnitState
-from supervisor.exitwatch import ExitWatch
+from supervisor.exitwatch import ExitWatch, is_exiting
+from supervisor.pace import LoopPace
 from supervisor.policy import Policy
 from supervisor.realtime import RealtimeSection
 from supervisor.router import PrimaryView, Target
@@ -79,6 +80,13 @@ class Cluster:
         self.refused: dict[str, str] = {}  # primaries that failed their promotion
         self.early_hellos: dict[str, Hello] = {}  # arrived while their engine was spawning
         self.windows = decisions.Windows.of(policy)
+        interval_s = policy.heartbeat.interval_ms / 1000.0
+        # the supervisor's own stalls (run by the service), not counted as engines' silence
+        self.pace = LoopPace(
+            period_s=interval_s / 4,
+            tolerance_s=interval_s / 4,
+            keep_s=max(self.windows.busy_silence_s, self.windows.starting_silence_s) + 1.0,
+        )
         self.batch = decisions.BatchGovernor(
             policy.engines.load, policy.heartbeat.interval_ms / 1000.0, policy.devices.memory_mb
         )
@@ -261,16 +269,33 @@ class Cluster:
         self.wake.set()
 
     async def fence(self, e: Engine, *, cause: str, detail: str, counted: bool = True) -> None:
-        """SIGKILL `e`'s process groups, confirm the exit, then handle it as down."""
+        """SIGKILL `e`'s process groups; once each is seen killed (SIGKILL pending,
+        exiting or gone: it runs no more user code, see `exitwatch`), or else its exit is
+        confirmed, handle it as down (a primary's standby is promoted), then wait for the
+        exits."""
         inc = e.inc
         if inc is None or inc.handled:
             return
+        primary = e is self.primary
+        if primary:
+            self.realtime.enter()  # up to routed and told, as for an exit (`promote` leaves)
         t_detect = time.monotonic()
         inc.handled = True
-        confirmed = await self._kill(e, inc)
+        for p in inc.procs:
+            p.kill_group()
+        killed = all(is_exiting(p.pid) for p in inc.procs)
+        confirmed = killed
+        if not killed:  # (a pid reused already, say): wait for the exit itself
+            self.realtime.leave()
+            confirmed = await self._kill(e, inc)
+            if primary:
+                self.realtime.enter()
         # before any promotion `down` makes: the event order shows the fence came first
         self.publish(e, "fenced", cause=cause, detail=detail, pid=inc.pid, confirmed=confirmed)
         self.down(e, inc, cause=cause, detail=detail, t_detect=t_detect, counted=counted)
+        self.realtime.leave()  # (no standby was promoted)
+        if killed:
+            await self._kill(e, inc)
 
     async def _kill(self, e: Engine, inc: Incarnation) -> bool:
         confirmed = all([await p.fence() for p in inc.procs])

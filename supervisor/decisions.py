@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from supervisor.pace import SchedState
 from supervisor.policy import LoadSpec, Policy
 from supervisor.states import EngineState
 from supervisor.units import Engine
@@ -23,6 +24,8 @@ class Windows:
     ready_timeout_s: float
     hang_s: float  # heartbeat.interval_ms x miss_limit, once ready
     starting_silence_s: float  # heartbeat.starting_silence_ms, while it starts
+    busy_silence_s: float  # heartbeat.busy_silence_ms: silent, but runnable
+    recheck_s: float  # how soon an overdue, runnable engine is looked at again
 
     @classmethod
     def of(cls, policy: Policy) -> Windows:
@@ -31,6 +34,8 @@ class Windows:
             ready_timeout_s=policy.engines.ready_timeout_s,
             hang_s=hb.interval_ms * hb.miss_limit / 1000.0,
             starting_silence_s=hb.starting_silence_ms / 1000.0,
+            busy_silence_s=hb.busy_silence_ms / 1000.0,
+            recheck_s=hb.interval_ms / 2000.0,
         )
 
     def silence_s(self, ready: bool) -> float:
@@ -68,9 +73,23 @@ class Fence:
     detail: str
 
 
-def liveness(e: Engine, now: float, w: Windows, refused: str | None) -> Fence | float | None:
-    """For a running engine: the reason to fence it now, or when to look again (None: only
-    when something happens). `refused`: why it refused its promotion, if it did."""
+@dataclass(frozen=True)
+class Overdue:
+    """A running engine silent past its window: fenced or not by `judge_silence`, once the
+    kernel was asked what its processes do."""
+
+    silent_s: float  # since its last heartbeat
+    window_s: float
+    stalled_s: float  # of that, how long the supervisor itself was stalled
+
+
+def liveness(
+    e: Engine, now: float, w: Windows, refused: str | None, stalled_s: float = 0.0
+) -> Fence | Overdue | float | None:
+    """For a running engine: the reason to fence it now, Overdue when its heartbeat is,
+    or when to look again (None: only when something happens). `refused`: why it refused
+    its promotion, if it did; `stalled_s`: how much of the time since its last heartbeat
+    the supervisor was stalled itself (`pace.LoopPace`)."""
     inc = e.inc
     if inc is None or inc.handled or not e.running or e.state == EngineState.DRAINING:
         return None
@@ -82,8 +101,36 @@ def liveness(e: Engine, now: float, w: Windows, refused: str | None) -> Fence | 
         return None
     window = w.silence_s(inc.ready)
     if now - e.last_beat > window:
-        return Fence("hang", f"no heartbeat for {round((now - e.last_beat) * 1000, 1)} ms")
+        return Overdue(now - e.last_beat, window, min(stalled_s, now - e.last_beat))
     return e.last_beat + window + 0.001
+
+
+def judge_silence(o: Overdue, sched: SchedState, now: float, w: Windows) -> Fence | float:
+    """An overdue engine, by what its threads do (`pace.sched_state`), or when to look
+    again. Stopped (SIGSTOP) or gone: fenced as hung now. Asleep (deadlocked, blocked):
+    fenced once silent past its window without the time the supervisor was stalled itself
+    (its heartbeats may be waiting unread). Runnable (waiting for a CPU on a busy machine,
+    or running): looked at again every `recheck_s`, fenced once silent past
+    `busy_silence_s` (without the supervisor's stalls) all the same."""
+    ms = round(o.silent_s * 1000, 1)
+    own = o.silent_s - o.stalled_s  # the silence the supervisor was there to hear
+    stalled = f"; the supervisor was stalled {round(o.stalled_s * 1000, 1)} ms of it" * (
+        o.stalled_s > 0
+    )
+    if sched in ("stopped", "gone"):
+        return Fence("hang", f"no heartbeat for {ms} ms, its processes {sched}")
+    if sched == "sleeping":
+        if own > o.window_s:
+            return Fence("hang", f"no heartbeat for {ms} ms, its processes sleeping{stalled}")
+        return now + o.window_s - own + 0.001
+    limit = max(w.busy_silence_s, o.window_s)
+    if own > limit:
+        return Fence(
+            "hang",
+            f"no heartbeat for {ms} ms though runnable (over heartbeat.busy_silence_ms="
+            f"{round(w.busy_silence_s * 1000)}){stalled}",
+        )
+    return now + w.recheck_s
 
 
 # ---- memory ----

@@ -17,6 +17,7 @@ from supervisor import decisions
 from supervisor.core import Cluster
 from supervisor.decisions import earliest
 from supervisor.errors import ControlError
+from supervisor.pace import sched_state
 from supervisor.states import EngineState
 from supervisor.units import Engine
 
@@ -39,11 +40,18 @@ async def tick(c: Cluster) -> float | None:
 
 
 async def _check_liveness(c: Cluster, now: float) -> float | None:
-    """Fence engines that never got ready or went silent; when the next check is due."""
+    """Fence engines that never got ready or went silent; when the next check is due. A
+    overdue engine is judged by what its threads do (`pace`, `decisions.judge_silence`): a
+    busy machine, or a stalled supervisor, is not a hang."""
     due: float | None = None
+    c.pace.observe(now)  # a stall that ends now counts before the ticker has seen it
     for e in list(c.engines.values()):
         refused = c.refused.pop(e.name, None) if e is c.primary else None
-        verdict = decisions.liveness(e, now, c.windows, refused)
+        stalled = c.pace.stalled_s(e.last_beat, now) if e.last_beat else 0.0
+        verdict = decisions.liveness(e, now, c.windows, refused, stalled)
+        if isinstance(verdict, decisions.Overdue):
+            sched = sched_state(p.pid for p in e.inc.procs) if e.inc is not None else "gone"
+            verdict = decisions.judge_silence(verdict, sched, now, c.windows)
         if isinstance(verdict, decisions.Fence):
             await c.fence(e, cause=verdict.cause, detail=verdict.detail)
         else:

@@ -10,6 +10,7 @@ from supervisor.backoff import Backoff, RestartBook
 from supervisor.decisions import (
     BatchGovernor,
     Fence,
+    Overdue,
     Windows,
     admission_victims,
     best_standby,
@@ -27,7 +28,9 @@ from tests.supervisor_fakes import FakeProc
 
 E = EngineState
 HANG = 0.5  # heartbeat window once ready
-W = Windows(ready_timeout_s=10.0, hang_s=HANG, starting_silence_s=5.0)
+W = Windows(
+    ready_timeout_s=10.0, hang_s=HANG, starting_silence_s=5.0, busy_silence_s=2.0, recheck_s=0.025
+)
 
 
 def engine(
@@ -119,11 +122,11 @@ def test_best_standby(engines: list[Engine], now: float, expected: str | None) -
             engine("e1", E.STARTING, ready=False, beat=1.0),
             6.01,
             None,
-            Fence("hang", "no heartbeat for 5010.0 ms"),
+            Overdue(6.01 - 1.0, 5.0, 0.0),
         ),
         # ready: the miss window (interval x miss_limit)
         (engine(beat=1.0), 1.5, None, 1.0 + HANG + 0.001),
-        (engine(beat=1.0), 1.51, None, Fence("hang", "no heartbeat for 510.0 ms")),
+        (engine(beat=1.0), 1.51, None, Overdue(1.51 - 1.0, HANG, 0.0)),
         (
             engine("e1", E.PRIMARY, beat=1.0),
             1.1,
@@ -160,7 +163,9 @@ def test_liveness(e: Engine, now: float, refused: str | None, expected: object) 
 
 
 def test_the_starting_window_is_never_shorter_than_the_ready_one() -> None:
-    w = Windows(ready_timeout_s=1.0, hang_s=2.0, starting_silence_s=0.5)
+    w = Windows(
+        ready_timeout_s=1.0, hang_s=2.0, starting_silence_s=0.5, busy_silence_s=2.0, recheck_s=0.1
+    )
     assert (w.silence_s(ready=False), w.silence_s(ready=True)) == (2.0, 2.0)
     assert (W.silence_s(ready=False), W.silence_s(ready=True)) == (5.0, HANG)
 
