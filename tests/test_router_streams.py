@@ -250,3 +250,61 @@ def test_a_chat_stream_is_continued_at_the_token_level(
         assert usage.total_tokens == usage.prompt_tokens + n
     finally:
         sup.stop(signal.SIGKILL)
+
+
+def test_a_continuation_is_the_prompt_and_the_tokens_sent_with_the_rest_of_the_budget() -> None:
+    from supervisor.migration import Stream, plan
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 10}
+    body |= {"temperature": 0, "seed": 7, "stop": ["\n\n"], "logprobs": True, "tools": None}
+    st = plan("POST", "/v1/chat/completions", json.dumps(body).encode())
+    assert isinstance(st, Stream) and st.chat
+    assert json.loads(st.first_body())["return_token_ids"] is True
+    role = {"id": "chatcmpl-1", "created": 5, "model": "m"}
+    choice = {"delta": {"role": "assistant", "content": ""}, "prompt_token_ids": [1, 2, 3]}
+    st.seen({**role, "choices": [choice]})
+    st.seen({**role, "choices": [{"delta": {"content": "a"}, "token_ids": [40, 41]}]})
+    cont = json.loads(st.continuation())
+    assert (
+        cont
+        == {
+            "model": cont.get("model"),
+            "temperature": 0,
+            "seed": 7,
+            "stop": ["\n\n"],
+            "prompt_token_ids": [1, 2, 3, 40, 41],
+            "max_tokens": 8,
+            "stream": True,
+            "return_token_ids": True,
+            "skip_special_tokens": True,
+        }
+        or cont.pop("model", None) is None
+    )
+    # a completion chunk of the continuation, reshaped into the chat stream's chunks
+    end = st.reshape({"choices": [{"text": "b", "token_ids": [42], "finish_reason": "length"}]})
+    assert [c["choices"][0]["delta"] for c in end] == [{"content": "b"}, {}]
+    assert [c["choices"][0]["finish_reason"] for c in end] == [None, "length"]
+    assert {c["id"] for c in end} == {"chatcmpl-1"}
+    for c in end:
+        st.seen(c)
+    assert st.emitted == [40, 41, 42] and st.finish_reason == "length"
+    # non-streamed requests and other paths are relayed as they are
+    assert plan("POST", "/v1/chat/completions", b'{"messages": []}') is None
+    assert plan("GET", "/v1/models", b"") is None
+    assert plan("POST", "/v1/completions", b"not json") is None
+
+
+def test_a_migrated_chat_stream_gets_usage_over_the_whole_answer() -> None:
+    from supervisor.migration import Stream
+
+    st = Stream("/v1/chat/completions", {"stream_options": {"include_usage": True}})
+    st.seen({"id": "c", "choices": [{"delta": {}, "prompt_token_ids": [1, 2]}]})
+    st.seen({"id": "c", "choices": [{"delta": {"content": "x"}, "token_ids": [9, 9, 9]}]})
+    st.finish_reason = "stop"
+    [usage] = st.closing()
+    assert usage["choices"] == [] and usage["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 3,
+        "total_tokens": 5,
+    }
+    assert st.closing() == []  # once
