@@ -56,9 +56,26 @@ class EventBus:
         self._states: dict[str, UnitState] = {}
         self.count = 0
 
+    async def claim(self) -> None:
+        """Before the MQTT task starts: raise `mqttclaim.PrefixHeld` if another live
+        supervisor publishes under this prefix (a broker that cannot be asked now is asked
+        again at each connect, before anything is published)."""
+        if self.mqtt is not None and not await self.mqtt.claim():
+            log.warning(
+                "mqtt prefix not checked: broker unavailable; checked again at each connect",
+                host=self.mqtt.spec.host,
+                port=self.mqtt.spec.port,
+            )
+
     def start(self) -> None:
         if self.mqtt is not None:
             self.mqtt.start()
+
+    def go_live(self) -> None:
+        """The supervisor has started: MQTT's birth, Last Will and retained states go out
+        (none before, so one that fails to start changes no retained topic)."""
+        if self.mqtt is not None:
+            self.mqtt.go_live()
 
     def emit(self, kind: str, name: str, event: str, epoch: int, **data: Any) -> Event:
         ev = Event(ts=time.time(), kind=kind, name=name, event=event, epoch=epoch, data=data)
@@ -91,9 +108,10 @@ class EventBus:
         return self.mqtt.dropped if self.mqtt is not None else 0
 
     async def close(self) -> None:
-        """Mark every retained unit state offline, publish what is queued, disconnect."""
+        """Mark every retained unit state offline (if they were published: once live),
+        publish what is queued, disconnect."""
         if self.mqtt is not None:
-            for topic, st in self._states.items():
+            for topic, st in self._states.items() if self.mqtt.live else ():
                 gone = msgspec.structs.replace(st, ts=time.time(), state="offline", pid=0)
                 self.mqtt.offer(topic, msgspec.json.encode(gone), qos=self._qos, retain=True)
             await self.mqtt.close(timeout=1.0)

@@ -1,5 +1,10 @@
 """MQTT out of the supervisor: birth and Last Will, retained unit states, events at QoS 1.
 
+Until `go_live()` (the supervisor has started) only events go out: no birth, no Last
+Will, no retained state, so a supervisor that never started leaves the retained topics as
+they were. Each connection first checks that no other live supervisor holds the prefix
+(`mqttclaim`); while one does, nothing is published.
+
 Nothing here may delay supervision. `offer()` is synchronous and only appends to a bounded
 queue (the oldest message is dropped, and counted, when full); one task owns the broker
 connection, reconnects with backoff, and republishes retained states after each reconnect.
@@ -19,10 +24,12 @@ import contextlib
 from typing import NamedTuple
 
 import aiomqtt
+import msgspec
 import structlog
 
 from supervisor.aio import finish
 from supervisor.backoff import backoff_wait, delay_for
+from supervisor.mqttclaim import Owner, PrefixHeld, check, claim, owner_topic
 from supervisor.policy import MqttSpec
 
 log = structlog.get_logger("supervisor.mqtt")
@@ -54,6 +61,9 @@ class MqttPublisher:
         self.published = 0
         self.connected = False
         self._wait = backoff_wait(0.1, 2.0, 2.0, 0.1)
+        self.owner = Owner.me()  # this supervisor, in the retained <...>/owner
+        self.live = False  # started: birth, Last Will and retained states go out
+        self.held_by = ""  # why the prefix is not ours, while another supervisor holds it
 
     def offer(self, topic: str, payload: bytes, *, qos: int = 0, retain: bool = False) -> None:
         msg = Outgoing(topic, payload, qos, retain)
@@ -76,12 +86,31 @@ class MqttPublisher:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="mqtt")
 
+    async def claim(self) -> bool:
+        """Before anything is published: raise PrefixHeld if another live supervisor holds
+        the prefix; False if the broker could not be asked (each connect asks again)."""
+        return await claim(self.spec, self.status_topic, self.owner, BROKER_TIMEOUT_S)
+
+    def go_live(self) -> None:
+        """The supervisor has started: from now on (after a reconnect with the Last Will)
+        the owner, the birth and the retained states are published."""
+        self.live = True
+        self._wake.set()
+
     async def _run(self) -> None:
         attempt = 0
         while not self._closing.is_set():
             try:
                 await self._session()
-            except (aiomqtt.MqttError, OSError) as e:
+                attempt = 0
+                continue  # (it left to connect again with the Last Will: at once)
+            except PrefixHeld as e:
+                self.connected = False
+                attempt += 1
+                if self.held_by != str(e):
+                    log.error("mqtt_prefix_held", error=str(e), published="nothing")
+                self.held_by = str(e)
+            except (aiomqtt.MqttError, OSError, TimeoutError) as e:
                 self.connected = False
                 attempt += 1
                 if attempt == 1 or attempt % 50 == 0:
@@ -97,8 +126,8 @@ class MqttPublisher:
                     async with asyncio.timeout(delay_for(self._wait, attempt)):
                         await self._closing.wait()
 
-    def _client(self) -> aiomqtt.Client:
-        will = aiomqtt.Will(self.status_topic, b"offline", qos=1, retain=True)
+    def _client(self, live: bool) -> aiomqtt.Client:
+        will = aiomqtt.Will(self.status_topic, b"offline", qos=1, retain=True) if live else None
         client = aiomqtt.Client(
             self.spec.host,
             self.spec.port,
@@ -111,29 +140,54 @@ class MqttPublisher:
         return client
 
     async def _session(self) -> None:
-        async with self._client() as client:
+        live = self.live
+        async with self._client(live) as client:
+            await check(client, self.status_topic, self.owner, BROKER_TIMEOUT_S)
+            self.held_by = ""
             try:
-                await client.publish(self.status_topic, b"online", qos=1, retain=True)
+                if live:
+                    owner = msgspec.json.encode(self.owner)
+                    await client.publish(owner_topic(self.status_topic), owner, qos=1, retain=True)
+                    await client.publish(self.status_topic, b"online", qos=1, retain=True)
                 self.connected = True
-                log.info("mqtt_connected", host=self.spec.host, port=self.spec.port)
-                await self._drain(client)
+                log.info("mqtt_connected", host=self.spec.host, port=self.spec.port, live=live)
+                guard = asyncio.create_task(self._keep_online(client)) if live else None
+                try:
+                    await self._drain(client, live)
+                finally:
+                    if guard is not None:
+                        guard.cancel()
+                        await asyncio.gather(guard, return_exceptions=True)
             finally:
                 self.connected = False
 
-    async def _drain(self, client: aiomqtt.Client) -> None:
-        """Publish the retained states, then the queue as it fills, until closing."""
+    async def _keep_online(self, client: aiomqtt.Client) -> None:
+        """While live, an `offline` on our status topic is a predecessor's Last Will (it
+        was killed on this host and its prefix taken over before the broker gave up on
+        it): say `online` again."""
+        await client.subscribe(self.status_topic, qos=1)
+        async for m in client.messages:
+            if m.payload == b"offline" and not self._closing.is_set():
+                log.info("mqtt_status_restored", topic=self.status_topic)
+                self.offer(self.status_topic, b"online", qos=1, retain=True)
+
+    async def _drain(self, client: aiomqtt.Client, live: bool) -> None:
+        """Publish the retained states (once `live`), then the queue as it fills, until
+        closing, or until the supervisor goes live (to connect again with the Last Will).
+        Before then retained messages are only kept (`_retained`), never sent."""
         retained = set(self._retained)
-        for msg in list(self._retained.values()):
-            await self._publish(client, msg)
+        if live:
+            for msg in list(self._retained.values()):
+                await self._publish(client, msg)
         while True:
             while self._queue:
                 msg = self._queue[0]
-                if not (msg.retain and msg.topic in retained):
+                if not msg.retain or (live and msg.topic not in retained):
                     await self._publish(client, msg)
                 if self._queue and self._queue[0] is msg:
                     self._queue.popleft()
             retained.clear()
-            if self._closing.is_set():
+            if self._closing.is_set() or self.live != live:
                 return
             self._wake.clear()
             await self._wake.wait()
@@ -144,8 +198,10 @@ class MqttPublisher:
 
     async def close(self, timeout: float) -> None:
         """Publish the offline status and what is queued, disconnect, end the task: all
-        within about `timeout` (then the task is cancelled, as often as it takes)."""
-        self.offer(self.status_topic, b"offline", qos=1, retain=True)
+        within about `timeout` (then the task is cancelled, as often as it takes). One that
+        never went live publishes no offline status: it never said it was online."""
+        if self.live:
+            self.offer(self.status_topic, b"offline", qos=1, retain=True)
         self._closing.set()
         self._wake.set()
         if self._task is not None and not await finish(self._task, timeout):

@@ -1,7 +1,8 @@
 """`supervisor run`: bring everything up in order, reconcile until told to stop, tear down.
 
-Order: runtime dir (lock) -> model -> events -> agents + control sockets -> keeper and
-daemons (ready) -> router + health API -> engines via the reconcile loop. SIGINT/SIGTERM
+Order: runtime dir (lock) -> events (MQTT: refused if another live supervisor holds the
+prefix) -> model -> agents + control sockets -> keeper and daemons (ready) -> router +
+health API -> MQTT's birth and retained states -> engines via the reconcile loop. SIGINT/SIGTERM
 or `supervisor stop` stop everything: engines, daemons, keeper, sockets.
 """
 
@@ -124,6 +125,12 @@ class Service:
             raise StartupError(
                 f"cannot listen on {rd.endpoint('events')}: {e}; set cache.runtime_dir"
             ) from e
+        try:  # one supervisor per MQTT prefix: refused before anything is published
+            await bus.claim()
+        except StartupError:
+            await bus.close()
+            rd.release()
+            raise
         bus.start()
         try:
             if await self._until_stopped(self._start(bus, rd)) and self.cluster is not None:
@@ -219,6 +226,7 @@ class Service:
             router=self.policy.router.listen,
             api=self.policy.api.listen,
         )
+        bus.go_live()  # MQTT's birth and retained states: only a started supervisor's
         sdnotify.ready(f"daemons serve; router {self.policy.router.listen}")
         # what start-up built lives as long as the supervisor: out of the collector's
         # sight, a full collection no longer walks it in the middle of a promotion
