@@ -206,7 +206,7 @@ BAD = [
     ({"prompt_token_ids": [1, 256], "max_tokens": 4}, "outside the vocabulary [0, 256): [256]"),
     ({"prompt_token_ids": [1] * 510, "max_tokens": 8}, "exceeds the context length 512"),
     ({"prompt_token_ids": [1], "max_tokens": 5000}, "must be in 1..1024"),
-    ({"prompt_token_ids": [1], "max_tokens": "many"}, "Expected `int`"),
+    ({"prompt_token_ids": [1], "max_tokens": "many"}, "Expected `int | null`"),
 ]
 
 
