@@ -45,7 +45,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     lap("import_torch")
     sys.path.insert(0, str(REPO))
     from cachedaemon.client import assign
-    from cachedaemon.loader import load_state_dict
+    from cachedaemon.loader import LoadOptions, load_state_dict
     from engine.kvcache import KVCache
     from engine.model import LlamaForCausalLM, TPGroup
     from engine.modelargs import read_model_args
@@ -71,7 +71,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     a = read_model_args(args.model_dir)
     model = LlamaForCausalLM(a, TPGroup(), torch.bfloat16, device=args.device)
     lap("build")
-    assign(model, load_state_dict(args.model_dir, dtype="bfloat16", device=args.device))
+    assign(
+        model, load_state_dict(args.model_dir, LoadOptions(dtype="bfloat16", device=args.device))
+    )
     sync()
     lap("load_from_disk")
     cache = KVCache(

@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.engine_startup import machine  # noqa: E402
 from cachedaemon.client import assign  # noqa: E402
-from cachedaemon.loader import load_state_dict  # noqa: E402
+from cachedaemon.loader import LoadOptions, load_state_dict  # noqa: E402
 from engine.kvcache import KVCache  # noqa: E402
 from engine.model import LlamaForCausalLM, TPGroup  # noqa: E402
 from engine.modelargs import read_model_args  # noqa: E402
@@ -73,7 +73,7 @@ def cpu_profile(args: argparse.Namespace) -> list[dict[str, object]]:
     device = torch.device("cpu")
     a = read_model_args(args.model_dir)
     model = LlamaForCausalLM(a, TPGroup(), torch.float32, device="cpu")
-    assign(model, load_state_dict(args.model_dir, dtype="float32", device="cpu"))
+    assign(model, load_state_dict(args.model_dir, LoadOptions(dtype="float32", device="cpu")))
     sizes = [int(s) for s in args.sizes.split(",")]
     cache = KVCache(
         a.num_hidden_layers,
@@ -136,7 +136,9 @@ def main() -> int:
     a = read_model_args(args.model_dir)
     model = LlamaForCausalLM(a, TPGroup(), torch.bfloat16, device=args.device)
     t0 = time.perf_counter()
-    assign(model, load_state_dict(args.model_dir, dtype="bfloat16", device=args.device))
+    assign(
+        model, load_state_dict(args.model_dir, LoadOptions(dtype="bfloat16", device=args.device))
+    )
     print(f"loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     cache = KVCache(
         a.num_hidden_layers, a.num_key_value_heads, a.head_dim, 8192, torch.bfloat16, device

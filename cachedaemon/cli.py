@@ -11,7 +11,7 @@ from pathlib import Path
 import msgspec
 
 from cachedaemon import protocol
-from cachedaemon.config import BACKENDS, DTYPES, QUANTIZATIONS
+from cachedaemon.config import BACKENDS, DTYPES, QUANTIZATIONS, LoadOptions
 from holdfast_contract import logs
 from holdfast_contract.errors import HoldfastError
 
@@ -52,14 +52,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--model", required=True, help="Hugging Face checkpoint dir (config.json + safetensors)"
     )
-    s.add_argument("--device", default="cpu", help="cpu or cuda:N (default: cpu)")
     s.add_argument(
         "--runtime-dir", required=True, help="dir for the socket and ready file (created 0700)"
     )
-    s.add_argument("--tp-size", type=int, default=1)
-    s.add_argument("--tp-rank", type=int, default=0)
-    s.add_argument("--dtype", default="bfloat16", choices=DTYPES)
-    s.add_argument("--quantization", default="none", help=f"one of {', '.join(QUANTIZATIONS)}")
+    add_load_flags(s)
     s.add_argument("--backend", default="auto", help=f"auto or one of {', '.join(BACKENDS)}")
     s.add_argument("--keeper", help="keeper socket: deposit the pool there, reclaim it at start")
     s.add_argument(
@@ -75,13 +71,6 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="start as a hot spare: import and check everything, wait until the daemon that "
         "serves this rank exits, then reclaim its pool from --keeper and serve",
-    )
-    s.add_argument(
-        "--shard-rule",
-        action="append",
-        default=[],
-        metavar="REGEX=DIM",
-        help="override the TP plan: split tensors matching REGEX on DIM (or =replicate)",
     )
     s.add_argument(
         "--read-timeout", type=float, default=5.0, help="seconds a client may stay silent"
@@ -113,6 +102,39 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_load_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of LoadOptions, each field once; `load_options` reads them back."""
+    d = LoadOptions()
+    p.add_argument("--device", default=d.device, help=f"cpu or cuda:N (default: {d.device})")
+    p.add_argument("--tp-size", type=int, default=d.tp_size)
+    p.add_argument("--tp-rank", type=int, default=d.tp_rank)
+    p.add_argument("--dtype", default=d.dtype, choices=DTYPES)
+    p.add_argument(
+        "--quantization", default=d.quantization, help=f"one of {', '.join(QUANTIZATIONS)}"
+    )
+    p.add_argument(
+        "--shard-rule",
+        action="append",
+        default=[],
+        metavar="REGEX=DIM",
+        help="override the TP plan: split tensors matching REGEX on DIM (or =replicate)",
+    )
+
+
+def load_options(args: argparse.Namespace) -> LoadOptions:
+    """The LoadOptions that `add_load_flags`' flags ask for."""
+    from cachedaemon.sharding import parse_rule
+
+    return LoadOptions(
+        dtype=args.dtype,
+        tp_size=args.tp_size,
+        tp_rank=args.tp_rank,
+        quantization=args.quantization,
+        device=args.device,
+        shard_rules=tuple(parse_rule(r) for r in args.shard_rule),
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logs.setup(args.log_format)
@@ -126,28 +148,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from cachedaemon.config import make_config
+    from cachedaemon.config import config_for
     from cachedaemon.server import DaemonOptions, run
-    from cachedaemon.sharding import parse_rule
 
-    rules = tuple(parse_rule(r) for r in args.shard_rule)
-    config = make_config(
-        args.model,
-        dtype=args.dtype,
-        tp_size=args.tp_size,
-        tp_rank=args.tp_rank,
-        quantization=args.quantization,
-        device=args.device,
-        backend=args.backend,
-        shard_rules=rules,
-    )
+    load = load_options(args)
+    config = config_for(args.model, load, backend=args.backend)
     opts = DaemonOptions(
-        dtype=args.dtype,
-        tp_size=args.tp_size,
-        tp_rank=args.tp_rank,
-        quantization=args.quantization,
-        device=args.device,
-        shard_rules=rules,
+        load=load,
         model=args.model,
         runtime_dir=args.runtime_dir,
         keeper=args.keeper,

@@ -12,7 +12,7 @@ import torch
 
 from cachedaemon import protocol, readonly
 from cachedaemon.backends import Mapping, get_backend
-from cachedaemon.config import CacheConfig
+from cachedaemon.config import CacheConfig, LoadOptions
 from cachedaemon.errors import CacheError, CacheMismatch, DaemonUnavailable
 from cachedaemon.hf import fill_buffers
 from cachedaemon.loader import load_state_dict
@@ -106,7 +106,7 @@ def attach_model(
             raise
         source, reason = "disk", str(exc)
         log.warning("attach failed; loading from disk", socket=str(socket_path), reason=reason)
-        state = _disk_state(model_dir, config)
+        state = load_state_dict(model_dir, None if config is None else LoadOptions.of(config))
     nbytes = assign(module, _private_copies(state, copy))
     return AttachReport(
         source, (time.perf_counter() - t0) * 1e3, len(state), nbytes, str(socket_path), reason
@@ -129,17 +129,15 @@ def _private_copies(
     return {k: v.clone() if k in names else v for k, v in state.items()}
 
 
-def _disk_state(model_dir: str | Path, config: CacheConfig | None) -> dict[str, torch.Tensor]:
-    if config is None:
-        return load_state_dict(model_dir)
-    return load_state_dict(
-        model_dir,
-        dtype=config.dtype,
-        tp_size=config.tp_size,
-        tp_rank=config.tp_rank,
-        quantization=config.quantization,
-        device=config.device,
-    )
+def load_from_disk(
+    module: torch.nn.Module, model_dir: str | Path, opts: LoadOptions | None = None
+) -> AttachReport:
+    """What a daemon would serve for `opts`, loaded from disk into this process's memory
+    and put in place of the module's meta tensors: for an engine told to use no daemon."""
+    t0 = time.perf_counter()
+    state = load_state_dict(model_dir, opts)
+    nbytes = assign(module, state)
+    return AttachReport("disk", (time.perf_counter() - t0) * 1e3, len(state), nbytes)
 
 
 def assign(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> int:

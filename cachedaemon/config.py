@@ -23,7 +23,8 @@ BACKENDS = ("memfd", "cuda-vmm")
 
 
 class LoadOptions(msgspec.Struct, frozen=True):
-    """How a rank's tensors are made from the checkpoint (see loader.py)."""
+    """How a rank's tensors are made from the checkpoint (see loader.py): the one list of
+    load options that the daemon, a disk load and the identity of a pool all take."""
 
     dtype: str = "bfloat16"
     tp_size: int = 1
@@ -31,6 +32,12 @@ class LoadOptions(msgspec.Struct, frozen=True):
     quantization: str = "none"
     device: str = "cpu"
     shard_rules: tuple[Rule, ...] = ()
+
+    @classmethod
+    def of(cls, config: CacheConfig) -> LoadOptions:
+        """The options a pool of `config` was made with (the default shard plan: a
+        config keeps only the hash of its rules)."""
+        return cls(config.dtype, config.tp_size, config.tp_rank, config.quantization, config.device)
 
 
 class FileIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -133,14 +140,24 @@ def make_config(
     quantization: str = "none",
     device: str = "cpu",
     backend: str = "auto",
-    shard_rules: tuple[tuple[str, int | None], ...] = (),
+    shard_rules: tuple[Rule, ...] = (),
 ) -> CacheConfig:
-    """The CacheConfig for loading `model_dir` as asked; validates every argument."""
+    """`config_for` with LoadOptions' fields as keywords, for a caller that has no
+    LoadOptions at hand (`make_config(ckpt, dtype="float32")`)."""
+    opts = LoadOptions(dtype, tp_size, tp_rank, quantization, device, shard_rules)
+    return config_for(model_dir, opts, backend=backend)
+
+
+def config_for(model_dir: str | Path, opts: LoadOptions, *, backend: str = "auto") -> CacheConfig:
+    """The CacheConfig of a pool of `model_dir` made with `opts`; validates each option,
+    naming the flag to change."""
     from cachedaemon.checkpoint import read_hf_config
     from cachedaemon.errors import CacheError, QuantizationError
     from cachedaemon.sharding import plan_hash
 
     model = Path(model_dir)
+    dtype, tp_size, tp_rank = opts.dtype, opts.tp_size, opts.tp_rank
+    quantization, device = opts.quantization, opts.device
     if dtype not in DTYPES:
         raise CacheError(f"unsupported --dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if quantization not in QUANTIZATIONS:
@@ -166,7 +183,7 @@ def make_config(
         tp_rank=tp_rank,
         quantization=quantization,
         quant_config_hash=_hash_json(quant_cfg),
-        shard_plan_hash=plan_hash(shard_rules),
+        shard_plan_hash=plan_hash(opts.shard_rules),
         backend=backend,
         device=device,
         env=env_stamp(device),

@@ -27,7 +27,7 @@ __all__ = [
     "transform",
 ]
 from cachedaemon.errors import CacheError
-from cachedaemon.sharding import Rule, shard_dim, shard_shape
+from cachedaemon.sharding import shard_dim, shard_shape
 
 FLOAT_SOURCES = ("float64", "float32", "float16", "bfloat16")
 
@@ -103,17 +103,11 @@ def produce(
 
 
 def load_state_dict(
-    model_dir: str | Path,
-    *,
-    dtype: str = "bfloat16",
-    tp_size: int = 1,
-    tp_rank: int = 0,
-    quantization: str = "none",
-    device: str = "cpu",
-    shard_rules: tuple[Rule, ...] = (),
+    model_dir: str | Path, opts: LoadOptions | None = None
 ) -> dict[str, torch.Tensor]:
-    """The tensors a daemon would serve for these options, loaded from disk into plain memory."""
-    opts = LoadOptions(dtype, tp_size, tp_rank, quantization, device, shard_rules)
+    """The tensors a daemon would serve for `opts` (the defaults when None), loaded from
+    disk into plain memory."""
+    opts = opts or LoadOptions()
     with CheckpointReader(model_dir) as reader:
         plans = plan(reader, opts)
         return {spec.name: t for spec, t in produce(reader, plans, opts)}

@@ -9,6 +9,7 @@ import torch
 
 from cachedaemon import protocol
 from cachedaemon.client import attach_state_dict
+from cachedaemon.config import LoadOptions
 from cachedaemon.loader import load_state_dict
 
 
@@ -41,16 +42,8 @@ def report(model_dir: Path, socket_path: str) -> int:
     if not isinstance(reply, protocol.StatusReply):
         print(f"parity: {socket_path} gave no status: {reply!r}")
         return 2
-    cfg = reply.config
     pool = attach_state_dict(socket_path)
-    disk = load_state_dict(
-        model_dir,
-        dtype=cfg.dtype,
-        tp_size=cfg.tp_size,
-        tp_rank=cfg.tp_rank,
-        quantization=cfg.quantization,
-        device=cfg.device,
-    )
+    disk = load_state_dict(model_dir, LoadOptions.of(reply.config))
     diffs = compare(disk, pool)
     for line in diffs:
         print(line)

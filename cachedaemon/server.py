@@ -34,7 +34,8 @@ from holdfast_contract.ready import DaemonReady, daemon_ready_path
 log = structlog.get_logger("cachedaemon.daemon")
 
 
-class DaemonOptions(LoadOptions, frozen=True):
+class DaemonOptions(msgspec.Struct, frozen=True):
+    load: LoadOptions = LoadOptions()  # what this rank's pool is made of
     model: str = ""
     runtime_dir: str = ""
     keeper: str | None = None
@@ -90,10 +91,10 @@ class Daemon:
         self.config = config
         self.fingerprint = config.fingerprint()
         self.run_dir = prepare(opts.runtime_dir)
-        self.socket_path = self.run_dir / f"daemon-{opts.tp_rank}.sock"
-        self.ready_path = daemon_ready_path(self.run_dir, opts.tp_rank)
-        self.spare_path = self.run_dir / f"daemon-{opts.tp_rank}.spare"
-        self.backend = get_backend(config.backend, opts.device)
+        self.socket_path = self.run_dir / f"daemon-{opts.load.tp_rank}.sock"
+        self.ready_path = daemon_ready_path(self.run_dir, opts.load.tp_rank)
+        self.spare_path = self.run_dir / f"daemon-{opts.load.tp_rank}.spare"
+        self.backend = get_backend(config.backend, opts.load.device)
         self.pool: Pool | None = None
         self.adopted = False
         self.load_seconds = 0.0
@@ -135,7 +136,7 @@ class Daemon:
     def load(self) -> None:
         if self.opts.spare:
             self.wait_to_take_over()
-        claim(self.socket_path, self.ready_path, f"rank {self.opts.tp_rank} in {self.run_dir}")
+        claim(self.socket_path, self.ready_path, f"rank {self.opts.load.tp_rank} in {self.run_dir}")
         t0 = time.perf_counter()
         if self.opts.keeper:
             before = self.opts.verify == "before"
@@ -146,7 +147,7 @@ class Daemon:
 
             with ByteProgress(f"loading {Path(self.opts.model).name}") as progress:
                 self.pool, self.bytes_read = build_pool(
-                    self.opts.model, self.opts, self.backend, self.fingerprint, progress
+                    self.opts.model, self.opts.load, self.backend, self.fingerprint, progress
                 )
             if self.opts.keeper:
                 deposit(self.opts.keeper, self.pool)

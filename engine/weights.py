@@ -1,20 +1,32 @@
-"""Weights for a meta-device module: attached from this rank's daemon, or read from disk."""
+"""Weights for a meta-device module: attached from this rank's daemon, or read from disk.
+
+Whether a failed attach falls back to disk is `cachedaemon.client.attach_model`'s rule;
+this module only names the engine's flags in the errors it passes on.
+"""
 
 from __future__ import annotations
-
-import time
 
 import structlog
 import torch
 
-from cachedaemon.client import AttachReport, assign, attach_model
-from cachedaemon.config import make_config
+from cachedaemon.client import AttachReport, attach_model, load_from_disk
+from cachedaemon.config import LoadOptions, config_for
 from cachedaemon.errors import CacheError, CacheMismatch, DaemonUnavailable
-from cachedaemon.loader import load_state_dict
 from engine.config import EngineConfig
 from engine.errors import WeightsError
 
 log = structlog.get_logger("engine.weights")
+
+
+def load_options(cfg: EngineConfig) -> LoadOptions:
+    """The daemon's load options for this engine's rank (its flags, in the daemon's terms)."""
+    return LoadOptions(
+        dtype=cfg.dtype,
+        tp_size=cfg.world_size,
+        tp_rank=cfg.rank,
+        quantization=cfg.quantization,
+        device=cfg.device,
+    )
 
 
 def load_weights(module: torch.nn.Module, cfg: EngineConfig) -> AttachReport:
@@ -22,7 +34,7 @@ def load_weights(module: torch.nn.Module, cfg: EngineConfig) -> AttachReport:
     try:
         if cfg.socket:
             return _attach(module, cfg)
-        return load_from_disk(module, cfg)
+        return load_from_disk(module, cfg.model, load_options(cfg))
     except WeightsError:
         raise
     except CacheError as e:
@@ -30,19 +42,11 @@ def load_weights(module: torch.nn.Module, cfg: EngineConfig) -> AttachReport:
 
 
 def _attach(module: torch.nn.Module, cfg: EngineConfig) -> AttachReport:
-    config = make_config(
-        cfg.model,
-        dtype=cfg.dtype,
-        tp_size=cfg.world_size,
-        tp_rank=cfg.rank,
-        quantization=cfg.quantization,
-        device=cfg.device,
-    )
     try:
         report = attach_model(
             module,
             cfg.socket,
-            config,
+            config_for(cfg.model, load_options(cfg)),
             model_dir=cfg.model,
             fallback=cfg.allow_disk_fallback,
             timeout=cfg.attach_timeout_s,
@@ -61,18 +65,3 @@ def _attach(module: torch.nn.Module, cfg: EngineConfig) -> AttachReport:
     if report.source == "disk":
         log.warning("attach fell back to disk", socket=cfg.socket, reason=report.fallback_reason)
     return report
-
-
-def load_from_disk(module: torch.nn.Module, cfg: EngineConfig) -> AttachReport:
-    """The daemon's transforms (dtype, TP shard, quantization), into this process's memory."""
-    t0 = time.perf_counter()
-    state = load_state_dict(
-        cfg.model,
-        dtype=cfg.dtype,
-        tp_size=cfg.world_size,
-        tp_rank=cfg.rank,
-        quantization=cfg.quantization,
-        device=cfg.device,
-    )
-    nbytes = assign(module, state)
-    return AttachReport("disk", (time.perf_counter() - t0) * 1e3, len(state), nbytes)

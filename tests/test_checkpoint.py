@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from cachedaemon.checkpoint import CheckpointReader
 from cachedaemon.errors import CheckpointError, QuantizationError, ShardingError
-from cachedaemon.loader import load_state_dict
+from cachedaemon.loader import LoadOptions, load_state_dict
 from cachedaemon.quant import fp8_block_dequantize
 from cachedaemon.sharding import shard_dim
 
@@ -101,7 +101,7 @@ def test_sharded_checkpoint_reads_like_a_single_file(tiny_model: Path, tmp_path:
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_dtype_conversion(tiny_model: Path, dtype: str) -> None:
     full = load_file(tiny_model / "model.safetensors")
-    loaded = load_state_dict(tiny_model, dtype=dtype)
+    loaded = load_state_dict(tiny_model, LoadOptions(dtype=dtype))
     for name, t in full.items():
         assert loaded[name].dtype == getattr(torch, dtype)
         assert torch.equal(loaded[name], t.to(getattr(torch, dtype)))
@@ -109,7 +109,7 @@ def test_dtype_conversion(tiny_model: Path, dtype: str) -> None:
 
 def test_tp2_shards_reassemble_into_the_full_tensors(tiny_model: Path) -> None:
     full = load_file(tiny_model / "model.safetensors")
-    ranks = [load_state_dict(tiny_model, tp_size=2, tp_rank=r) for r in range(2)]
+    ranks = [load_state_dict(tiny_model, LoadOptions(tp_size=2, tp_rank=r)) for r in range(2)]
     split = 0
     for name, t in full.items():
         dim = shard_dim(name)
@@ -127,17 +127,17 @@ def test_indivisible_dim_names_the_tensor(tiny_model: Path) -> None:
         ShardingError,
         match=r"tensor '[a-z_.0-9]+': dim 0 of size \d+ is not divisible by --tp-size 3",
     ):
-        load_state_dict(tiny_model, tp_size=3, tp_rank=0)
+        load_state_dict(tiny_model, LoadOptions(tp_size=3, tp_rank=0))
 
 
 def test_unknown_quantization_names_the_allowed_ones(tiny_model: Path) -> None:
     with pytest.raises(QuantizationError, match="allowed: none, fp8-block"):
-        load_state_dict(tiny_model, quantization="gptq")
+        load_state_dict(tiny_model, LoadOptions(quantization="gptq"))
 
 
 def test_fp8_block_dequantizes_within_fp8_rounding(tiny_model: Path) -> None:
     full = load_file(tiny_model / "model.safetensors")
-    q = load_state_dict(tiny_model, quantization="fp8-block")
+    q = load_state_dict(tiny_model, LoadOptions(quantization="fp8-block"))
     name = "model.layers.0.mlp.down_proj.weight"  # 64 x 128: partial blocks on one side
     assert q[name].dtype == torch.float8_e4m3fn
     assert q[name + "_scale_inv"].shape == (1, 1)

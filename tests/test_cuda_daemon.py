@@ -146,7 +146,7 @@ def test_attach_equals_a_direct_gpu_load(
 ) -> None:
     start_daemon(tiny_model, tmp_path / "run", "--device", "cuda:0")
     attached = attach_state_dict(tmp_path / "run" / "daemon-0.sock")
-    direct = load_state_dict(tiny_model, device="cuda:0")
+    direct = load_state_dict(tiny_model, LoadOptions(device="cuda:0"))
     assert sorted(attached) == sorted(direct)
     for name, t in attached.items():
         assert t.device == torch.device("cuda:0")
@@ -164,7 +164,7 @@ def test_fp8_block_on_gpu_equals_cpu_bit_for_bit(
         assert bytes_equal(cpu_q, gpu_q) and bytes_equal(cpu_s, gpu_s), shape
     start_daemon(tiny_model, tmp_path / "run", "--device", "cuda:0", "--quantization", "fp8-block")
     attached = attach_state_dict(tmp_path / "run" / "daemon-0.sock")
-    on_cpu = load_state_dict(tiny_model, quantization="fp8-block")
+    on_cpu = load_state_dict(tiny_model, LoadOptions(quantization="fp8-block"))
     assert any(t.dtype == torch.float8_e4m3fn for t in attached.values())
     assert sorted(attached) == sorted(on_cpu)
     for name, t in attached.items():
@@ -231,7 +231,7 @@ def test_kill9_daemon_mid_forward_then_reclaim_from_keeper(
     run = tmp_path / "run"
     sock = run / "daemon-0.sock"
     first = start_daemon(model, run, "--device", "cuda:0", "--keeper", str(keeper.sock))
-    expected = raw_digest(load_state_dict(model, device="cuda:0"))
+    expected = raw_digest(load_state_dict(model, LoadOptions(device="cuda:0")))
     client = subprocess.Popen(
         [sys.executable, "-c", LOOP_CLIENT, str(sock)],
         stdin=subprocess.PIPE,

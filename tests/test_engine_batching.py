@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cachedaemon.client import assign
-from cachedaemon.loader import load_state_dict
+from cachedaemon.loader import LoadOptions, load_state_dict
 from engine.batcher import BatchEngine
 from engine.errors import BadRequest, QueueFull
 from engine.job import Generation, Job, Step
@@ -41,7 +41,9 @@ def build_engine(
     args = read_model_args(model_dir)
     model = LlamaForCausalLM(args, TPGroup(), dtype, device=device)
     dt = str(dtype).removeprefix("torch.")
-    assign(model, load_state_dict(model_dir, dtype=dt, quantization="none", device=device))
+    assign(
+        model, load_state_dict(model_dir, LoadOptions(dtype=dt, quantization="none", device=device))
+    )
     cache = KVCache(
         args.num_hidden_layers, args.num_key_value_heads, args.head_dim, kv_mb, dtype, device
     )

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cachedaemon.client import assign
-from cachedaemon.loader import load_state_dict
+from cachedaemon.loader import LoadOptions, load_state_dict
 from cachedaemon.quant import fp8_block_dequantize
 from engine.attention import Batch
 from engine.errors import ModelConfigError
@@ -20,7 +20,9 @@ from engine.modelargs import check_tp, read_model_args
 def build(model_dir: Path, *, quantization: str = "none") -> LlamaForCausalLM:
     args = read_model_args(model_dir)
     model = LlamaForCausalLM(args, TPGroup(), torch.float32, fp8=quantization == "fp8-block")
-    assign(model, load_state_dict(model_dir, dtype="float32", quantization=quantization))
+    assign(
+        model, load_state_dict(model_dir, LoadOptions(dtype="float32", quantization=quantization))
+    )
     return model
 
 
@@ -71,7 +73,7 @@ def test_fp8_block_weights_stay_fp8_and_match_dequantized_ones(tiny_model: Path)
     q_proj = fp8.model.layers[0].self_attn.q_proj
     assert q_proj.weight.dtype == torch.float8_e4m3fn
     reference = build(tiny_model)
-    state = load_state_dict(tiny_model, dtype="float32", quantization="fp8-block")
+    state = load_state_dict(tiny_model, LoadOptions(dtype="float32", quantization="fp8-block"))
     for name, module in reference.named_modules():
         scale = state.get(f"{name}.weight_scale_inv")
         if scale is not None:
