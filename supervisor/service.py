@@ -1,9 +1,11 @@
 """`supervisor run`: bring everything up in order, reconcile until told to stop, tear down.
 
-Order: runtime dir (lock) -> events (MQTT: refused if another live supervisor holds the
-prefix) -> model -> agents + control sockets -> keeper and daemons (ready) -> router +
-health API -> MQTT's birth and retained states -> engines via the reconcile loop. SIGINT/SIGTERM
-or `supervisor stop` stop everything: engines, daemons, keeper, sockets.
+Order (`run`, then `_start`): runtime dir (lock) -> events (MQTT: refused if another live
+supervisor holds the prefix) -> model (generated from a preset when model.path is unset)
+-> agents + control sockets, router + health API (a busy port fails here, before anything
+loads) -> fork server (imports while the daemons load) -> keeper and daemons (ready) ->
+MQTT's birth and retained states, READY=1 -> engines via the reconcile loop (`_loop`).
+SIGINT/SIGTERM or `supervisor stop` stop everything: engines, daemons, keeper, sockets.
 """
 
 from __future__ import annotations
