@@ -271,8 +271,9 @@ class Cluster:
     async def fence(self, e: Engine, *, cause: str, detail: str, counted: bool = True) -> None:
         """SIGKILL `e`'s process groups; once each is seen killed (SIGKILL pending,
         exiting or gone: it runs no more user code, see `exitwatch`), or else its exit is
-        confirmed, handle it as down (a primary's standby is promoted), then wait for the
-        exits."""
+        confirmed, handle it as down (a primary's standby is promoted). The exits of
+        killed processes are not waited for here (their reapers see them, as after an
+        exit the exit watch saw begin)."""
         inc = e.inc
         if inc is None or inc.handled:
             return
@@ -294,8 +295,6 @@ class Cluster:
         self.publish(e, "fenced", cause=cause, detail=detail, pid=inc.pid, confirmed=confirmed)
         self.down(e, inc, cause=cause, detail=detail, t_detect=t_detect, counted=counted)
         self.realtime.leave()  # (no standby was promoted)
-        if killed:
-            await self._kill(e, inc)
 
     async def _kill(self, e: Engine, inc: Incarnation) -> bool:
         confirmed = all([await p.fence() for p in inc.procs])

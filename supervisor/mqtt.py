@@ -199,8 +199,10 @@ class MqttPublisher:
     async def close(self, timeout: float) -> None:
         """Publish the offline status and what is queued, disconnect, end the task: all
         within about `timeout` (then the task is cancelled, as often as it takes). One that
-        never went live publishes no offline status: it never said it was online."""
+        never went live publishes no offline status: it never said it was online. The
+        owner is cleared (an empty retained message): the prefix is free."""
         if self.live:
+            self.offer(owner_topic(self.status_topic), b"", qos=1, retain=True)
             self.offer(self.status_topic, b"offline", qos=1, retain=True)
         self._closing.set()
         self._wake.set()
