@@ -396,8 +396,8 @@ def die_with(pid: int, unless: threading.Event | None = None) -> None:
 
 def prepare_kernels(kernels: list[Any]) -> None:
     """What a fork would otherwise do at its first Triton launch without needing the GPU,
-    done once here for every fork: hash Triton's own library into its cache key (0.4 s on
-    an H200 host), import the compiler modules its first compile imports, and hash each
+    done once here for every fork: hash Triton's own library into its cache key (reads
+    the whole library: slow), import the compiler modules its first compile imports, and hash each
     kernel's source. A launch after the fork then only loads the compiled kernel from
     Triton's disk cache. Older or newer Triton without these names: skipped, just slower."""
     with contextlib.suppress(ImportError, AttributeError):
@@ -425,7 +425,7 @@ def preload() -> float:
 
     from engine import fused, paged_decode
 
-    if paged_decode.triton_ready():  # loading Triton's library holds the GIL 0.1-0.3 s: here,
+    if paged_decode.triton_ready():  # loading Triton's library holds the GIL for long: here,
         prepare_kernels([paged_decode._kernel(), *fused._kernels().values()])  # not in an
         # engine whose heartbeats would stall; none of it touches the GPU
     if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
