@@ -20,13 +20,8 @@ log = structlog.get_logger("engine.weights")
 
 def load_options(cfg: EngineConfig) -> LoadOptions:
     """The daemon's load options for this engine's rank (its flags, in the daemon's terms)."""
-    return LoadOptions(
-        dtype=cfg.dtype,
-        tp_size=cfg.world_size,
-        tp_rank=cfg.rank,
-        quantization=cfg.quantization,
-        device=cfg.device,
-    )
+    # dtype, tp_size, tp_rank, quantization, device
+    return LoadOptions(cfg.dtype, cfg.world_size, cfg.rank, cfg.quantization, cfg.device)
 
 
 def load_weights(module: torch.nn.Module, cfg: EngineConfig) -> AttachReport:

@@ -6,7 +6,7 @@ import asyncio
 import os
 import socket
 import struct
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -15,23 +15,7 @@ from cachedaemon import protocol
 from cachedaemon.errors import DaemonUnavailable
 from holdfast_contract import wire
 from holdfast_contract.errors import ProtocolError
-
-_open: list[socket.socket] = []
-
-
-def pair(timeout: float = 1.0) -> tuple[socket.socket, socket.socket]:
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    a.settimeout(timeout)
-    b.settimeout(timeout)
-    _open.extend((a, b))
-    return a, b
-
-
-@pytest.fixture(autouse=True)
-def _close_sockets() -> Iterator[None]:
-    yield
-    while _open:
-        _open.pop().close()
+from tests.test_wire import _close_sockets, pair  # noqa: F401  (the fixture closes pairs)
 
 
 def test_round_trip_with_fds() -> None:
