@@ -302,7 +302,9 @@ def test_a_supervisor_stopped_past_the_miss_window_fences_nothing(sup: Superviso
     mark = sup.tap.mark()
     os.kill(sup.proc.pid, signal.SIGSTOP)
     try:
-        time.sleep(3 * WINDOW_S)  # the engines beat on; nobody reads them
+        # the engines beat on and nobody reads them, for twice the miss window (and less
+        # than the cache daemon's ping deadline, 0.5 s)
+        time.sleep(2 * WINDOW_S)
     finally:
         os.kill(sup.proc.pid, signal.SIGCONT)
     resumed = time.monotonic()
