@@ -27,7 +27,11 @@ from chaos.fleet.kinds import FleetConfig
 from chaos.fleet.net import missing
 from chaos.fleet.run import FleetResults, Step, run_fleet
 
-pytestmark = pytest.mark.skipif(missing() is not None, reason=str(missing()))
+# one at a time: both build the default-prefix fleet (hf-*, 10.77.0.0/24)
+pytestmark = [
+    pytest.mark.skipif(missing() is not None, reason=str(missing())),
+    pytest.mark.xdist_group("default-fleet"),
+]
 
 CONFIG = FleetConfig(ttl_s=1, etcd_flags="--heartbeat-interval 50 --election-timeout 500")
 PLAN = [

@@ -29,7 +29,11 @@ TTL = 2
 SLACK_S = 2.0
 
 
-pytestmark = pytest.mark.skipif(missing() is not None, reason=str(missing()))
+# one at a time: both build the default-prefix fleet (hf-*, 10.77.0.0/24)
+pytestmark = [
+    pytest.mark.skipif(missing() is not None, reason=str(missing())),
+    pytest.mark.xdist_group("default-fleet"),
+]
 
 
 def fleet(*args: str, state: Path, check: bool = True) -> str:
