@@ -89,11 +89,14 @@ def environment(p: Policy) -> dict[str, str]:
     return env
 
 
+DEFAULT_HEAD = ["{python}", "-m", "engine"]  # engines.command left at its default
+
+
 def resolve(p: Policy) -> Policy:
     """`p` with a vLLM kind expanded: its command, environment and http health; other
     kinds as they are. A command the policy gave itself is kept (`errors` refuses it)."""
     e = p.engines
-    if e.kind != "vllm" or e.command[:3] != ["{python}", "-m", "engine"]:
+    if e.kind != "vllm" or e.command[:3] != DEFAULT_HEAD:
         return p
     engines = msgspec.structs.replace(
         e,
@@ -111,7 +114,7 @@ def errors(p: Policy, *, schema_only: bool) -> list[str]:
     if e.kind != "vllm":
         return []
     out: list[str] = []
-    if e.command != command(p):
+    if e.command[:3] != DEFAULT_HEAD and e.command != command(p):  # the default is expanded
         out.append(
             "$.engines.command: engines.kind vllm builds the command from engines.vllm; "
             "drop engines.command and put extra vLLM flags in engines.vllm.args"
