@@ -6,7 +6,9 @@ the same way. Generated checkpoints are the same bytes every time, with one file
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 from conftest import REPO, child_env
+from test_engine_serve import post
 
 from cachedaemon.checkpoint_gen import PRESETS, make_checkpoint
 from engine.chat import render
@@ -131,7 +134,31 @@ def test_demo_serves_text_and_chat_to_the_openai_client(
     )
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    readme_supervise_lines_work(sup.router)
     assert sup.stop(signal.SIGTERM) == 0, sup.output()
+
+
+def readme_supervise_lines_work(router: str) -> None:
+    """The README's curl and openai lines under "Supervise", sent to this router."""
+    block = re.search(r"## Supervise\n\n```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    assert block is not None, "README.md has a Supervise block"
+    lines = block.group(1).splitlines()
+    curls = [re.match(r"curl -s localhost:8000(\S+) -d '(.*?)'", line) for line in lines]
+    sent = [m.groups() for m in curls if m is not None]
+    assert [path for path, _ in sent] == ["/v1/completions", "/v1/chat/completions"]
+    for path, body in sent:
+        status, _, reply = post(router, json.loads(body), path=path)
+        assert status == 200, reply
+        choice = reply["choices"][0]
+        text = choice["text"] if "text" in choice else choice["message"]["content"]
+        assert isinstance(text, str) and reply["usage"]["total_tokens"] > 0, reply
+    [code] = [line for line in lines if line.startswith("python3 -c 'import openai")]
+    code = code.removeprefix("python3 -c '").removesuffix("'")
+    code = code.replace("http://localhost:8000", router)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_embeddings_policy_serves_minilm_named_as_models_lists_it(
