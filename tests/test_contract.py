@@ -194,6 +194,7 @@ def test_policy_validation_knows_the_same_placeholders(tmp_path: Path) -> None:
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")  # validate looks for one
     known = " ".join(f"'{{{key}}}'" for key in sorted(PLACEHOLDERS))
     policy = f"model: {{path: {model}}}\nengines: {{command: [{known.replace(' ', ', ')}]}}\n"
     parse_policy(policy, tmp_path / "p.yaml")
