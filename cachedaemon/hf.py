@@ -93,15 +93,17 @@ def _init_owner(root: nn.Module, name: str) -> Any:
 
 
 def fill_buffers(root: nn.Module, device: torch.device) -> list[str]:
-    """Non-persistent buffers still on meta, made real on `device` by the model's own
-    init (transformers' `_init_weights`, which computes them). The names it filled.
+    """Non-persistent buffers still on meta, made real on `device`. The names it filled.
 
-    The init writes only into what was not attached: while it runs, the module's
-    parameters are meta stand-ins and its attached buffers private copies (transformers 5
-    `copy_`s into every buffer of a module, such as BERT's `position_ids`, which an old
-    checkpoint holds); the pool's views are put back untouched afterwards.
+    A transformers model's come from a twin built the way `empty_model` builds one (its
+    constructor computes them, in every transformers release); what the twin lacks, from
+    the model's own init (transformers' `_init_weights`, which computes them in 5.x). That
+    init writes only into what was not attached: while it runs, the module's parameters are
+    meta stand-ins and its attached buffers private copies (transformers 5 `copy_`s into
+    every buffer of a module, such as BERT's `position_ids`, which an old checkpoint holds);
+    the pool's views are put back untouched afterwards.
     """
-    filled = []
+    filled = _from_twin(root, device)
     for name, module in root.named_modules():
         missing = [
             leaf
@@ -113,6 +115,34 @@ def fill_buffers(root: nn.Module, device: torch.device) -> list[str]:
             continue
         _run_init(init, module, missing, device)
         filled += [f"{name}.{leaf}" if name else leaf for leaf in missing]
+    return filled
+
+
+def _from_twin(root: nn.Module, device: torch.device) -> list[str]:
+    """Meta non-persistent buffers of a transformers model, copied from a twin whose
+    constructor ran with parameters on meta and buffers on `device`."""
+    missing = {
+        f"{name}.{leaf}" if name else leaf: buf
+        for name, module in root.named_modules()
+        for leaf, buf in module._buffers.items()
+        if buf is not None and buf.is_meta and leaf in module._non_persistent_buffers_set
+    }
+    config = getattr(root, "config", None)
+    if not missing or config is None or not hasattr(type(root), "config_class"):
+        return []
+    with params_on_meta(), torch.device(device):
+        twin = type(root)(config)
+    filled = []
+    for name, buf in missing.items():
+        try:
+            made = twin.get_buffer(name)
+        except AttributeError:
+            continue
+        if made.is_meta or made.shape != buf.shape:
+            continue
+        owner_name, _, leaf = name.rpartition(".")
+        root.get_submodule(owner_name)._buffers[leaf] = made.to(buf.dtype)
+        filled.append(name)
     return filled
 
 
