@@ -5,6 +5,8 @@ no request that had not started streaming."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import signal
 import threading
 import time
@@ -41,7 +43,20 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engines(ckpt: Path, tiny_model: Path) -> Iterator[dict[str, EngineProcess]]:
+def bare_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint with its chat template taken out."""
+    bare = tmp_path_factory.mktemp("bare") / "tiny"
+    shutil.copytree(tiny_model, bare)
+    config = bare / "tokenizer_config.json"
+    data = json.loads(config.read_text())
+    data.pop("chat_template", None)
+    config.write_text(json.dumps(data))
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    return bare
+
+
+@pytest.fixture(scope="module")
+def engines(ckpt: Path, bare_model: Path) -> Iterator[dict[str, EngineProcess]]:
     """The checkpoint served natively and by transformers, both attached from one daemon,
     and a template-less checkpoint."""
     run = ckpt.parent / "run"
@@ -54,7 +69,7 @@ def engines(ckpt: Path, tiny_model: Path) -> Iterator[dict[str, EngineProcess]]:
         daemon.wait_serving()
         procs["llama"] = EngineProcess(flags)
         procs["hf"] = EngineProcess([*flags, "--model-impl", "hf"])
-        procs["bare"] = EngineProcess(["--model", str(tiny_model), "--allow-disk-fallback"])
+        procs["bare"] = EngineProcess(["--model", str(bare_model), "--allow-disk-fallback"])
         for p in procs.values():
             p.wait_ready()
         yield procs
