@@ -215,7 +215,8 @@ def test_stopped_wins_over_a_runnable_rank(
 ) -> None:
     os.kill(sleeper.pid, signal.SIGSTOP)
     deadline = time.monotonic() + 10
-    while "S" in thread_states(sleeper.pid) and time.monotonic() < deadline:
+    # a thread that was runnable when signalled stops once it gets a CPU
+    while "T" not in thread_states(sleeper.pid) and time.monotonic() < deadline:
         os.sched_yield()
     assert sched_state([spinner.pid, sleeper.pid]) == "stopped"
 

@@ -240,6 +240,21 @@ class Load:
             t.join(timeout=30)
 
 
+def exits_within(pid: int, timeout: float) -> bool:
+    """Whether process `pid` (anyone's child) has exited within `timeout` s: its pidfd
+    turns readable at its exit, zombie or reaped."""
+    import select
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout)[0])
+    finally:
+        os.close(fd)
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
