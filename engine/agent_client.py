@@ -167,7 +167,12 @@ class AgentClient:
 
     def _hello(self) -> wire.Hello:
         return wire.Hello(
-            name=self.name, role=self.role, pid=os.getpid(), port=self.port, epoch=self.epoch
+            name=self.name,
+            role=self.role,
+            pid=os.getpid(),
+            port=self.port,
+            epoch=self.epoch,
+            tid=threading.get_native_id(),  # _hello runs on the heartbeat thread
         )
 
     def _loop(self, sock: zmq.Socket[bytes], wake: socket.socket) -> None:

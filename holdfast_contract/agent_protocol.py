@@ -23,6 +23,7 @@ class Hello(_Msg, frozen=True):
     pid: int
     port: int
     epoch: int
+    tid: int = 0  # the heartbeat thread's native id (0: unknown), for the supervisor's look
 
 
 class Heartbeat(_Msg, frozen=True):

@@ -69,6 +69,10 @@ class AgentHub:
         finally:
             loop.remove_reader(fd)
 
+    def drain(self) -> None:
+        """Take in what waits on the socket now, before a silence is judged."""
+        self._drain()
+
     def _drain(self, budget: int = DRAIN_BUDGET) -> bool:
         """Take up to `budget` frames off the socket; True if it stopped at the budget."""
         for _ in range(budget):

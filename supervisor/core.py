@@ -25,7 +25,7 @@ from supervisor import decisions
 from supervisor.errors import ControlError, StartupError
 from supervisor.events import EventBus, UnitState
 from supervisor.exitwatch import ExitWatch, is_exiting
-from supervisor.pace import LoopPace
+from supervisor.pace import LoopPace, thread_runs
 from supervisor.policy import Policy
 from supervisor.realtime import RealtimeSection
 from supervisor.router import PrimaryView, Target
@@ -145,14 +145,22 @@ class Cluster:
             self.bus.emit("engine", e.name, "stray-hello", self.epoch, pid=msg.pid)
             return
         inc.hello = True
+        if thread_runs(msg.pid, msg.tid) is not None:
+            inc.beat_thread = (msg.pid, msg.tid)
+        self._beat(e, inc)
+
+    @staticmethod
+    def _beat(e: Engine, inc: Incarnation) -> None:
+        """A sign of life from `e`'s agent: now, and how often its heartbeat thread ran."""
         e.last_beat = time.monotonic()
+        inc.beat_runs = thread_runs(*inc.beat_thread)
 
     def on_heartbeat(self, msg: Heartbeat) -> None:
         found = self._engine_for(msg.name)
         if found is None or not found[1].hello:
             return
         e, inc = found
-        e.last_beat = time.monotonic()
+        self._beat(e, inc)
         e.in_flight, e.queued = msg.in_flight, msg.queued
         if msg.state in READY_STATES:
             self.ready(e, inc)
@@ -161,7 +169,7 @@ class Cluster:
         found = self._engine_for(msg.name)
         if found is None or not found[1].hello:
             return
-        found[0].last_beat = time.monotonic()
+        self._beat(*found)
         if msg.state in READY_STATES:
             self.ready(*found)
         else:

@@ -21,6 +21,7 @@ import structlog
 
 from holdfast_contract.errors import ProtocolError
 from holdfast_contract.ready import DaemonReady, daemon_ready_path, read_daemon_ready
+from supervisor import decisions, pace
 from supervisor.backoff import RestartBook
 from supervisor.errors import StartupError
 from supervisor.events import EventBus, UnitState
@@ -62,6 +63,7 @@ class DaemonPool:
         self._kick = kick
         self._epoch = epoch
         self.keeper: Any = None
+        self.pace: pace.LoopPace | None = None  # the supervisor's stalls, not a daemon's
         self.keeper_path = run / "keeper.sock"
         self.daemons = [
             Daemon(rank=r, device=dev, book=RestartBook(policy.restart))
@@ -224,9 +226,11 @@ class DaemonPool:
         self._kick()
 
     async def _probe(self, d: Daemon, inc: Incarnation) -> None:
-        """Ping a serving daemon every heartbeat interval; one that leaves a ping unanswered
-        for max(0.5 s, interval x miss_limit) (stopped, hung) is fenced with SIGKILL, so
-        its spare or a restart takes over."""
+        """Ping a serving daemon every heartbeat interval; one that leaves its pings
+        unanswered (stopped at once; asleep, not run since the first unanswered ping, for
+        max(0.5 s, interval x miss_limit); busy for heartbeat.busy_silence_ms, the
+        supervisor's own stalls not counted: `decisions.daemon_hung`) is fenced with
+        SIGKILL, so its spare or a restart takes over."""
         from cachedaemon import protocol
         from cachedaemon.errors import CacheError
 
@@ -235,22 +239,38 @@ class DaemonPool:
         deadline = max(0.5, hb.interval_ms * hb.miss_limit / 1000)
         sock = str(self.run / f"daemon-{d.rank}.sock")
         silent_since: float | None = None  # first unanswered ping of the current run
+        runs_then = 0  # how often its threads had been given a CPU at that ping
         while d.inc is inc and not inc.handled:
             await asyncio.sleep(period)
-            t0 = time.monotonic()
+            t0, runs_now = time.monotonic(), pace.runs([inc.pid])
             try:
                 await protocol.call_async(sock, protocol.Ping(), timeout=deadline)
                 silent_since = None
                 continue
             except (CacheError, ProtocolError, OSError):
                 # a refused or closed connection is what a dying daemon gives: its exit is
-                # seen by `_watch`; only silence that lasts the deadline is a hang
-                silent_since = t0 if silent_since is None else silent_since
-            silent_ms = round((time.monotonic() - silent_since) * 1000, 1)
-            if silent_ms >= deadline * 1000 and d.inc is inc and not inc.handled:
+                # seen by `_watch`; only silence that lasts is a hang
+                if silent_since is None:
+                    silent_since, runs_then = t0, runs_now
+            now = time.monotonic()
+            why = decisions.daemon_hung(
+                now - silent_since,
+                self.pace.stalled_s(silent_since, now) if self.pace is not None else 0.0,
+                pace.sched_state([inc.pid]),
+                pace.runs([inc.pid]) > runs_then,
+                deadline,
+                hb.busy_silence_ms / 1000,
+            )
+            if why is not None and d.inc is inc and not inc.handled:
                 log.warning("daemon stopped answering; fencing it", rank=d.rank, pid=inc.pid)
                 self.bus.emit(
-                    "daemon", str(d.rank), "hung", self._epoch(), pid=inc.pid, silent_ms=silent_ms
+                    "daemon",
+                    str(d.rank),
+                    "hung",
+                    self._epoch(),
+                    pid=inc.pid,
+                    silent_ms=round((now - silent_since) * 1000, 1),
+                    detail=why,
                 )
                 await inc.procs[0].fence()
                 return

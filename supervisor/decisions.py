@@ -26,6 +26,7 @@ class Windows:
     starting_silence_s: float  # heartbeat.starting_silence_ms, while it starts
     busy_silence_s: float  # heartbeat.busy_silence_ms: silent, but runnable
     recheck_s: float  # how soon an overdue, runnable engine is looked at again
+    look_s: float = 0.0  # a heartbeat this late gets a look (stopped?); 0: at the window
 
     @classmethod
     def of(cls, policy: Policy) -> Windows:
@@ -36,6 +37,7 @@ class Windows:
             starting_silence_s=hb.starting_silence_ms / 1000.0,
             busy_silence_s=hb.busy_silence_ms / 1000.0,
             recheck_s=hb.interval_ms / 2000.0,
+            look_s=hb.interval_ms * 1.5 / 1000.0,
         )
 
     def silence_s(self, ready: bool) -> float:
@@ -86,10 +88,11 @@ class Overdue:
 def liveness(
     e: Engine, now: float, w: Windows, refused: str | None, stalled_s: float = 0.0
 ) -> Fence | Overdue | float | None:
-    """For a running engine: the reason to fence it now, Overdue when its heartbeat is,
-    or when to look again (None: only when something happens). `refused`: why it refused
-    its promotion, if it did; `stalled_s`: how much of the time since its last heartbeat
-    the supervisor was stalled itself (`pace.LoopPace`)."""
+    """For a running engine: the reason to fence it now, Overdue once its heartbeat is
+    late by `look_s` (a missed beat: the kernel is asked whether it is stopped), or when to
+    look again (None: only when something happens). `refused`: why it refused its
+    promotion, if it did; `stalled_s`: how much of the time since its last heartbeat the
+    supervisor was stalled itself (`pace.LoopPace`)."""
     inc = e.inc
     if inc is None or inc.handled or not e.running or e.state == EngineState.DRAINING:
         return None
@@ -100,17 +103,23 @@ def liveness(
     if not inc.hello:
         return None
     window = w.silence_s(inc.ready)
-    if now - e.last_beat > window:
+    look = min(w.look_s, window) if w.look_s > 0 else window
+    if now - e.last_beat > look:
         return Overdue(now - e.last_beat, window, min(stalled_s, now - e.last_beat))
-    return e.last_beat + window + 0.001
+    return e.last_beat + look + 0.001
 
 
-def judge_silence(o: Overdue, sched: SchedState, now: float, w: Windows) -> Fence | float:
-    """An overdue engine, by what its threads do (`pace.sched_state`), or when to look
-    again. Stopped (SIGSTOP) or gone: fenced as hung now. Asleep (deadlocked, blocked):
-    fenced once silent past its window without the time the supervisor was stalled itself
-    (its heartbeats may be waiting unread). Runnable (waiting for a CPU on a busy machine,
-    or running): looked at again every `recheck_s`, fenced once silent past
+def judge_silence(
+    o: Overdue, sched: SchedState, now: float, w: Windows, ran: bool | None = None
+) -> Fence | float:
+    """A late engine, by what its threads do (`pace.sched_state`), or when to look again.
+    Stopped (SIGSTOP) or gone: fenced as hung now, however little it is late. Otherwise it
+    has its window, without the time the supervisor was stalled itself (its heartbeats may
+    be waiting unread), looked at every `recheck_s`. Past it, asleep (deadlocked,
+    blocked) with its heartbeat thread not given a CPU since its last heartbeat
+    (`ran` False, or unknown: None): fenced. Runnable (waiting for a CPU on a busy
+    machine, or running), or asleep with its heartbeat thread run since (a heartbeat on
+    its way, a wait for the GIL): a busy machine, fenced once silent past
     `busy_silence_s` (without the supervisor's stalls) all the same."""
     ms = round(o.silent_s * 1000, 1)
     own = o.silent_s - o.stalled_s  # the silence the supervisor was there to hear
@@ -119,18 +128,45 @@ def judge_silence(o: Overdue, sched: SchedState, now: float, w: Windows) -> Fenc
     )
     if sched in ("stopped", "gone"):
         return Fence("hang", f"no heartbeat for {ms} ms, its processes {sched}")
-    if sched == "sleeping":
-        if own > o.window_s:
-            return Fence("hang", f"no heartbeat for {ms} ms, its processes sleeping{stalled}")
-        return now + o.window_s - own + 0.001
+    if own <= o.window_s:
+        return now + min(w.recheck_s, o.window_s - own + 0.001)
+    if sched == "sleeping" and not ran:
+        return Fence("hang", f"no heartbeat for {ms} ms, its processes sleeping{stalled}")
     limit = max(w.busy_silence_s, o.window_s)
     if own > limit:
+        why = "runnable" if sched == "runnable" else "its heartbeat thread ran"
         return Fence(
             "hang",
-            f"no heartbeat for {ms} ms though runnable (over heartbeat.busy_silence_ms="
+            f"no heartbeat for {ms} ms though {why} (over heartbeat.busy_silence_ms="
             f"{round(w.busy_silence_s * 1000)}){stalled}",
         )
     return now + w.recheck_s
+
+
+def daemon_hung(
+    silent_s: float,
+    stalled_s: float,
+    sched: SchedState,
+    ran: bool,
+    deadline_s: float,
+    busy_s: float,
+) -> str | None:
+    """Why a cache daemon that has left its pings unanswered for `silent_s` is hung, or
+    None while it may yet answer. Stopped: hung. Gone: its exit is the watch's to see.
+    Asleep and not given a CPU since its first unanswered ping (`ran`): hung once silent
+    past `deadline_s`, without the time the supervisor was stalled itself
+    (`stalled_s`); runnable or run since (a busy machine): past `busy_s`."""
+    ms = round(silent_s * 1000, 1)
+    own = silent_s - min(stalled_s, silent_s)
+    if sched == "stopped":
+        return f"no answer for {ms} ms, its process stopped"
+    if sched == "gone":
+        return None
+    if own >= deadline_s and sched == "sleeping" and not ran:
+        return f"no answer for {ms} ms, its process sleeping"
+    if own >= max(busy_s, deadline_s):
+        return f"no answer for {ms} ms though {sched if sched == 'runnable' else 'it ran'}"
+    return None
 
 
 # ---- memory ----

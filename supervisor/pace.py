@@ -10,7 +10,12 @@ an asleep engine's silence. `sched_state` answers the second from `/proc`: an en
 whose threads are stopped (SIGSTOP) while its heartbeat is overdue is hung at once, one
 whose threads all sleep once the supervisor's stalls are taken out; one with a thread
 runnable is waiting for a CPU (or running) and gets more time
-(`heartbeat.busy_silence_ms`). The decision itself is `decisions.judge_silence`.
+(`heartbeat.busy_silence_ms`). A process whose threads all sleep at the look may still
+have sent a heartbeat that is on its way (queued behind the supervisor's own threads), or
+be waiting for the GIL after a wake-up: `runs` counts how often a thread was given a CPU
+(schedstat), so the supervisor can tell an engine whose heartbeat thread ran since its
+last heartbeat (busy, not hung) from one that has not run at all (hung). The decision
+itself is `decisions.judge_silence`.
 """
 
 from __future__ import annotations
@@ -105,3 +110,28 @@ def sched_state(pids: Iterable[int]) -> SchedState:
     if any(s in "RD" for s in states):
         return "runnable"
     return "sleeping"
+
+
+def thread_runs(pid: int, tid: int) -> int | None:
+    """How many times thread `tid` of `pid` was given a CPU (field 3 of
+    /proc/<pid>/task/<tid>/schedstat); None when it is gone or unknown (tid 0)."""
+    if tid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+            return int(f.read().split()[2])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def runs(pids: Iterable[int]) -> int:
+    """How many times, in all, the threads of `pids` were given a CPU (0 when all are gone)."""
+    total = 0
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            total += thread_runs(pid, int(tid)) or 0
+    return total

@@ -17,9 +17,9 @@ from supervisor import decisions
 from supervisor.core import Cluster
 from supervisor.decisions import earliest
 from supervisor.errors import ControlError
-from supervisor.pace import sched_state
+from supervisor.pace import sched_state, thread_runs
 from supervisor.states import EngineState
-from supervisor.units import Engine
+from supervisor.units import Engine, Incarnation
 
 
 async def tick(c: Cluster) -> float | None:
@@ -50,13 +50,25 @@ async def _check_liveness(c: Cluster, now: float) -> float | None:
         stalled = c.pace.stalled_s(e.last_beat, now) if e.last_beat else 0.0
         verdict = decisions.liveness(e, now, c.windows, refused, stalled)
         if isinstance(verdict, decisions.Overdue):
-            sched = sched_state(p.pid for p in e.inc.procs) if e.inc is not None else "gone"
-            verdict = decisions.judge_silence(verdict, sched, now, c.windows)
+            c.hub.drain()  # a heartbeat that came but waits unread is no silence
+            verdict = decisions.liveness(e, now, c.windows, None, stalled)
+        if isinstance(verdict, decisions.Overdue):
+            inc = e.inc  # an overdue engine has one
+            sched = sched_state(p.pid for p in inc.procs) if inc is not None else "gone"
+            ran = _ran(inc) if inc is not None else None
+            verdict = decisions.judge_silence(verdict, sched, now, c.windows, ran)
         if isinstance(verdict, decisions.Fence):
             await c.fence(e, cause=verdict.cause, detail=verdict.detail)
         else:
             due = earliest(due, verdict)
     return due
+
+
+def _ran(inc: Incarnation) -> bool | None:
+    """Whether `inc`'s heartbeat thread was given a CPU since its last heartbeat came;
+    None when that thread is unknown (no agent, or an agent that does not name it)."""
+    now = thread_runs(*inc.beat_thread)
+    return None if now is None or inc.beat_runs is None else now > inc.beat_runs
 
 
 async def _restart_serving(c: Cluster, e: Engine, now: float) -> float | None:

@@ -203,6 +203,7 @@ class Service:
             self.policy, bus, self.view, hub=hub, launcher=launcher, daemons=daemons
         )
         inbox.attach(c)
+        daemons.pace = c.pace  # its stalls are no daemon's silence
         self._own(c.pace.run(), "pace")
         if self.policy.cluster is not None and isinstance(self.view, FleetView):
             self.node = Node(self.policy.cluster, self.policy.api.listen, bus, c, self.view)

@@ -48,6 +48,10 @@ class Incarnation:
     handled: bool = False
     hello: bool = False
     ready: bool = False
+    # the agent's heartbeat thread (pid, tid; 0: unknown) and how often it had been given a
+    # CPU when its last heartbeat came (`pace.thread_runs`)
+    beat_thread: tuple[int, int] = (0, 0)
+    beat_runs: int | None = None
 
     @property
     def pid(self) -> int:

@@ -26,6 +26,9 @@ class Commands(Protocol):
 
     def send(self, name: str, cmd: Promote | Drain | Stop) -> bool: ...
 
+    def drain(self) -> None:
+        """Take in now what the agents sent that is waiting to be read."""
+
 
 class Launcher(Protocol):
     """What starts an engine's processes (`EngineLauncher`)."""

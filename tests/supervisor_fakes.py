@@ -88,6 +88,9 @@ class FakeHub:
         self.sent.append((name, cmd))
         return self.connected
 
+    def drain(self) -> None:
+        """Nothing waits unread: this hub has no socket."""
+
 
 @dataclass
 class FakeLauncher:

@@ -73,7 +73,12 @@ def test_hello_heartbeat_state_and_commands(router: tuple[zmq.Socket[bytes], str
     try:
         ident, hello = recv_until(sock, Hello)
         assert ident == b"e1"
-        assert hello == Hello(name="e1", role="standby", pid=os.getpid(), port=9001, epoch=3)
+        assert isinstance(hello, Hello)
+        assert hello == Hello(
+            name="e1", role="standby", pid=os.getpid(), port=9001, epoch=3, tid=hello.tid
+        )
+        assert agent._thread is not None  # the heartbeat thread names itself:
+        assert hello.tid == agent._thread.native_id
         _, beat = recv_until(sock, Heartbeat)
         assert isinstance(beat, Heartbeat)
         assert (beat.in_flight, beat.queued, beat.state) == (7, 2, "starting")

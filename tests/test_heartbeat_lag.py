@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,8 +24,15 @@ from typing import Any
 import pytest
 
 from supervisor.backoff import RestartBook
-from supervisor.decisions import Fence, Overdue, Windows, judge_silence, liveness
-from supervisor.pace import LoopPace, sched_state, stalled_within, thread_states
+from supervisor.decisions import Fence, Overdue, Windows, daemon_hung, judge_silence, liveness
+from supervisor.pace import (
+    LoopPace,
+    runs,
+    sched_state,
+    stalled_within,
+    thread_runs,
+    thread_states,
+)
 from supervisor.policy import RestartSpec
 from supervisor.states import EngineState
 from supervisor.units import Engine, Incarnation
@@ -66,57 +74,112 @@ def test_liveness_overdue(now: float, stalled: float, expected: object) -> None:
     assert liveness(ready_engine(1.0), now, W, None, stalled) == expected
 
 
-# ---- judge_silence: stopped is a hang; asleep, unless the supervisor was not there to
-# hear; runnable is a busy machine, up to busy_silence_s ----
+def test_a_missed_beat_gets_a_look_before_the_window_ends() -> None:
+    w = Windows(
+        ready_timeout_s=10.0,
+        hang_s=HANG,
+        starting_silence_s=5.0,
+        busy_silence_s=2.0,
+        recheck_s=0.025,
+        look_s=0.075,
+    )
+    assert liveness(ready_engine(1.0), 1.07, w, None) == pytest.approx(1.076)
+    late = liveness(ready_engine(1.0), 1.08, w, None)
+    assert isinstance(late, Overdue)
+    assert (late.silent_s, late.window_s) == (pytest.approx(0.08), HANG)
+
+
+# ---- judge_silence: stopped is a hang at the first look; asleep past the window (less
+# the supervisor's own stalls) with its heartbeat thread not run since its last heartbeat
+# is a hang; runnable, or its heartbeat thread run since, is a busy machine, up to
+# busy_silence_s ----
 NOW = 10.0
 MS = "no heartbeat for"
 
 
 @pytest.mark.parametrize(
-    ("overdue", "sched", "expected"),
+    ("overdue", "sched", "ran", "expected"),
     [
+        # a missed beat (75 ms) and the process stopped: fenced without waiting the window
         (
-            Overdue(0.21, HANG, 0.0),
+            Overdue(0.075, HANG, 0.0),
             "stopped",
-            Fence("hang", f"{MS} 210.0 ms, its processes stopped"),
+            None,
+            Fence("hang", f"{MS} 75.0 ms, its processes stopped"),
         ),
         # a stopped engine never beats again, however long the supervisor was stalled
         (
             Overdue(0.5, HANG, 0.4),
             "stopped",
+            True,
             Fence("hang", f"{MS} 500.0 ms, its processes stopped"),
         ),
-        (Overdue(0.21, HANG, 0.0), "gone", Fence("hang", f"{MS} 210.0 ms, its processes gone")),
+        (
+            Overdue(0.21, HANG, 0.0),
+            "gone",
+            None,
+            Fence("hang", f"{MS} 210.0 ms, its processes gone"),
+        ),
+        # inside its window: looked at again every recheck_s, at the latest its window's end
+        (Overdue(0.075, HANG, 0.0), "sleeping", False, NOW + W.recheck_s),
+        (Overdue(0.19, HANG, 0.0), "sleeping", False, NOW + HANG - 0.19 + 0.001),
         (
             Overdue(0.21, HANG, 0.0),
             "sleeping",
+            False,
             Fence("hang", f"{MS} 210.0 ms, its processes sleeping"),
         ),
-        # asleep, but the supervisor was stalled 400 of the 500 ms: 100 ms heard, look again
-        # when the window would end
-        (Overdue(0.5, HANG, 0.4), "sleeping", NOW + HANG - 0.1 + 0.001),
+        # an agent that does not name its heartbeat thread: asleep is a hang, as before
+        (
+            Overdue(0.21, HANG, 0.0),
+            "sleeping",
+            None,
+            Fence("hang", f"{MS} 210.0 ms, its processes sleeping"),
+        ),
+        # asleep, but its heartbeat thread ran since its last heartbeat: one is on its way,
+        # or it waits for the GIL
+        (Overdue(0.21, HANG, 0.0), "sleeping", True, NOW + W.recheck_s),
+        (
+            Overdue(2.01, HANG, 0.0),
+            "sleeping",
+            True,
+            Fence(
+                "hang",
+                f"{MS} 2010.0 ms though its heartbeat thread ran "
+                "(over heartbeat.busy_silence_ms=2000)",
+            ),
+        ),
+        # asleep, but the supervisor was stalled 400 of the 500 ms: 100 ms heard
+        (Overdue(0.5, HANG, 0.4), "sleeping", False, NOW + W.recheck_s),
         (
             Overdue(0.5, HANG, 0.2),
             "sleeping",
+            False,
             Fence(
                 "hang",
                 f"{MS} 500.0 ms, its processes sleeping; the supervisor was stalled 200.0 ms of it",
             ),
         ),
-        (Overdue(0.21, HANG, 0.0), "runnable", NOW + W.recheck_s),  # waiting for a CPU
-        (Overdue(2.0, HANG, 0.0), "runnable", NOW + W.recheck_s),  # up to busy_silence_s
+        (Overdue(0.21, HANG, 0.0), "runnable", False, NOW + W.recheck_s),  # waiting for a CPU
+        (Overdue(2.0, HANG, 0.0), "runnable", None, NOW + W.recheck_s),  # up to busy_silence_s
         (
             Overdue(2.01, HANG, 0.0),
             "runnable",
+            None,
             Fence("hang", f"{MS} 2010.0 ms though runnable (over heartbeat.busy_silence_ms=2000)"),
         ),
-        (Overdue(2.5, HANG, 0.6), "runnable", NOW + W.recheck_s),  # 1.9 s heard
+        (Overdue(2.5, HANG, 0.6), "runnable", None, NOW + W.recheck_s),  # 1.9 s heard
     ],
     ids=[
-        "stopped",
+        "stopped-at-first-miss",
         "stopped-while-stalled",
         "gone",
+        "sleeping-in-window",
+        "sleeping-window-end",
         "sleeping",
+        "sleeping-thread-unknown",
+        "sleeping-thread-ran",
+        "sleeping-thread-ran-too-long",
         "sleeping-while-stalled",
         "sleeping-past-the-stall",
         "runnable",
@@ -125,9 +188,29 @@ MS = "no heartbeat for"
         "runnable-while-stalled",
     ],
 )
-def test_judge_silence(overdue: Overdue, sched: Any, expected: object) -> None:
-    got = judge_silence(overdue, sched, NOW, W)
+def test_judge_silence(overdue: Overdue, sched: Any, ran: bool | None, expected: object) -> None:
+    got = judge_silence(overdue, sched, NOW, W, ran)
     assert got == (pytest.approx(expected) if isinstance(expected, float) else expected)
+
+
+@pytest.mark.parametrize(
+    ("silent", "stalled", "sched", "ran", "expected"),
+    [
+        (0.5, 0.0, "stopped", False, "no answer for 500.0 ms, its process stopped"),
+        (0.5, 0.0, "gone", False, None),  # its exit is the watch's
+        (0.5, 0.0, "sleeping", False, "no answer for 500.0 ms, its process sleeping"),
+        (0.6, 0.2, "sleeping", False, None),  # 400 ms heard
+        (0.5, 0.0, "sleeping", True, None),  # it ran since the first unanswered ping
+        (0.5, 0.0, "runnable", False, None),
+        (2.0, 0.0, "runnable", False, "no answer for 2000.0 ms though runnable"),
+        (2.0, 0.0, "sleeping", True, "no answer for 2000.0 ms though it ran"),
+    ],
+    ids=["stopped", "gone", "asleep", "stalled", "ran", "runnable", "runnable-long", "ran-long"],
+)
+def test_daemon_hung(
+    silent: float, stalled: float, sched: Any, ran: bool, expected: str | None
+) -> None:
+    assert daemon_hung(silent, stalled, sched, ran, deadline_s=0.5, busy_s=2.0) == expected
 
 
 def test_a_starting_engine_that_is_busy_keeps_its_longer_window() -> None:
@@ -226,6 +309,27 @@ def test_a_sleeping_process_is_sleeping(sleeper: subprocess.Popen[str]) -> None:
     while sched_state([sleeper.pid]) != "sleeping" and time.monotonic() < deadline:
         os.sched_yield()
     assert sched_state([sleeper.pid]) == "sleeping"
+
+
+def test_runs_counts_a_thread_given_a_cpu_and_not_one_asleep(
+    sleeper: subprocess.Popen[str],
+) -> None:
+    tid = threading.get_native_id()
+    before = thread_runs(os.getpid(), tid)
+    assert before is not None
+    for _ in range(3):
+        time.sleep(0.001)  # each wake-up puts this thread on a CPU again
+    after = thread_runs(os.getpid(), tid)
+    assert after is not None and after > before
+    deadline = time.monotonic() + 10
+    while sched_state([sleeper.pid]) != "sleeping" and time.monotonic() < deadline:
+        time.sleep(0.01)  # until it is in its sleep
+    asleep = runs([sleeper.pid])
+    assert asleep > 0  # it ran to get to its sleep
+    for _ in range(3):
+        os.sched_yield()
+    assert runs([sleeper.pid]) == asleep  # asleep for 600 s: given no CPU since
+    assert thread_runs(os.getpid(), 0) is None  # a thread never named
 
 
 def test_a_reaped_process_is_gone() -> None:
@@ -329,7 +433,7 @@ def test_a_standby_starved_of_cpu_past_the_miss_window_is_not_fenced(sup: Superv
     assert engines(sup)[standby]["pid"] == pids[standby]
 
 
-def test_a_stopped_primary_is_still_fenced_within_the_window(sup: Supervisor) -> None:
+def test_a_stopped_primary_is_fenced_at_its_first_missed_beat(sup: Supervisor) -> None:
     steady(sup)
     old = get(f"{sup.api}/primary")[1]
     mark = sup.tap.mark()
@@ -338,8 +442,8 @@ def test_a_stopped_primary_is_still_fenced_within_the_window(sup: Supervisor) ->
     promoted = sup.wait(lambda e: e.event == "promoted", timeout=10, after=mark)
     assert fenced.data["cause"] == "hang" and "its processes stopped" in fenced.data["detail"]
     assert promoted.name != old["name"] and promoted.data["cause"] == "hang"
-    silent_ms = promoted.data["silent_ms"]
-    assert silent_ms > WINDOW_S * 1000
+    # looked at once a beat is missed (1.5 intervals late), not only once the window ends
+    assert promoted.data["silent_ms"] > INTERVAL_MS * 1.5
 
 
 class Starved:
