@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from cachedaemon.errors import CacheError
+from holdfast_contract.formats import GENERATED_MARK, GENERATION
 
 _LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -156,6 +157,8 @@ def make_checkpoint(
         from cachedaemon.tokenizer_gen import write_tokenizer
 
         write_tokenizer(out, cfg["vocab_size"], cfg["max_position_embeddings"])
+    mark = {"preset": preset, "seed": seed, "generation": GENERATION}
+    (out / GENERATED_MARK).write_text(json.dumps(mark) + "\n")  # last: the rest is complete
     _same_mode(out)
     return out
 

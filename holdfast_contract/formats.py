@@ -14,3 +14,10 @@ Quantization = Literal["none", "fp8-block"]  # fp8-block: 128x128 float8_e4m3fn 
 
 DTYPES: tuple[str, ...] = get_args(Dtype)
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
+
+
+# A checkpoint `make-checkpoint` wrote says so in this file, written last, with the
+# generation of what it writes (config, weights, tokenizer): a cached one of an older
+# generation, or one cut short, is made again rather than served.
+GENERATED_MARK = "holdfast-generated.json"
+GENERATION = 2  # 2: the tiny preset has a tokenizer and a chat template

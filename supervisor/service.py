@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -26,6 +28,7 @@ import zmq
 from aiohttp import web
 
 from holdfast_contract.control import ControlReply, Request
+from holdfast_contract.formats import GENERATED_MARK, GENERATION
 from supervisor import reconcile, sdnotify
 from supervisor.agent_hub import AgentHub
 from supervisor.aio import cancel_all
@@ -60,7 +63,7 @@ async def ensure_model(policy: Policy) -> str:
     if m.path is not None:
         return m.path
     out = models_cache() / f"{m.preset}-seed{m.seed}"
-    if (out / "config.json").is_file():
+    if generated(out):
         return str(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}")
@@ -83,9 +86,24 @@ async def ensure_model(policy: Policy) -> str:
             f"generating the {m.preset} checkpoint into {out} failed; set "
             f"model.path instead. It printed:\n{output.decode()[-1500:]}"
         )
+    if out.exists() and not generated(out):  # an older generation, or one cut short
+        stale = out.with_name(f".{out.name}.stale.{os.getpid()}")
+        with contextlib.suppress(OSError):
+            out.rename(stale)
+        shutil.rmtree(stale, ignore_errors=True)  # engines that map it keep their files
     with contextlib.suppress(OSError):
         tmp.rename(out)  # another supervisor may have won the race; both are identical
+    shutil.rmtree(tmp, ignore_errors=True)
     return str(out)
+
+
+def generated(out: Path) -> bool:
+    """Whether `out` holds a complete checkpoint of this generation of make-checkpoint."""
+    try:
+        mark = json.loads((out / GENERATED_MARK).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(mark, dict) and mark.get("generation") == GENERATION
 
 
 class Service:

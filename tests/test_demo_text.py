@@ -77,6 +77,32 @@ def test_make_checkpoint_is_the_same_bytes_with_one_file_mode(tmp_path: Path) ->
     assert set(modes.values()) == {0o666 & ~umask}, modes
 
 
+def test_a_cached_checkpoint_of_an_older_generation_is_made_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    from holdfast_contract.formats import GENERATED_MARK, GENERATION
+    from supervisor.policy import parse_policy
+    from supervisor.service import ensure_model, models_cache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    old = models_cache() / "tiny-seed0"
+    old.mkdir(parents=True)  # what an earlier make-checkpoint left: no tokenizer, no mark
+    (old / "config.json").write_text(json.dumps(PRESETS["tiny"]))
+    policy = parse_policy("model: {preset: tiny}\n", tmp_path / "policy.yaml", schema_only=True)
+    got = Path(asyncio.run(ensure_model(policy)))
+    assert got == old
+    assert {"tokenizer.json", "model.safetensors", GENERATED_MARK} <= {
+        p.name for p in got.iterdir()
+    }
+    assert json.loads((got / GENERATED_MARK).read_text())["generation"] == GENERATION
+    assert sorted(p.name for p in got.parent.iterdir()) == ["tiny-seed0"]  # no leftovers
+    mtime = (got / "model.safetensors").stat().st_mtime_ns
+    assert Path(asyncio.run(ensure_model(policy))) == got  # complete now: used as it is
+    assert (got / "model.safetensors").stat().st_mtime_ns == mtime
+
+
 def demo_policy(tmp_path: Path, source: Path, **model: Any) -> Path:
     """A shipped policy as written, on this test's ports and runtime dir, without MQTT (no
     broker is assumed) and with heartbeats that a busy test machine cannot miss."""
