@@ -23,6 +23,7 @@ from cachedaemon.cuda_checksum import ALGO, gpu_checksums
 from cachedaemon.errors import CheckpointError
 from cachedaemon.loader import LoadOptions, SourcePlan, dtype_of, transform
 from cachedaemon.manifest import TensorEntry
+from cachedaemon.strides import contiguous_stride
 
 WORKERS = 8
 PIECE = 64 << 20  # bytes per pread and per host-to-device copy
@@ -123,7 +124,6 @@ def fill_parallel(
     piece: int = PIECE,
 ) -> list[TensorEntry]:
     """Fill the pool's chunks from the checkpoint on `workers` threads; the entries in plan order."""
-    from cachedaemon.pool import contiguous_stride
 
     per_plan: list[list[Place]] = []
     it = iter(places)

@@ -20,6 +20,7 @@ import structlog
 from cachedaemon.backends import Backend, Mapping, OwnedChunk
 from cachedaemon.config import LoadOptions
 from cachedaemon.manifest import ChunkEntry, Manifest, TensorEntry
+from cachedaemon.strides import contiguous_stride
 
 if TYPE_CHECKING:  # torch loads only to build a pool or views, never to serve a reclaimed one
     import torch
@@ -29,14 +30,6 @@ if TYPE_CHECKING:  # torch loads only to build a pool or views, never to serve a
     from cachedaemon.progress import ByteProgress
 
 log = structlog.get_logger("cachedaemon.pool")
-
-
-def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for d in reversed(shape):
-        stride.append(acc)
-        acc *= max(d, 1)
-    return tuple(reversed(stride))
 
 
 def layout(

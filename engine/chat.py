@@ -8,14 +8,12 @@ result is encoded without adding special tokens, as transformers does.
 
 from __future__ import annotations
 
-import functools
-import json
-from datetime import datetime
 from typing import Any
 
 import msgspec
 
 from engine import api
+from engine.chat_template import compile_template
 from engine.errors import BadRequest
 from engine.tokenizer import Tokenizer
 
@@ -49,50 +47,6 @@ class ChatRequest(api.Sampling, frozen=True):
     tools: list[Any] | None = None
     return_token_ids: bool = False
     response_format: dict[str, Any] | None = None
-
-
-@functools.lru_cache(maxsize=8)
-def compile_template(source: str) -> Any:
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Generation(jinja2.ext.Extension):
-        """`{% generation %}...{% endgeneration %}` renders its body (transformers marks
-        assistant tokens with it; serving needs only the text)."""
-
-        tags = {"generation"}
-
-        def parse(self, parser: Any) -> Any:
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            call = self.call_method("_body")
-            return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
-
-        def _body(self, caller: Any) -> str:
-            return str(caller())
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(
-        x: Any,
-        ensure_ascii: bool = False,
-        indent: int | None = None,
-        separators: Any = None,
-        sort_keys: bool = False,
-    ) -> str:
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
 
 
 def render(template: str, messages: list[dict[str, Any]], specials: dict[str, str]) -> str:

@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from engine.chat_template import compile_template
 from engine.errors import ModelConfigError
 
 SPECIAL_KEYS = (
@@ -80,8 +81,6 @@ def _chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:
     if not isinstance(raw, str):
         return None
     import jinja2
-
-    from engine.chat import compile_template
 
     try:
         compile_template(raw)
