@@ -20,7 +20,7 @@ from supervisor.fleet.election import DuplicateNode, Elector, FingerprintMismatc
 from supervisor.fleet.errors import LeaseLost
 from supervisor.fleet.etcd import EtcdClient, EtcdUnavailable
 from supervisor.fleet.registry import register
-from supervisor.fleet.spec import ClusterSpec, parse_cluster
+from supervisor.fleet_spec import ClusterSpec, parse_cluster
 from tests.fleet_etcd import Etcd
 
 DEADLINE = 60.0  # generous: two shared cores; what is checked is order, not speed

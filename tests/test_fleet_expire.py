@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from supervisor.fleet.decide import LeaseReading, Role, early_revoke, unrenewed
 from supervisor.fleet.election import GUARD_S, Elector
-from supervisor.fleet.spec import ClusterSpec
+from supervisor.fleet_spec import ClusterSpec
 from tests.fleet_etcd import Etcd
 from tests.test_fleet_election import elector, spec
 

@@ -23,7 +23,7 @@ import structlog
 
 from supervisor.fleet.election import Elector
 from supervisor.fleet.etcd import EtcdClient
-from supervisor.fleet.spec import ClusterSpec, cluster_errors
+from supervisor.fleet_spec import ClusterSpec, cluster_errors
 
 
 def _print(elector: Elector, event: str) -> None:

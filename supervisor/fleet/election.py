@@ -44,7 +44,7 @@ from supervisor.fleet.errors import (
 )
 from supervisor.fleet.etcd import EtcdClient, KeyValue
 from supervisor.fleet.registry import View, check_fingerprint, register
-from supervisor.fleet.spec import ClusterSpec
+from supervisor.fleet_spec import ClusterSpec
 
 log = structlog.get_logger("holdfast.fleet")
 GUARD_S = 0.05  # added to a revoke's bound: clock rates of two machines differ by ppm

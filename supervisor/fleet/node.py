@@ -28,7 +28,7 @@ from supervisor.core import Cluster
 from supervisor.events import EventBus, UnitState
 from supervisor.fleet.election import Elector
 from supervisor.fleet.etcd import EtcdClient
-from supervisor.fleet.spec import ClusterSpec
+from supervisor.fleet_spec import ClusterSpec
 from supervisor.policy import split_listen
 from supervisor.router import LeadershipEnded, PrimaryView, Target
 from supervisor.states import EngineState
