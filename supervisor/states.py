@@ -114,6 +114,8 @@ ENGINE = Table[EngineState](
         (E.STARTING, "ready", E.STANDBY, "ready"),
         (E.STARTING, "ready", E.BATCH, "ready"),
         (E.STANDBY, "promoted", E.PRIMARY, "promote"),
+        # a new epoch from the fleet (this node's term won or resumed): told, routed again
+        (E.PRIMARY, "epoch-raised", E.PRIMARY, "raise_epoch"),
         # losses: a rank exited, or the supervisor fenced it (hang, not ready, refused)
         *[(s, "died", E.DEAD, "down") for s in _RUNNING_ENGINE],
         *[(s, "quarantined", E.QUARANTINED, "down") for s in _RUNNING_ENGINE],

@@ -23,7 +23,6 @@ from typing import Any
 
 import structlog
 
-from holdfast_contract.agent_protocol import Promote
 from supervisor.core import Cluster
 from supervisor.events import EventBus, UnitState
 from supervisor.fleet.election import Elector
@@ -251,18 +250,10 @@ class Node:
         self._state(e)
 
     def _take_term(self, e: Elector) -> None:
-        """A new term, or a lapsed one resumed: the local epoch jumps to at least the
-        term's floor (one past the last, on a resume) and the primary is told, so the
-        engine's epoch grows across leaderships, and a request cut when the term lapsed is
-        retried on the primary of the raised epoch."""
-        c = self.cluster
-        c.epoch = max(c.epoch + 1, term_floor(e.epoch))
-        p = c.primary
-        if p is None or p.state != EngineState.PRIMARY:
-            return  # the next promotion uses the raised epoch
-        told = c.hub.send(p.name, Promote(epoch=c.epoch))
-        self.view.set(Target(p.name, p.port, c.epoch), await_ack=told)
-        c.publish(p, "epoch-raised", cluster_epoch=e.epoch, told=told)
+        """A new term, or a lapsed one resumed: the cluster's epoch jumps to at least the
+        term's floor (one past the last, on a resume) and its primary is told
+        (`Cluster.raise_epoch`), so the engine's epoch grows across leaderships."""
+        self.cluster.raise_epoch(term_floor(e.epoch), cluster_epoch=e.epoch)
 
     def _state(self, e: Elector) -> None:
         """The retained `<prefix>/node/<node>/state` on MQTT."""
