@@ -50,18 +50,18 @@ def label(row: Row[Any]) -> str:
 
 
 # ---- engines ----
-def batch_row(row: Row[EngineState]) -> bool:
+def batch_row(row: Row[EngineState, str]) -> bool:
     return bool({row.src, row.dst} & BATCH_ONLY)
 
 
-def usable(row: Row[EngineState], batch: bool) -> bool:
+def usable(row: Row[EngineState, str], batch: bool) -> bool:
     other = SERVING_ONLY if batch else BATCH_ONLY
     return not ({row.src, row.dst} & other) and row.event != "stopped"
 
 
-def path_to(state: EngineState, batch: bool) -> list[Row[EngineState]]:
+def path_to(state: EngineState, batch: bool) -> list[Row[EngineState, str]]:
     """The shortest run of table rows from dead to `state` for a serving or batch engine."""
-    paths: dict[EngineState, list[Row[EngineState]]] = {E.DEAD: []}
+    paths: dict[EngineState, list[Row[EngineState, str]]] = {E.DEAD: []}
     todo = collections.deque([E.DEAD])
     while todo:
         s = todo.popleft()
@@ -97,7 +97,7 @@ class Driver:
         self.g = g
         self.evicting: asyncio.Task[None] | None = None
 
-    async def __call__(self, e: Engine, row: Row[EngineState]) -> None:
+    async def __call__(self, e: Engine, row: Row[EngineState, str]) -> None:
         c, ev = self.g.c, row.event
         inc = e.inc
         if ev == "starting":
@@ -152,7 +152,7 @@ def test_every_engine_state_is_reached_and_left() -> None:
 
 
 @pytest.mark.parametrize("row", ENGINE.rows, ids=label)
-def test_engine_transition(row: Row[EngineState], tmp_path: Path) -> None:
+def test_engine_transition(row: Row[EngineState, str], tmp_path: Path) -> None:
     async def go() -> None:
         async with rig(tmp_path) as g:
             batch = batch_row(row) or (row.event == "ready" and row.dst == E.BATCH)
@@ -346,7 +346,7 @@ def test_an_inbox_refuses_deliveries_until_a_cluster_is_attached(tmp_path: Path)
 # ---- daemons ----
 
 
-async def drive_daemon(pool: DaemonPool, d: Daemon, row: Row[DaemonState]) -> None:
+async def drive_daemon(pool: DaemonPool, d: Daemon, row: Row[DaemonState, str]) -> None:
     now = time.monotonic()
     if row.event == "starting":
         pool.follow(d, Incarnation([FakeProc()]))
@@ -364,8 +364,8 @@ async def drive_daemon(pool: DaemonPool, d: Daemon, row: Row[DaemonState]) -> No
         raise AssertionError(f"no driver for daemon {label(row)}: add one to tests/test_states.py")
 
 
-def daemon_path(state: DaemonState) -> list[Row[DaemonState]]:
-    paths: dict[DaemonState, list[Row[DaemonState]]] = {D.DEAD: []}
+def daemon_path(state: DaemonState) -> list[Row[DaemonState, str]]:
+    paths: dict[DaemonState, list[Row[DaemonState, str]]] = {D.DEAD: []}
     todo = collections.deque([D.DEAD])
     while todo:
         s = todo.popleft()
@@ -377,7 +377,7 @@ def daemon_path(state: DaemonState) -> list[Row[DaemonState]]:
 
 
 @pytest.mark.parametrize("row", DAEMON.rows, ids=label)
-def test_daemon_transition(row: Row[DaemonState], tmp_path: Path) -> None:
+def test_daemon_transition(row: Row[DaemonState, str], tmp_path: Path) -> None:
     async def go() -> None:
         async with bus_at(tmp_path) as bus:
             events = bus.subscribe()
