@@ -348,8 +348,7 @@ class Cluster:
         self.epoch += 1
         s.role = "primary"
         self.primary = s
-        told = self.hub.send(s.name, Promote(epoch=self.epoch))
-        self.view.set(Target(s.name, s.port, self.epoch), await_ack=told)
+        told = self._route_to(s)
         cpu_ms = cpu.since() if cpu is not None else None  # (inside the wall-clock window)
         promote_ms = round((time.monotonic() - t_detect) * 1000, 3)
         realtime = self.realtime.held
@@ -367,6 +366,26 @@ class Cluster:
         )
         if self.exit_watch is not None and s.inc is not None:  # once routed and told
             self.exit_watch.watch(s.name, [p.pid for p in s.inc.procs])
+
+    def _route_to(self, p: Engine) -> bool:
+        """Tell `p` to serve at the current epoch and route to it (the router waits for
+        its ack if it was told); whether it was told."""
+        told = self.hub.send(p.name, Promote(epoch=self.epoch))
+        self.view.set(Target(p.name, p.port, self.epoch), await_ack=told)
+        return told
+
+    def raise_epoch(self, floor: int, *, cluster_epoch: int) -> None:
+        """A new epoch from the fleet (this node's term `cluster_epoch` won or resumed):
+        the epoch jumps to at least `floor`, and one past the last, so it grows across
+        leaderships. A promoted primary is told and routed at it (primary -> primary,
+        `epoch-raised`), so a request cut when a term lapsed is retried at the raised
+        epoch; without one, the next promotion uses it."""
+        self.epoch = max(self.epoch + 1, floor)
+        p = self.primary
+        if p is None or p.state != S.PRIMARY:
+            return
+        told = self._route_to(p)
+        self._move(p, "epoch-raised", cluster_epoch=cluster_epoch, told=told)
 
     async def hand_over(self, new: Engine) -> None:
         """`supervisor promote NEW`: fence the primary (it restarts at once, as a standby,

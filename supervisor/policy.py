@@ -22,7 +22,7 @@ from holdfast_contract.env import DEFAULT_HEARTBEAT_MS
 from holdfast_contract.formats import Dtype, Quantization
 from supervisor import schema, vllm_kind
 from supervisor.errors import PolicyError
-from supervisor.fleet.spec import ClusterSpec, advertise_errors, cluster_errors
+from supervisor.fleet_spec import ClusterSpec, advertise_errors, cluster_errors
 from supervisor.vllm_spec import VllmSpec
 
 

@@ -4,7 +4,8 @@ Each row is (from, event, to, action): in state `from`, the supervisor's method 
 carries out `event`, the unit enters `to`, and `event` is published under that name
 (`engine.<name>.<event>`, `daemon.<rank>.<event>`). `move()` is the only code that
 changes a unit's state; a move that is not a row raises `IllegalTransition`, which is
-a supervisor bug, never an operator error.
+a supervisor bug, never an operator error. `Table` is generic in the states and the
+events: the fleet's roles use it too (`supervisor/fleet/roles.py`, events an enum).
 
 States are `StrEnum`s, so a state compares equal to, and is published as, the same
 string as before (`"standby"`), in events, `supervisor status` and MQTT.
@@ -39,7 +40,8 @@ class DaemonState(StrEnum):
     STOPPED = "stopped"
 
 
-S = TypeVar("S", EngineState, DaemonState)
+S = TypeVar("S", bound=StrEnum)
+V = TypeVar("V", bound=str)  # the events: names (engines, daemons) or an enum of them
 
 
 class IllegalTransition(SupervisorError):
@@ -47,52 +49,56 @@ class IllegalTransition(SupervisorError):
 
 
 @dataclass(frozen=True)
-class Row(Generic[S]):
+class Row(Generic[S, V]):
     src: S
-    event: str
+    event: V
     dst: S
-    action: str  # the method of Cluster (engines) or DaemonPool (daemons) that does it
+    # the owner's method that does it: Cluster (engines), DaemonPool (daemons), Elector (roles)
+    action: str
 
 
 class Stateful(Protocol[S]):
     state: S
 
 
-class Table(Generic[S]):
-    """Rows keyed by (from, event, to); `to` may be left out where only one row fits."""
+class Table(Generic[S, V]):
+    """Rows keyed by (from, event, to); `to` may be left out where only one row fits.
+    `home`: the file that lists the rows (named when a move is refused)."""
 
-    def __init__(self, kind: str, rows: list[tuple[S, str, S, str]]) -> None:
-        self.kind = kind
-        self.rows: tuple[Row[S], ...] = tuple(Row(*r) for r in rows)
-        self._by_key: dict[tuple[S, str, S], Row[S]] = {
+    def __init__(
+        self, kind: str, rows: list[tuple[S, V, S, str]], home: str = "supervisor/states.py"
+    ) -> None:
+        self.kind, self.home = kind, home
+        self.rows: tuple[Row[S, V], ...] = tuple(Row(*r) for r in rows)
+        self._by_key: dict[tuple[S, V, S], Row[S, V]] = {
             (r.src, r.event, r.dst): r for r in self.rows
         }
         if len(self._by_key) != len(self.rows):
             raise IllegalTransition(f"the {kind} table lists a (from, event, to) twice")
         # (from, event) -> its rows: a lookup on a promotion's path is one dict read
-        by_event: dict[tuple[S, str], list[Row[S]]] = {}
+        by_event: dict[tuple[S, V], list[Row[S, V]]] = {}
         for row in self.rows:
             by_event.setdefault((row.src, row.event), []).append(row)
-        self._by_event: dict[tuple[S, str], tuple[Row[S], ...]] = {
+        self._by_event: dict[tuple[S, V], tuple[Row[S, V], ...]] = {
             key: tuple(found) for key, found in by_event.items()
         }
 
-    def lookup(self, src: S, event: str, dst: S | None = None) -> Row[S]:
+    def lookup(self, src: S, event: V, dst: S | None = None) -> Row[S, V]:
         rows = self._by_event.get((src, event), ())
         fits = rows if dst is None else tuple(r for r in rows if r.dst == dst)
         if len(fits) != 1:
             to = f" to {dst}" if dst is not None else ""
             why = "no row" if not fits else f"{len(fits)} rows (name the target state)"
             raise IllegalTransition(
-                f"{self.kind}: {event!r} from {src}{to}: {why} in supervisor/states.py"
+                f"{self.kind}: {str(event)!r} from {src}{to}: {why} in {self.home}"
             )
         return fits[0]
 
-    def events(self) -> frozenset[str]:
+    def events(self) -> frozenset[V]:
         return frozenset(r.event for r in self.rows)
 
 
-def move(unit: Stateful[S], table: Table[S], event: str, dst: S | None = None) -> Row[S]:
+def move(unit: Stateful[S], table: Table[S, V], event: V, dst: S | None = None) -> Row[S, V]:
     """Change `unit`'s state by the row for (its state, `event`, `dst`); the row used."""
     row = table.lookup(unit.state, event, dst)
     unit.state = row.dst
@@ -102,7 +108,7 @@ def move(unit: Stateful[S], table: Table[S], event: str, dst: S | None = None) -
 E = EngineState
 _RUNNING_ENGINE = (E.STARTING, E.STANDBY, E.BATCH, E.PRIMARY)
 
-ENGINE = Table[EngineState](
+ENGINE = Table[EngineState, str](
     "engine",
     [
         # a start: a new incarnation spawned (a restart, a respawn after eviction)
@@ -114,6 +120,8 @@ ENGINE = Table[EngineState](
         (E.STARTING, "ready", E.STANDBY, "ready"),
         (E.STARTING, "ready", E.BATCH, "ready"),
         (E.STANDBY, "promoted", E.PRIMARY, "promote"),
+        # a new epoch from the fleet (this node's term won or resumed): told, routed again
+        (E.PRIMARY, "epoch-raised", E.PRIMARY, "raise_epoch"),
         # losses: a rank exited, or the supervisor fenced it (hang, not ready, refused)
         *[(s, "died", E.DEAD, "down") for s in _RUNNING_ENGINE],
         *[(s, "quarantined", E.QUARANTINED, "down") for s in _RUNNING_ENGINE],
@@ -134,7 +142,7 @@ ENGINE = Table[EngineState](
 )
 
 D = DaemonState
-DAEMON = Table[DaemonState](
+DAEMON = Table[DaemonState, str](
     "daemon",
     [
         (D.DEAD, "starting", D.STARTING, "follow"),  # a new process, or its spare took over

@@ -96,6 +96,30 @@ def test_the_contract_names_no_other_package_in_its_imports() -> None:
             assert set(tops) <= here, f"{path.name}:{node.lineno} imports {tops}"
 
 
+# the floors above the fleet: what composes a `supervisor run` (and its CLI)
+ABOVE_THE_FLEET = {"service.py", "cli.py"}
+
+
+def test_no_module_below_the_fleet_imports_it() -> None:
+    """`supervisor/fleet/` stands on the supervisor's core (policy, states, core, router):
+    a core module importing it would run back up a floor (the policy's `cluster:` section
+    is `supervisor/fleet_spec.py` for that reason)."""
+    for path in sorted((REPO / "supervisor").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            fleet = [
+                n for n in names if n == "supervisor.fleet" or n.startswith("supervisor.fleet.")
+            ]
+            assert not fleet or path.name in ABOVE_THE_FLEET, (
+                f"{path.name}:{node.lineno} imports {fleet}"
+            )
+
+
 # ---- the environment ----
 def test_every_field_is_one_variable_and_round_trips() -> None:
     env = EngineEnv(

@@ -15,12 +15,14 @@ import pytest
 
 from holdfast_contract.wire import free_port
 from supervisor.errors import PolicyError
-from supervisor.fleet.decide import IllegalMove, NodeInfo, Role, Term, may_campaign, move, yield_to
+from supervisor.fleet.decide import NodeInfo, Term, may_campaign, yield_to
 from supervisor.fleet.election import DuplicateNode, Elector, FingerprintMismatch
 from supervisor.fleet.errors import LeaseLost
 from supervisor.fleet.etcd import EtcdClient, EtcdUnavailable
 from supervisor.fleet.registry import register
-from supervisor.fleet.spec import ClusterSpec, parse_cluster
+from supervisor.fleet.roles import ROLE, Change, Event, Role, StepDown, Why
+from supervisor.fleet_spec import ClusterSpec, parse_cluster
+from supervisor.states import IllegalTransition
 from tests.fleet_etcd import Etcd
 
 DEADLINE = 60.0  # generous: two shared cores; what is checked is order, not speed
@@ -107,10 +109,32 @@ def test_priority_rules() -> None:
     assert yield_to(a, even, {"c": 0.0}, now=99.0, wait_s=2.0, unhealthy_since=97.0) == "c"
 
 
-def test_illegal_move_raises() -> None:
-    assert move(Role.FOLLOWER, "won") is Role.LEADER
-    with pytest.raises(IllegalMove):
-        move(Role.STARTING, "won")
+def test_roles_move_only_through_the_table() -> None:
+    assert ROLE.lookup(Role.FOLLOWER, Event.WON).dst is Role.LEADER
+    where = "no row in supervisor/fleet/roles.py"
+    with pytest.raises(IllegalTransition, match=f"'won' from starting: {where}"):
+        ROLE.lookup(Role.STARTING, Event.WON)
+    with pytest.raises(IllegalTransition, match="'leader' from leader: no row"):
+        ROLE.lookup(Role.LEADER, Event.LEADER)  # reported, never a move
+    assert {r.dst for r in ROLE.rows} | {Role.STARTING} == set(Role)
+    assert ROLE.events() == set(Event) - {Event.LEADER}
+    assert all(hasattr(Elector, r.action) for r in ROLE.rows), ROLE.rows
+
+
+def test_changes_are_published_under_the_names_they_had() -> None:
+    assert [str(e) for e in (Event.WON, Event.SESSION_LOST)] == ["won", "session_lost"]
+    stale = StepDown(1.0, Why.RENEWAL_STALE, 2.5)
+    assert (str(stale), stale.reason, stale.lapsed) == (
+        "stepped_down.renewal_stale",
+        "renewal_stale",
+        True,
+    )
+    handed = StepDown(1.0, Why.YIELD, 2.5, to="n2")
+    assert (f"fleet.{handed}", handed.reason, handed.lapsed) == (
+        "fleet.stepped_down.yield_to_n2",
+        "yield_to_n2",
+        False,
+    )
 
 
 # against etcd
@@ -120,7 +144,7 @@ def test_one_leader_among_three(etcd: Etcd) -> None:
     async def main() -> None:
         seen: list[list[str]] = []
 
-        def check(e: Elector, event: str) -> None:
+        def check(e: Elector, event: Change) -> None:
             seen.append(leaders(group))
 
         group: list[Elector] = []
@@ -180,9 +204,9 @@ def test_leader_steps_down_before_its_lease_can_expire(etcd: Etcd) -> None:
             etcd.stop()  # etcd answers nothing: no renewal succeeds
             try:
                 await leader.wait_for(lambda e: e.role is Role.FOLLOWER, DEADLINE)
-                stepped_at, reason, lease_deadline = leader.stepdowns[-1]
-                assert reason == "renewal_stale"
-                assert stepped_at < lease_deadline - leader.spec.margin_s / 2
+                down = leader.stepdowns[-1]
+                assert down.why is Why.RENEWAL_STALE
+                assert down.at < down.lease_deadline - leader.spec.margin_s / 2
                 assert not a.is_leader() and not b.is_leader()
                 # past the lease's own deadline the session is given up for a new one
                 await leader.wait_for(lambda e: e.failures != [], DEADLINE)
@@ -212,7 +236,7 @@ def test_leader_is_not_leader_past_its_hold_on_its_own_clock(etcd: Etcd) -> None
             skew[0] = 2.0 * a.spec.ttl_s
             assert not a.is_leader()  # at once, before the elector's loop runs again
             await a.wait_for(lambda e: e.stepdowns != [], DEADLINE)
-            assert a.stepdowns[0][1] == "renewal_stale"
+            assert a.stepdowns[0].why is Why.RENEWAL_STALE
 
     asyncio.run(main())
 
@@ -232,7 +256,7 @@ def test_a_lapsed_leader_resumes_its_term_on_its_own_key(etcd: Etcd) -> None:
         overlaps: list[list[str]] = []
         events: list[str] = []
 
-        def seen(e: Elector, event: str) -> None:
+        def seen(e: Elector, event: Change) -> None:
             events.append(f"{e.spec.node}:{event}")
             if len(leaders(both)) > 1:
                 overlaps.append(leaders(both))
@@ -249,7 +273,7 @@ def test_a_lapsed_leader_resumes_its_term_on_its_own_key(etcd: Etcd) -> None:
                 skew[0] = 2.0 * a.spec.ttl_s
                 assert not a.is_leader()
                 await a.wait_for(lambda e: e.stepdowns != [], DEADLINE)
-                assert a.stepdowns[0][1] == "renewal_stale"
+                assert a.stepdowns[0].why is Why.RENEWAL_STALE
                 await a.wait_for(Elector.is_leader, DEADLINE)
                 assert a.epoch == term and "n1:resumed" in events, events
                 # the put that resumed moved the key: a follower's delete conditional on
@@ -260,7 +284,7 @@ def test_a_lapsed_leader_resumes_its_term_on_its_own_key(etcd: Etcd) -> None:
                 assert a.is_leader() and a.epoch == term and b.cluster_epoch == term
                 assert b.role is Role.FOLLOWER and b.term is None
         assert overlaps == []
-        assert [r for _, r, _ in a.stepdowns] == ["renewal_stale", "stop"]
+        assert [d.reason for d in a.stepdowns] == ["renewal_stale", "stop"]
 
     asyncio.run(main())
 
@@ -313,7 +337,7 @@ def test_higher_priority_node_is_handed_leadership(etcd: Etcd) -> None:
         both: list[Elector] = []
         overlaps: list[list[str]] = []
 
-        def check(e: Elector, event: str) -> None:
+        def check(e: Elector, event: Change) -> None:
             if len(leaders(both)) > 1:
                 overlaps.append(leaders(both))
 
@@ -325,7 +349,7 @@ def test_higher_priority_node_is_handed_leadership(etcd: Etcd) -> None:
                 both.append(high)
                 await high.wait_for(Elector.is_leader, DEADLINE)
                 assert high.epoch > first
-                assert [r for _, r, _ in low.stepdowns] == ["yield_to_high"]
+                assert [d.reason for d in low.stepdowns] == ["yield_to_high"]
                 assert low.role is Role.FOLLOWER
             await low.wait_for(Elector.is_leader, DEADLINE)  # high left: low leads again
         assert overlaps == []
@@ -354,7 +378,7 @@ def test_leader_whose_pool_stays_broken_hands_over(etcd: Etcd) -> None:
                 await b.wait_for(lambda e: e.view.leader_node == "n1", DEADLINE)
                 a.set_healthy(False)
                 await b.wait_for(Elector.is_leader, DEADLINE)
-                assert [r for _, r, _ in a.stepdowns] == ["yield_to_n2"]
+                assert [d.reason for d in a.stepdowns] == ["yield_to_n2"]
                 assert not a.is_leader()
 
     asyncio.run(main())
@@ -368,7 +392,7 @@ def test_leader_key_deleted_behind_its_back_steps_it_down(etcd: Etcd) -> None:
             async with EtcdClient([etcd.endpoint]) as raw:
                 await raw.delete(a.spec.leader_key)
             await a.wait_for(lambda e: len(e.stepdowns) == 1, DEADLINE)
-            assert a.stepdowns[0][1] == "key_gone"
+            assert a.stepdowns[0].why is Why.KEY_GONE
             await a.wait_for(Elector.is_leader, DEADLINE)  # and campaigns again
             assert a.epoch > first
 

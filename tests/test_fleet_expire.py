@@ -13,9 +13,10 @@ import time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from supervisor.fleet.decide import LeaseReading, Role, early_revoke, unrenewed
+from supervisor.fleet.decide import LeaseReading, early_revoke, unrenewed
 from supervisor.fleet.election import GUARD_S, Elector
-from supervisor.fleet.spec import ClusterSpec
+from supervisor.fleet.roles import Change, Event, Role
+from supervisor.fleet_spec import ClusterSpec
 from tests.fleet_etcd import Etcd
 from tests.test_fleet_election import elector, spec
 
@@ -173,10 +174,10 @@ def test_a_cut_off_leader_is_replaced_at_its_own_deadline(etcd: Etcd) -> None:
     its lease from the TTL readings and wins; at no change do two nodes lead."""
 
     async def main() -> None:
-        changes: list[tuple[str, str, list[str]]] = []
+        changes: list[tuple[str, Change, list[str]]] = []
         group: list[Elector] = []
 
-        def seen(e: Elector, event: str) -> None:
+        def seen(e: Elector, event: Change) -> None:
             changes.append((e.spec.node, event, [x.spec.node for x in group if x.is_leader()]))
 
         async with (
@@ -192,9 +193,9 @@ def test_a_cut_off_leader_is_replaced_at_its_own_deadline(etcd: Etcd) -> None:
                 relay.open.clear()  # n1 is cut off from etcd
                 await b.wait_for(Elector.is_leader, DEADLINE)
                 assert [r[1] for r in b.freed] == [lease]
-                reasons = [r for _, r, _ in a.stepdowns]
+                reasons = [d.reason for d in a.stepdowns]
                 assert reasons[:1] == ["renewal_stale"], reasons
-                stepped = a.stepdowns[0][0]
+                stepped = a.stepdowns[0].at
                 assert stepped <= b.freed[0][0], (stepped, b.freed)
                 relay.open.set()  # n1 is back: it stays a follower of n2
                 await a.wait_for(
@@ -220,7 +221,7 @@ def test_a_lease_that_outlived_its_stalled_renewals_is_taken_up_again(etcd: Etcd
         return time.monotonic() + skew[0]
 
     async def main() -> None:
-        events: list[str] = []
+        events: list[Change] = []
         async with Relay(etcd.endpoint) as relay:
             s = ClusterSpec("c", [relay.endpoint], "n1", 8)
             async with elector(s, clock=clock, on_change=lambda e, ev: events.append(ev)) as a:
@@ -234,7 +235,7 @@ def test_a_lease_that_outlived_its_stalled_renewals_is_taken_up_again(etcd: Etcd
                 relay.open.set()
                 await a.wait_for(Elector.is_leader, DEADLINE)
                 assert a.lease == lease and a.epoch == term
-                assert events.count("won") == 1 and "resumed" in events, events
-                assert [r for _, r, _ in a.stepdowns] == ["renewal_stale"]
+                assert events.count(Event.WON) == 1 and Event.RESUMED in events, events
+                assert [d.reason for d in a.stepdowns] == ["renewal_stale"]
 
     asyncio.run(main())

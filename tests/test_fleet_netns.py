@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from chaos.fleet.net import missing
-from supervisor.fleet.spec import ClusterSpec
+from supervisor.fleet_spec import ClusterSpec
 from tests.conftest import REPO, child_env
 
 FLEET = REPO / "scripts" / "fleet.sh"

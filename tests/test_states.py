@@ -20,6 +20,7 @@ from supervisor.backoff import RestartBook
 from supervisor.core import Cluster
 from supervisor.daemons import DaemonPool
 from supervisor.policy import RestartSpec
+from supervisor.routing import Target
 from supervisor.states import (
     DAEMON,
     ENGINE,
@@ -49,18 +50,18 @@ def label(row: Row[Any]) -> str:
 
 
 # ---- engines ----
-def batch_row(row: Row[EngineState]) -> bool:
+def batch_row(row: Row[EngineState, str]) -> bool:
     return bool({row.src, row.dst} & BATCH_ONLY)
 
 
-def usable(row: Row[EngineState], batch: bool) -> bool:
+def usable(row: Row[EngineState, str], batch: bool) -> bool:
     other = SERVING_ONLY if batch else BATCH_ONLY
     return not ({row.src, row.dst} & other) and row.event != "stopped"
 
 
-def path_to(state: EngineState, batch: bool) -> list[Row[EngineState]]:
+def path_to(state: EngineState, batch: bool) -> list[Row[EngineState, str]]:
     """The shortest run of table rows from dead to `state` for a serving or batch engine."""
-    paths: dict[EngineState, list[Row[EngineState]]] = {E.DEAD: []}
+    paths: dict[EngineState, list[Row[EngineState, str]]] = {E.DEAD: []}
     todo = collections.deque([E.DEAD])
     while todo:
         s = todo.popleft()
@@ -96,7 +97,7 @@ class Driver:
         self.g = g
         self.evicting: asyncio.Task[None] | None = None
 
-    async def __call__(self, e: Engine, row: Row[EngineState]) -> None:
+    async def __call__(self, e: Engine, row: Row[EngineState, str]) -> None:
         c, ev = self.g.c, row.event
         inc = e.inc
         if ev == "starting":
@@ -116,6 +117,8 @@ class Driver:
             c.ready(e, inc)
         elif ev == "promoted":
             c.promote(e, time.monotonic(), cause="no-primary", old=None)
+        elif ev == "epoch-raised":
+            c.raise_epoch(c.epoch + 5, cluster_epoch=7)
         elif ev == "fenced":
             await c.hand_over(await standby(self.g, e))
         elif ev == "draining":
@@ -149,7 +152,7 @@ def test_every_engine_state_is_reached_and_left() -> None:
 
 
 @pytest.mark.parametrize("row", ENGINE.rows, ids=label)
-def test_engine_transition(row: Row[EngineState], tmp_path: Path) -> None:
+def test_engine_transition(row: Row[EngineState, str], tmp_path: Path) -> None:
     async def go() -> None:
         async with rig(tmp_path) as g:
             batch = batch_row(row) or (row.event == "ready" and row.dst == E.BATCH)
@@ -181,6 +184,53 @@ def test_promotion_tells_the_engine_routes_to_it_and_bumps_the_epoch(tmp_path: P
             assert g.c.view.target is not None and g.c.view.target.name == "e1"
             (ev,) = [x for x in g.events.since(0, "e1") if x.event == "promoted"]
             assert ev.epoch == 1 and ev.data["told"] is True and ev.data["cause"] == "no-primary"
+
+    run(go())
+
+
+def test_a_new_epoch_from_the_fleet_tells_and_routes_the_primary(tmp_path: Path) -> None:
+    """A term won raises the epoch to its floor; a term resumed below it moves it one on;
+    the primary is told each new epoch and routed at it, published `epoch-raised`."""
+
+    async def go() -> None:
+        async with rig(tmp_path) as g:
+            e = g.c.engines["e1"]
+            await g.c.spawn(e)
+            assert e.inc is not None
+            g.c.ready(e, e.inc)
+            g.c.promote(e, time.monotonic(), cause="no-primary", old=None)
+            mark = g.events.mark()
+            g.c.raise_epoch(3 << 20, cluster_epoch=3)  # a term won
+            g.c.raise_epoch(3 << 20, cluster_epoch=3)  # the same term, resumed
+            assert g.c.epoch == (3 << 20) + 1 and e.state == E.PRIMARY
+            assert g.hub.sent[1:] == [
+                ("e1", Promote(epoch=3 << 20)),
+                ("e1", Promote(epoch=g.c.epoch)),
+            ]
+            assert g.c.view.target == Target("e1", e.port, g.c.epoch)
+            raised = [x for x in g.events.since(mark, "e1")]
+            assert [(x.event, x.epoch, x.data["state"]) for x in raised] == [
+                ("epoch-raised", 3 << 20, "primary"),
+                ("epoch-raised", (3 << 20) + 1, "primary"),
+            ]
+            assert raised[0].data["cluster_epoch"] == 3 and raised[0].data["told"] is True
+
+    run(go())
+
+
+def test_a_new_epoch_without_a_primary_is_kept_for_the_next_promotion(tmp_path: Path) -> None:
+    async def go() -> None:
+        async with rig(tmp_path) as g:
+            e = g.c.engines["e1"]
+            await g.c.spawn(e)
+            assert e.inc is not None
+            g.c.ready(e, e.inc)
+            mark = g.events.mark()
+            g.c.raise_epoch(2 << 20, cluster_epoch=2)
+            assert (g.c.epoch, g.hub.sent, g.c.view.target) == (2 << 20, [], None)
+            assert g.events.since(mark) == []
+            g.c.promote(e, time.monotonic(), cause="no-primary", old=None)
+            assert g.hub.sent == [("e1", Promote(epoch=(2 << 20) + 1))]
 
     run(go())
 
@@ -296,7 +346,7 @@ def test_an_inbox_refuses_deliveries_until_a_cluster_is_attached(tmp_path: Path)
 # ---- daemons ----
 
 
-async def drive_daemon(pool: DaemonPool, d: Daemon, row: Row[DaemonState]) -> None:
+async def drive_daemon(pool: DaemonPool, d: Daemon, row: Row[DaemonState, str]) -> None:
     now = time.monotonic()
     if row.event == "starting":
         pool.follow(d, Incarnation([FakeProc()]))
@@ -314,8 +364,8 @@ async def drive_daemon(pool: DaemonPool, d: Daemon, row: Row[DaemonState]) -> No
         raise AssertionError(f"no driver for daemon {label(row)}: add one to tests/test_states.py")
 
 
-def daemon_path(state: DaemonState) -> list[Row[DaemonState]]:
-    paths: dict[DaemonState, list[Row[DaemonState]]] = {D.DEAD: []}
+def daemon_path(state: DaemonState) -> list[Row[DaemonState, str]]:
+    paths: dict[DaemonState, list[Row[DaemonState, str]]] = {D.DEAD: []}
     todo = collections.deque([D.DEAD])
     while todo:
         s = todo.popleft()
@@ -327,7 +377,7 @@ def daemon_path(state: DaemonState) -> list[Row[DaemonState]]:
 
 
 @pytest.mark.parametrize("row", DAEMON.rows, ids=label)
-def test_daemon_transition(row: Row[DaemonState], tmp_path: Path) -> None:
+def test_daemon_transition(row: Row[DaemonState, str], tmp_path: Path) -> None:
     async def go() -> None:
         async with bus_at(tmp_path) as bus:
             events = bus.subscribe()

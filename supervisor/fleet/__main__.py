@@ -23,14 +23,15 @@ import structlog
 
 from supervisor.fleet.election import Elector
 from supervisor.fleet.etcd import EtcdClient
-from supervisor.fleet.spec import ClusterSpec, cluster_errors
+from supervisor.fleet.roles import Change, StepDown
+from supervisor.fleet_spec import ClusterSpec, cluster_errors
 
 
-def _print(elector: Elector, event: str) -> None:
-    deadline = elector.stepdowns[-1][2] if event.startswith("stepped_down") else None
+def _print(elector: Elector, change: Change) -> None:
+    deadline = change.lease_deadline if isinstance(change, StepDown) else None
     line = {
         "t": time.monotonic(),
-        "event": event,
+        "event": str(change),
         "node": elector.spec.node,
         "role": elector.role.value,
         "epoch": elector.epoch,

@@ -1,48 +1,13 @@
 """The election's decisions as plain functions of a snapshot and a clock reading.
 
 `Term` answers whether a leader may still serve; `may_campaign` and `yield_to` apply the
-priority rule. The elector (election.py) only carries these out against etcd.
+priority rule. The elector (election.py) only carries these out against etcd, and moves
+its role through `roles.ROLE`.
 """
 
 from __future__ import annotations
 
-import enum
-
 import msgspec
-
-
-class Role(enum.Enum):
-    STARTING = "starting"  # no etcd session yet (or between sessions)
-    FOLLOWER = "follower"  # in a session, not leader
-    LEADER = "leader"  # holds the leader key and its renewal is fresh
-    FAILED = "failed"  # refused to join (duplicate node name, fingerprint mismatch)
-    STOPPED = "stopped"
-
-
-class IllegalMove(RuntimeError):
-    """A state change the table does not allow: a bug in the elector."""
-
-
-# (from, event) -> to; the only ways the role changes.
-MOVES: dict[tuple[Role, str], Role] = {
-    (Role.STARTING, "joined"): Role.FOLLOWER,
-    (Role.STARTING, "refused"): Role.FAILED,
-    (Role.STARTING, "stop"): Role.STOPPED,
-    (Role.FOLLOWER, "won"): Role.LEADER,
-    (Role.FOLLOWER, "resumed"): Role.LEADER,  # a lapsed term whose key outlived it
-    (Role.FOLLOWER, "session_lost"): Role.STARTING,
-    (Role.FOLLOWER, "stop"): Role.STOPPED,
-    (Role.LEADER, "stepped_down"): Role.FOLLOWER,
-    (Role.LEADER, "stop"): Role.STOPPED,
-    (Role.FAILED, "stop"): Role.FAILED,
-}
-
-
-def move(role: Role, event: str) -> Role:
-    try:
-        return MOVES[(role, event)]
-    except KeyError:
-        raise IllegalMove(f"no move from {role.value} on {event!r}") from None
 
 
 class NodeInfo(msgspec.Struct, frozen=True):

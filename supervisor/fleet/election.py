@@ -25,11 +25,9 @@ import structlog
 from supervisor.fleet.decide import (
     LeaseReading,
     NodeInfo,
-    Role,
     Term,
     early_revoke,
     may_campaign,
-    move,
     yield_to,
 )
 from supervisor.fleet.errors import (
@@ -44,7 +42,8 @@ from supervisor.fleet.errors import (
 )
 from supervisor.fleet.etcd import EtcdClient, KeyValue
 from supervisor.fleet.registry import View, check_fingerprint, register
-from supervisor.fleet.spec import ClusterSpec
+from supervisor.fleet.roles import ROLE, Change, Event, Role, StepDown, Why, event_of
+from supervisor.fleet_spec import ClusterSpec
 
 log = structlog.get_logger("holdfast.fleet")
 GUARD_S = 0.05  # added to a revoke's bound: clock rates of two machines differ by ppm
@@ -70,7 +69,7 @@ class Elector:
         *,
         healthy: bool = True,
         clock: Clock = time.monotonic,
-        on_change: Callable[[Elector, str], None] | None = None,
+        on_change: Callable[[Elector, Change], None] | None = None,
         max_backoff_s: float = 5.0,
         api: str = "",
     ) -> None:
@@ -85,7 +84,7 @@ class Elector:
         self.view = View(spec)
         self.error: JoinRefused | None = None
         self.failures: list[tuple[float, str]] = []  # (clock, why) each failed session start
-        self.stepdowns: list[tuple[float, str, float]] = []  # (clock, reason, lease deadline)
+        self.stepdowns: list[StepDown] = []
         self.lease = 0
         # leases this node gave up without etcd confirming their end (it stopped answering
         # in time, or an etcd leader change kept them alive): still this node's, and
@@ -127,9 +126,9 @@ class Elector:
             self._task.cancel()
             (crash,) = await asyncio.gather(self._task, return_exceptions=True)
         if self.role == Role.LEADER:
-            self._step_down("stop")
+            self._step_down(Why.STOP)
         if self.role != Role.FAILED:
-            self._set(move(self.role, "stop"), "stop")
+            self._set(Event.STOP)
         for lease in sorted({self.lease, self._stale_lease} - {0}):
             try:  # frees the leader key and the node name at once
                 await self.etcd.revoke(lease, timeout=self.spec.renew_s)
@@ -185,15 +184,17 @@ class Elector:
                 await changed.wait()
 
     # state
-    def _set(self, role: Role, event: str) -> None:
-        self.role = role
-        self._report(event)
+    def _set(self, change: Change) -> None:
+        """The move `roles.ROLE` has for (role, change's event), reported; raises
+        IllegalTransition when there is no such row."""
+        self.role = ROLE.lookup(self.role, event_of(change)).dst
+        self._report(change)
 
-    def _report(self, event: str) -> None:
+    def _report(self, change: Change) -> None:
         """One change, logged and handed to `on_change`: a role change, or `leader` when
         the leader this node sees changed (what a router follows)."""
         log.info(
-            "fleet." + event,
+            f"fleet.{change}",
             node=self.spec.node,
             role=self.role.value,
             epoch=self.epoch,
@@ -201,18 +202,18 @@ class Elector:
             cluster_epoch=self.cluster_epoch,
         )
         if self.on_change is not None:
-            self.on_change(self, event)
+            self.on_change(self, change)
         self._notify()
 
     def _notify(self) -> None:
         self._changed.set()  # wakes every waiter; later ones wait on a fresh event
         self._changed = asyncio.Event()
 
-    def _step_down(self, reason: str) -> None:
-        deadline = self._renewed_at + self._ttl
-        self.stepdowns.append((self.clock(), reason, deadline))
-        self._lapsed = self.term if reason in ("renewal_stale", "renewal_late") else None
-        self._set(move(self.role, "stepped_down"), "stepped_down." + reason)
+    def _step_down(self, why: Why, to: str = "") -> None:
+        down = StepDown(self.clock(), why, self._renewed_at + self._ttl, to)
+        self.stepdowns.append(down)
+        self._lapsed = self.term if down.lapsed else None
+        self._set(down)
 
     @property
     def _hold_s(self) -> float:
@@ -239,7 +240,7 @@ class Elector:
                 await self._session()
             except JoinRefused as exc:
                 self.error = exc
-                self._set(move(self.role, "refused"), "refused")
+                self._set(Event.REFUSED)
                 log.error("fleet.refused", node=self.spec.node, error=str(exc))
                 await self._drop_lease()
                 return
@@ -248,10 +249,10 @@ class Elector:
                 if self.role != Role.STARTING:  # it had joined: start over from a short wait
                     delay = first
                 if self.role == Role.LEADER:
-                    self._step_down("session_lost")
+                    self._step_down(Why.SESSION_LOST)
                 if self.role == Role.FOLLOWER:
                     self.view.load([])  # stale: a new session reads the keys afresh
-                    self._set(move(self.role, "session_lost"), "session_lost")
+                    self._set(Event.SESSION_LOST)
                 log.warning(
                     "fleet.etcd_failed", node=self.spec.node, error=str(exc), retry_in_s=delay
                 )
@@ -298,7 +299,7 @@ class Elector:
         self.lease, granted = await self._open_lease()
         self._renewed_at, self._ttl = sent, float(min(granted, self.spec.ttl_s))
         await self._join()
-        self._set(move(self.role, "joined"), "joined")
+        self._set(Event.JOINED)
         self._live = True
         try:
             async with asyncio.TaskGroup() as tasks:
@@ -327,7 +328,7 @@ class Elector:
         a leader cut off from etcd regains control in time to step down."""
         while self._live:
             if self.role == Role.LEADER and self.term and not self.term.holds(self.clock()):
-                self._step_down("renewal_stale")
+                self._step_down(Why.RENEWAL_STALE)
                 self._wake.set()
             sent = self.clock()
             timeout = self.spec.renew_s
@@ -339,7 +340,7 @@ class Elector:
                     # answered past the term's deadline: the term is over whatever etcd
                     # says, as early_revoke assumes (a follower may free the key now); it
                     # leads again only through _resume
-                    self._step_down("renewal_late")
+                    self._step_down(Why.RENEWAL_LATE)
                     self._wake.set()
                 self._renewed_at = sent
                 if self.term is not None and self.role == Role.LEADER:
@@ -476,7 +477,7 @@ class Elector:
         leader = (view.leader_node, self.cluster_epoch)
         if leader != self._reported_leader:
             self._reported_leader = leader
-            self._report("leader")
+            self._report(Event.LEADER)
         if me != self._published or (view.revision and me.node not in view.nodes):
             # changed, or deleted by a follower that took this node for stopped
             await self.etcd.put(
@@ -511,14 +512,14 @@ class Elector:
         assert self.term is not None
         leader = self.view.leader
         if leader is None and self.view.revision > self.term.epoch:
-            self._step_down("key_gone")  # deleted behind this node's back
+            self._step_down(Why.KEY_GONE)  # deleted behind this node's back
             return
         if leader is not None and leader.create_revision != self.term.epoch:
-            self._step_down("key_replaced")
+            self._step_down(Why.KEY_REPLACED)
             return
         target = yield_to(me, self.view.nodes, self._seen, now, self._ttl, self._unhealthy_since)
         if target is not None:
-            self._step_down("yield_to_" + target)
+            self._step_down(Why.YIELD, target)
             await self.etcd.delete_if_created(self.spec.leader_key, self.term.epoch)
 
     async def _resume(self, key: KeyValue, now: float, me: NodeInfo) -> bool:
@@ -545,7 +546,7 @@ class Elector:
         self._lapsed = None
         self.term = Term(lapsed.epoch, renewed, self._hold_s)
         self.view.leader = kv
-        self._set(move(self.role, "resumed"), "resumed")
+        self._set(Event.RESUMED)
         return True
 
     async def _campaign(self) -> None:
@@ -557,4 +558,4 @@ class Elector:
             self._lapsed = None
             self.term = Term(kv.create_revision, min(self._renewed_at, sent), self._hold_s)
             self.view.leader = kv
-            self._set(move(self.role, "won"), "won")
+            self._set(Event.WON)

@@ -23,12 +23,12 @@ from typing import Any
 
 import structlog
 
-from holdfast_contract.agent_protocol import Promote
 from supervisor.core import Cluster
 from supervisor.events import EventBus, UnitState
 from supervisor.fleet.election import Elector
 from supervisor.fleet.etcd import EtcdClient
-from supervisor.fleet.spec import ClusterSpec
+from supervisor.fleet.roles import Change, Event, Role, StepDown
+from supervisor.fleet_spec import ClusterSpec
 from supervisor.policy import split_listen
 from supervisor.router import LeadershipEnded, PrimaryView, Target
 from supervisor.states import EngineState
@@ -220,25 +220,24 @@ class Node:
                 self.bus.emit("fleet", self.spec.node, "etcd-unreachable", 0, error=why)
             seen = len(e.failures)
 
-    def _changed(self, e: Elector, event: str) -> None:
+    def _changed(self, e: Elector, change: Change) -> None:
         node = self.spec.node
-        stepped = event.startswith("stepped_down")
-        if event in ("won", "resumed"):
+        if change in (Event.WON, Event.RESUMED):
             self._take_term(e)
-        self.view.changed(stepped_down=stepped or event == "stop")
+        self.view.changed(stepped_down=isinstance(change, StepDown) or change is Event.STOP)
         data: dict[str, Any] = {"role": e.role.value, "leader": e.view.leader_node}
-        if event == "won":
-            self.bus.emit("fleet", node, "became-leader", e.epoch, **data)
-        elif event == "resumed":
-            self.bus.emit("fleet", node, "resumed-leader", e.epoch, **data)
-        elif stepped:
-            reason = event.partition(".")[2]
+        if isinstance(change, StepDown):
+            reason = change.reason
             self.bus.emit("fleet", node, "stepped-down", e.epoch, reason=reason, **data)
-        elif event == "session_lost":
+        elif change is Event.WON:
+            self.bus.emit("fleet", node, "became-leader", e.epoch, **data)
+        elif change is Event.RESUMED:
+            self.bus.emit("fleet", node, "resumed-leader", e.epoch, **data)
+        elif change is Event.SESSION_LOST:
             self.bus.emit("fleet", node, "lease-lost", e.cluster_epoch, **data)
-        elif event == "refused":
+        elif change is Event.REFUSED:
             self.bus.emit("fleet", node, "join-refused", 0, error=str(e.error), **data)
-        elif event == "leader":
+        elif change is Event.LEADER:
             leader = e.view.leader_node
             if leader is None:
                 self.bus.emit("fleet", node, "leader-vacant", 0, **data)
@@ -246,23 +245,15 @@ class Node:
                 self.bus.emit("fleet", node, "leader-elected", e.cluster_epoch, **data)
                 if leader != node:
                     self.bus.emit("fleet", node, "follower-of", e.cluster_epoch, **data)
-        else:
-            self.bus.emit("fleet", node, event, e.cluster_epoch, **data)
+        else:  # joined, stop: published under their own names
+            self.bus.emit("fleet", node, str(change), e.cluster_epoch, **data)
         self._state(e)
 
     def _take_term(self, e: Elector) -> None:
-        """A new term, or a lapsed one resumed: the local epoch jumps to at least the
-        term's floor (one past the last, on a resume) and the primary is told, so the
-        engine's epoch grows across leaderships, and a request cut when the term lapsed is
-        retried on the primary of the raised epoch."""
-        c = self.cluster
-        c.epoch = max(c.epoch + 1, term_floor(e.epoch))
-        p = c.primary
-        if p is None or p.state != EngineState.PRIMARY:
-            return  # the next promotion uses the raised epoch
-        told = c.hub.send(p.name, Promote(epoch=c.epoch))
-        self.view.set(Target(p.name, p.port, c.epoch), await_ack=told)
-        c.publish(p, "epoch-raised", cluster_epoch=e.epoch, told=told)
+        """A new term, or a lapsed one resumed: the cluster's epoch jumps to at least the
+        term's floor (one past the last, on a resume) and its primary is told
+        (`Cluster.raise_epoch`), so the engine's epoch grows across leaderships."""
+        self.cluster.raise_epoch(term_floor(e.epoch), cluster_epoch=e.epoch)
 
     def _state(self, e: Elector) -> None:
         """The retained `<prefix>/node/<node>/state` on MQTT."""
@@ -329,4 +320,4 @@ class Node:
 def _role(e: Elector) -> str:
     """The elector's role, with a leader past its hold deadline not called leader."""
     role = e.role.value
-    return "stepping-down" if role == "leader" and not e.is_leader() else role
+    return "stepping-down" if e.role is Role.LEADER and not e.is_leader() else role

@@ -11,7 +11,7 @@ import msgspec
 from supervisor.fleet.decide import NodeInfo
 from supervisor.fleet.errors import DuplicateNode, FingerprintMismatch
 from supervisor.fleet.etcd import EtcdClient, KeyValue
-from supervisor.fleet.spec import ClusterSpec
+from supervisor.fleet_spec import ClusterSpec
 
 
 class Fingerprint(msgspec.Struct, frozen=True):

@@ -3,7 +3,8 @@
 Absent, the supervisor runs alone as before. `parse_cluster(data, miss_window_s)` returns a
 frozen `ClusterSpec` or raises `PolicyError` with one `$.cluster.<key>: ...` line per
 problem. The lease timing derived from `ttl_s` (renewal interval, step-down margin) is
-defined here and nowhere else.
+defined here and nowhere else. It belongs to the policy schema (`supervisor/policy.py`
+reads it), so it lives beside it, below `supervisor/fleet/`, which imports it.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class ClusterSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def lease_poll_s(self) -> float:
-        """How often a follower reads the leader's lease TTL (see decide.early_revoke)."""
+        """How often a follower reads the leader's lease TTL (see fleet.decide.early_revoke)."""
         return self.ttl_s / 20
 
     @property
