@@ -74,7 +74,7 @@ def _engine(ctx: FaultContext, state: str) -> Victim:
     else:
         found = ctx.view.in_state(state)
     if not found and state == "batch":
-        why = absent_batch(ctx.view, ctx.sup.policy)
+        why = absent_batch(ctx.view)
         if why is not None:
             raise VictimAbsent(why)
         coming = coming_batch(ctx.view)

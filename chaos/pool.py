@@ -1,9 +1,9 @@
 """Whether the pool is as whole as the policy wants it *now*, and what it still lacks.
 
-The load rule (`engines.load`) keeps batch engines out while the primary is busy: above
-`evict_above` it evicts them (and does not restart a crashed one), and it brings an evicted
-one back only once the load fell below `respawn_below`. A batch engine kept out by that rule
-is not missing, so it never holds a trial up.
+The supervisor publishes what its rules want of each engine (`EngineStatus.wanted`, decided
+by `supervisor.decisions.BatchGovernor.wants`): a batch engine it wants stopped (the load
+rule, an eviction by hand, the memory cap) is not missing, so it never holds a trial up.
+One it quarantined is: the pool has lost it.
 """
 
 from __future__ import annotations
@@ -15,26 +15,15 @@ from supervisor.policy import Policy
 if TYPE_CHECKING:
     from holdfast_contract.control import ClusterStatus, EngineStatus
 
-RUNNING = frozenset({"starting", "standby", "primary", "batch", "draining"})
 
-
-def primary_load(view: ClusterStatus) -> int:
-    """The primary's requests in flight (queued ones included), as its last heartbeat said:
-    the figure the supervisor's load rule reads."""
-    primary = view.engine(view.primary or "")
-    return primary.in_flight if primary is not None else 0
-
-
-def kept_out(engine: EngineStatus, view: ClusterStatus, policy: Policy) -> str | None:
-    """Why the load rule keeps this batch engine out now, or None when it should run."""
-    if engine.role != "batch" or engine.state in RUNNING:
+def kept_out(engine: EngineStatus) -> str | None:
+    """Why the supervisor keeps this batch engine out now, as it says (its `wanted`), or
+    None when the pool should have it: wanted running (on its way, after a backoff or a
+    respawn hold), quarantined (lost), or not yet decided about."""
+    w = engine.wanted
+    if engine.role != "batch" or w is None or w.state == "running" or w.reason == "quarantined":
         return None
-    rule, load = policy.engines.load, primary_load(view)
-    if load > rule.evict_above:
-        return f"primary load {load} > engines.load.evict_above {rule.evict_above}"
-    if engine.state == "evicted" and load >= rule.respawn_below:
-        return f"evicted; primary load {load} >= engines.load.respawn_below {rule.respawn_below}"
-    return None
+    return f"{w.reason}: {w.detail}"
 
 
 def missing(view: ClusterStatus, policy: Policy, standbys: int | None = None) -> list[str]:
@@ -50,7 +39,7 @@ def missing(view: ClusterStatus, policy: Policy, standbys: int | None = None) ->
             f"standby {len(ready)}/{want} ready" + _others(view, "standby", {e.name for e in ready})
         )
     batch = [e for e in view.engines if e.role == "batch"]
-    wanted = [e for e in batch if kept_out(e, view, policy) is None]
+    wanted = [e for e in batch if kept_out(e) is None]
     running = [e for e in wanted if e.state == "batch" and e.pid]
     if len(running) < len(wanted):
         out.append(
@@ -68,20 +57,23 @@ def _others(view: ClusterStatus, role: str, ready: set[str]) -> str:
     return f" ({', '.join(rest)})" if rest else ""
 
 
-def absent_batch(view: ClusterStatus, policy: Policy) -> str | None:
-    """Why no batch engine runs now, when the load rule is the reason; else None."""
+def absent_batch(view: ClusterStatus) -> str | None:
+    """Why no batch engine runs now, when the supervisor keeps every one out; else None."""
     batch = [e for e in view.engines if e.role == "batch"]
-    reasons = [kept_out(e, view, policy) for e in batch]
+    reasons = [kept_out(e) for e in batch]
     if not batch or any(r is None for r in reasons):
         return None
-    return f"every batch engine is out by the load rule ({reasons[0]})"
+    return f"every batch engine is kept out by the supervisor ({batch[0].name} {reasons[0]})"
 
 
 def coming_batch(view: ClusterStatus) -> list[str]:
-    """Batch engines on their way back: evicted (the load rule brings them back once the
-    load has stayed low for respawn_hold_s) or starting."""
-    return [
-        f"{e.name} {e.state}"
-        for e in view.engines
-        if e.role == "batch" and e.state in ("evicted", "starting")
-    ]
+    """Batch engines on their way: starting, or out and wanted running (after their
+    backoff, or once the load has stayed low for respawn_hold_s)."""
+    return [f"{e.name} {e.state}" for e in view.engines if e.role == "batch" and _coming(e)]
+
+
+def _coming(e: EngineStatus) -> bool:
+    w = e.wanted
+    return e.state == "starting" or (
+        w is not None and w.state == "running" and e.state in ("evicted", "dead")
+    )

@@ -7,7 +7,7 @@ A client sends one tagged msgpack request; the supervisor answers one `ControlRe
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -39,6 +39,37 @@ class RestartReq(ControlRequest, frozen=True):
 Request = StatusReq | PromoteReq | EvictReq | RestartReq | StopReq
 
 
+WantedState = Literal["running", "stopped"]
+# why, for running: policy (nothing keeps it out), backoff (its restart backoff ends at
+# `until`), respawn-hold (evicted; back at `until` if the load stays low); for stopped:
+# load-high (primary load over evict_above), load-not-low (evicted; the load not yet under
+# respawn_below), held (evicted by hand), memory-cap (does not fit devices.memory_mb),
+# quarantined (restarted too often), evicting (on its way out), stopping (the supervisor)
+WantedReason = Literal[
+    "policy",
+    "backoff",
+    "respawn-hold",
+    "load-high",
+    "load-not-low",
+    "held",
+    "memory-cap",
+    "quarantined",
+    "evicting",
+    "stopping",
+]
+
+
+class Wanted(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What the supervisor's rules want of one engine now, and why: decided for every
+    engine by `supervisor.decisions.BatchGovernor.wants` each reconcile tick, published in
+    `EngineStatus.wanted` and the engine's retained MQTT state."""
+
+    state: WantedState
+    reason: WantedReason
+    detail: str = ""  # for a person: the rule and the policy key behind it
+    until: float | None = None  # wall clock (time.time()) at which `reason` ends
+
+
 class EngineStatus(msgspec.Struct, frozen=True):
     name: str
     role: str
@@ -50,6 +81,7 @@ class EngineStatus(msgspec.Struct, frozen=True):
     in_flight: int = 0
     queued: int = 0  # accepted, waiting for the engine's KV cache (from heartbeats)
     pids: list[int] = []  # one per tensor-parallel rank; pid is rank 0's
+    wanted: Wanted | None = None  # None until the supervisor's first decision about it
 
 
 class DaemonStatus(msgspec.Struct, frozen=True):

@@ -9,6 +9,7 @@ import os
 import signal
 import stat
 import sys
+import time
 from collections.abc import Sequence
 
 import msgspec
@@ -21,6 +22,7 @@ from holdfast_contract.control import (
     RestartReq,
     StatusReq,
     StopReq,
+    Wanted,
 )
 from holdfast_contract.errors import HoldfastError
 from supervisor.control import request
@@ -74,7 +76,10 @@ def parser() -> argparse.ArgumentParser:
         "(skips whether model.path holds a checkpoint)",
     )
     for name, text in (
-        ("status", "show the cluster: epoch, primary, engines, daemons"),
+        (
+            "status",
+            "show the cluster: epoch, primary, engines (and what is wanted of each), daemons",
+        ),
         ("promote", "make a ready standby the primary (fences the old one)"),
         ("evict", "evict a batch engine until `restart NAME`"),
         ("restart", "kill and restart an engine (clears quarantine)"),
@@ -164,7 +169,20 @@ def _print_status(st: ClusterStatus, as_json: bool) -> None:
         )
     console = Console()
     console.print(t)
+    now = time.time()
+    for e in st.engines:  # (one line each: the table has no room for them)
+        if e.wanted is not None and e.wanted.reason != "policy":
+            console.print(
+                _why(e.name, e.wanted, now), highlight=False, markup=False, soft_wrap=True
+            )
     console.print(d)
+
+
+def _why(name: str, w: Wanted, now: float) -> str:
+    """What the rules want of engine `name` and why, when more than the policy says so:
+    `batch-1 wanted running: backoff, 1.2 s left: restart backoff (restart.*)`."""
+    left = f", {max(0.0, w.until - now):.1f} s left" if w.until is not None else ""
+    return f"{name} wanted {w.state}: {w.reason}{left}: {w.detail}"
 
 
 def _command(args: argparse.Namespace) -> int:

@@ -15,15 +15,16 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import structlog
 
 from holdfast_contract.agent_protocol import Ack, Drain, Heartbeat, Hello, Promote, StateChange
-from holdfast_contract.control import ClusterStatus, DaemonStatus, EngineStatus
+from holdfast_contract.control import ClusterStatus, DaemonStatus
 from supervisor import decisions
 from supervisor.errors import ControlError, StartupError
-from supervisor.events import EventBus, UnitState
+from supervisor.events import EngineUnitState, EventBus
 from supervisor.exitwatch import ExitWatch, is_exiting
 from supervisor.pace import LoopPace, thread_runs
 from supervisor.policy import Policy
@@ -109,17 +110,33 @@ class Cluster:
         self.bus.emit(
             "engine", e.name, event, self.epoch, role=e.role, state=e.state, port=e.port, **data
         )
+        self._retain(e)
+
+    def _retain(self, e: Engine) -> None:
+        """Publish `e`'s retained state: its state and what the rules want of it."""
+        now, wall = time.monotonic(), time.time()
         self.bus.state(
-            UnitState(
-                ts=time.time(),
+            EngineUnitState(
+                ts=wall,
                 kind="engine",
                 name=e.name,
                 state=e.state,
                 epoch=self.epoch,
                 role=e.role,
                 pid=e.pid,
+                wanted=e.wanted.wire(now, wall) if e.wanted is not None else None,
             )
         )
+
+    def want(self, wants: Mapping[str, decisions.Want]) -> None:
+        """What the rules want of each engine now, by name (`BatchGovernor.wants`): kept
+        for its status, and its retained state published again where it changed (no
+        event: its state did not move)."""
+        for name, w in wants.items():
+            e = self.engines[name]
+            if e.wanted != w:
+                e.wanted = w
+                self._retain(e)
 
     # ---- agent messages ----
     def _engine_for(self, name: str) -> tuple[Engine, Incarnation] | None:
@@ -445,22 +462,8 @@ class Cluster:
 
     # ---- status ----
     def snapshot(self) -> ClusterStatus:
-        now = time.monotonic()
-        engines = [
-            EngineStatus(
-                name=e.name,
-                role=e.role,
-                state=e.state,
-                pid=e.pid,
-                port=e.port,
-                restarts=e.book.total,
-                heartbeat_age_ms=e.beat_age_ms(now) if e.running else None,
-                in_flight=e.in_flight,
-                queued=e.queued,
-                pids=[p.pid for p in e.inc.procs] if e.inc else [],
-            )
-            for e in self.engines.values()
-        ]
+        now, wall = time.monotonic(), time.time()
+        engines = [e.status(now, wall) for e in self.engines.values()]
         daemons = [
             DaemonStatus(
                 rank=d.rank,
@@ -508,6 +511,7 @@ class Cluster:
 
     async def stop_all(self) -> None:
         """Every running engine -> stopped (SIGTERM, stop_grace_s, SIGKILL)."""
+        self.want(dict.fromkeys(self.engines, decisions.STOPPING))
         if self.exit_watch is not None:
             await self.exit_watch.close()
         for e in self.engines.values():

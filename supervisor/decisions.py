@@ -1,7 +1,8 @@
 """The supervisor's decisions, as plain functions of a snapshot and a clock.
 
 Who is promoted, whom to fence and why, which batch engine to evict and which to start
-again: each is decided here from the engines' records and `now`, and carried out by
+again, and what the rules want of each engine (published with its status): each is decided
+here from the engines' records and `now`, and carried out by
 `Cluster` and `reconcile`. Nothing here awaits, spawns, signals or publishes, so each rule
 is tested with a fake clock and no processes (tests/test_decisions.py).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from holdfast_contract.control import Wanted, WantedReason, WantedState
 from supervisor.pace import SchedState
 from supervisor.policy import LoadSpec, Policy
 from supervisor.states import EngineState
@@ -197,19 +199,47 @@ def admission_victims(engines: Sequence[Engine], need: int, cap: int) -> list[En
     return victims
 
 
-# ---- batch engines: evict under load, respawn with hysteresis ----
+# ---- what the rules want of each engine; batch engines: evict under load, respawn ----
+@dataclass(frozen=True)
+class Want:
+    """What the rules want of one engine now, and why (`control.Wanted`, on the monotonic
+    clock): `until` is when `reason` ends (a backoff, a respawn hold), None when only a
+    change (of load, memory, state) ends it."""
+
+    state: WantedState
+    reason: WantedReason
+    detail: str
+    until: float | None = None
+
+    def wire(self, now: float, wall: float) -> Wanted:
+        """As published: `until` on the wall clock, `wall` being `now` on it."""
+        until = None if self.until is None else round(wall + self.until - now, 3)
+        return Wanted(self.state, self.reason, self.detail, until)
+
+
+RUNS = Want("running", "policy", "the policy runs it")
+STOPPING = Want("stopped", "stopping", "the supervisor stops")
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     evict: Engine | None  # one at a time, at most one per heartbeat interval
     start: list[Engine]  # in this order
     due: float | None  # when to plan again, at the latest
+    wants: dict[str, Want]  # every engine's, by name, as `BatchGovernor.wants` decided
 
 
 class BatchGovernor:
-    """Evict batch engines while the primary's load is over `evict_above` (one per
-    `interval_s`); start them again once it stayed under `respawn_below` for
-    `respawn_hold_s`. Crashed ones come back after their backoff whatever the load;
-    ones evicted by hand (`held`) stay out."""
+    """What the rules want of every engine (`wants`), and the plan that carries it out for
+    batch engines (`plan`).
+
+    Serving engines always run, after their restart backoff. Batch engines are evicted
+    while the primary's load is over `evict_above` (one per `interval_s`), and none is
+    started then, not even a crashed one: one that dies while the load is over
+    `evict_above` stays dead until the load is at `evict_above` or under, then comes back
+    after its backoff. Evicted ones come back once the load stayed under `respawn_below`
+    for `respawn_hold_s`. Either only if it fits `devices.memory_mb` (`cap_mb`) beside
+    what runs; ones evicted by hand (`held`) and quarantined ones stay out."""
 
     def __init__(self, spec: LoadSpec, interval_s: float, cap_mb: int) -> None:
         self.spec = spec
@@ -219,43 +249,97 @@ class BatchGovernor:
         self.last_evict = float("-inf")
 
     def plan(self, engines: Sequence[Engine], load: int, now: float) -> BatchPlan:
-        spec = self.spec
-        if load > spec.evict_above:
+        if load >= self.spec.respawn_below:  # (over evict_above included)
             self.low_since = None
+        elif self.low_since is None:
+            self.low_since = now
+        wants = self.wants(engines, load, now)
+        batch = sorted((e for e in engines if not e.serving), key=_start_order)
+        start = [e for e in batch if wants[e.name] == RUNS and not e.running]
+        due: float | None = None
+        for e in batch:
+            due = earliest(due, wants[e.name].until)
+        evict: Engine | None = None
+        if load > self.spec.evict_above:
             victims = eviction_order(engines)
             if victims and now - self.last_evict >= self.interval_s:
                 self.last_evict = now
-                return BatchPlan(victims[0], [], None)
-            return BatchPlan(None, [], None)
+                evict = victims[0]
+        return BatchPlan(evict, start, due, wants)
+
+    def wants(self, engines: Sequence[Engine], load: int, now: float) -> dict[str, Want]:
+        """Each engine's `Want` now, by name: serving ones first, then batch ones in the
+        order memory goes to them: crashed ones before evicted ones, each by priority."""
+        out = {e.name: _serving_want(e, now) for e in engines if e.serving}
         used = used_mb(engines)
-        waiting = sorted((e for e in engines if not e.serving and not e.held), key=_by_priority)
-        start: list[Engine] = []
-        due: float | None = None
-        for e in waiting:  # crashed batch engines come back after their backoff
-            if e.state != EngineState.DEAD:
-                continue
-            if now < e.next_start:
-                due = earliest(due, e.next_start)
-            elif fits(used, e.memory_mb, self.cap_mb):
-                start.append(e)
+        for e in sorted((e for e in engines if not e.serving), key=_start_order):
+            w = out[e.name] = self._batch_want(e, load, now, used)
+            if w == RUNS and not e.running:
                 used += e.memory_mb
-        if load >= spec.respawn_below:
-            self.low_since = None
-            return BatchPlan(None, start, due)
-        self.low_since = self.low_since if self.low_since is not None else now
-        for e in waiting:  # evicted ones once the load stayed low for respawn_hold_s
-            if e.state != EngineState.EVICTED:
-                continue
-            if now - self.low_since < spec.respawn_hold_s:
-                due = earliest(due, self.low_since + spec.respawn_hold_s)
-            elif fits(used, e.memory_mb, self.cap_mb):
-                start.append(e)
-                used += e.memory_mb
-        return BatchPlan(None, start, due)
+        return out
+
+    def _batch_want(self, e: Engine, load: int, now: float, used: int) -> Want:
+        spec = self.spec
+        if e.held:
+            return Want("stopped", "held", f"evicted by hand; `supervisor restart {e.name}`")
+        if e.state in _SETTLED:
+            return _SETTLED[e.state]
+        if load > spec.evict_above:
+            return Want(
+                "stopped",
+                "load-high",
+                f"load rule: primary load over engines.load.evict_above {spec.evict_above}",
+            )
+        if e.running:
+            return RUNS
+        if e.state == EngineState.DEAD and now < e.next_start:
+            return Want("running", "backoff", "restart backoff (restart.*)", e.next_start)
+        if e.state == EngineState.EVICTED:
+            below = f"under engines.load.respawn_below {spec.respawn_below}"
+            if load >= spec.respawn_below:
+                return Want(
+                    "stopped",
+                    "load-not-low",
+                    f"load rule: evicted; back once the primary load stays {below} for "
+                    f"engines.load.respawn_hold_s {spec.respawn_hold_s:g}",
+                )
+            back = (self.low_since if self.low_since is not None else now) + spec.respawn_hold_s
+            if now < back:
+                return Want(
+                    "running", "respawn-hold", f"load rule: back if the load stays {below}", back
+                )
+        if not fits(used, e.memory_mb, self.cap_mb):
+            cap = f"devices.memory_mb {self.cap_mb}"
+            why = f"needs {e.memory_mb} MB beside {used} MB running; {cap}"
+            return Want("stopped", "memory-cap", why)
+        return RUNS
 
 
-def _by_priority(e: Engine) -> int:
-    return -e.priority
+_QUARANTINED = Want(
+    "stopped",
+    "quarantined",
+    "restarted more than restart.max_restarts in restart.window_s; `supervisor restart`",
+)
+_SETTLED = {
+    EngineState.QUARANTINED: _QUARANTINED,
+    EngineState.STOPPED: STOPPING,
+    EngineState.DRAINING: Want(
+        "stopped", "evicting", "being evicted (SIGTERM, engines.stop_grace_s, SIGKILL)"
+    ),
+}
+
+
+def _serving_want(e: Engine, now: float) -> Want:
+    """A primary or standby slot runs, after its restart backoff."""
+    if e.state in (EngineState.QUARANTINED, EngineState.STOPPED):
+        return _SETTLED[e.state]
+    if e.state == EngineState.DEAD and now < e.next_start:
+        return Want("running", "backoff", "restart backoff (restart.*)", e.next_start)
+    return RUNS
+
+
+def _start_order(e: Engine) -> tuple[bool, int]:
+    return e.state != EngineState.DEAD, -e.priority
 
 
 def load_of(primary: Engine | None) -> int:

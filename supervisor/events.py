@@ -16,6 +16,7 @@ import msgspec
 import structlog
 import zmq
 
+from holdfast_contract.control import Wanted
 from holdfast_contract.events import Event, encode_event
 from supervisor.mqtt import MqttPublisher
 from supervisor.policy import EventsSpec
@@ -33,6 +34,12 @@ class UnitState(msgspec.Struct, frozen=True):
     epoch: int
     role: str = ""
     pid: int = 0
+
+
+class EngineUnitState(UnitState, frozen=True):
+    """An engine's retained state: with what the supervisor's rules want of it."""
+
+    wanted: Wanted | None = None
 
 
 # events a person should notice; every other event is logged at info

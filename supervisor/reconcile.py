@@ -84,6 +84,7 @@ async def _restart_serving(c: Cluster, e: Engine, now: float) -> float | None:
 async def _batch(c: Cluster, now: float) -> float | None:
     load = decisions.load_of(c.primary)
     plan = c.batch.plan(list(c.engines.values()), load, now)
+    c.want(plan.wants)  # published before it is carried out
     if plan.evict is not None:
         spec = c.policy.engines.load
         await c.evict(plan.evict, reason=f"load {load} > {spec.evict_above}", held=False)

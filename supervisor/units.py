@@ -9,11 +9,15 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
+from holdfast_contract.control import EngineStatus
 from supervisor.backoff import RestartBook
 from supervisor.policy import Policy
 from supervisor.states import RUNNING, DaemonState, EngineState
+
+if TYPE_CHECKING:
+    from supervisor.decisions import Want
 
 # what an engine's agent reports once it may be routed to (its own states, not ours)
 READY_STATES = frozenset({"ready", "serving"})
@@ -79,6 +83,7 @@ class Engine:
     queued: int = 0
     held: bool = False  # evicted by hand: stays evicted until `supervisor restart NAME`
     next_start: float = 0.0
+    wanted: Want | None = None  # what the rules want of it, as the last tick decided
 
     @property
     def pid(self) -> int:
@@ -94,6 +99,23 @@ class Engine:
 
     def beat_age_ms(self, now: float) -> float | None:
         return round((now - self.last_beat) * 1000.0, 1) if self.last_beat else None
+
+    def status(self, now: float, wall: float) -> EngineStatus:
+        """As `supervisor status` and /cluster show it; `now` (monotonic) is `wall` (the
+        wall clock)."""
+        return EngineStatus(
+            name=self.name,
+            role=self.role,
+            state=self.state,
+            pid=self.pid,
+            port=self.port,
+            restarts=self.book.total,
+            heartbeat_age_ms=self.beat_age_ms(now) if self.running else None,
+            in_flight=self.in_flight,
+            queued=self.queued,
+            pids=[p.pid for p in self.inc.procs] if self.inc else [],
+            wanted=self.wanted.wire(now, wall) if self.wanted is not None else None,
+        )
 
 
 LIVE_DAEMON = frozenset({DaemonState.STARTING, DaemonState.SERVING})

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import pytest
 
+from holdfast_contract.control import Wanted
 from supervisor.backoff import Backoff, RestartBook
 from supervisor.decisions import (
+    RUNS,
     BatchGovernor,
     Fence,
     Overdue,
+    Want,
     Windows,
     admission_victims,
     best_standby,
@@ -271,6 +274,94 @@ def test_starts_follow_priority_and_memory() -> None:
     g.plan([serving, low, high], load=0, now=0.0)
     plan = g.plan([serving, low, high], load=0, now=1.0)
     assert [e.name for e in plan.start] == ["high"]  # 40 + 50 used; 30 more do not fit
+
+
+# ---- what the rules want of each engine ----
+CAP = 100  # MB; the primary uses 40
+
+
+@pytest.mark.parametrize(
+    ("state", "load", "kw", "expected"),
+    [
+        (E.BATCH, 3, {}, ("running", "policy", None)),
+        (E.STARTING, 4, {}, ("running", "policy", None)),  # at evict_above: stays
+        (E.BATCH, 5, {}, ("stopped", "load-high", None)),  # over it: evicted
+        (E.DEAD, 3, {"next_start": 12.0}, ("running", "backoff", 12.0)),
+        (E.DEAD, 3, {}, ("running", "policy", None)),  # its backoff over: started now
+        (E.DEAD, 5, {}, ("stopped", "load-high", None)),  # not restarted while evicting
+        (E.DEAD, 5, {"next_start": 12.0}, ("stopped", "load-high", None)),
+        (E.DEAD, 3, {"memory_mb": 70}, ("stopped", "memory-cap", None)),  # 40 + 70 > 100
+        (E.DEAD, 3, {"memory_mb": 60}, ("running", "policy", None)),
+        (E.EVICTED, 2, {}, ("stopped", "load-not-low", None)),  # at respawn_below
+        (E.EVICTED, 1, {}, ("running", "respawn-hold", 11.0)),  # low since 10.0
+        (E.EVICTED, 1, {"held": True}, ("stopped", "held", None)),
+        (E.EVICTED, 1, {"memory_mb": 70}, ("running", "respawn-hold", 11.0)),  # memory: once held
+        (E.QUARANTINED, 0, {}, ("stopped", "quarantined", None)),
+        (E.DRAINING, 0, {}, ("stopped", "evicting", None)),
+        (E.STOPPED, 0, {}, ("stopped", "stopping", None)),
+    ],
+)
+def test_what_the_rules_want_of_a_batch_engine(
+    state: EngineState, load: int, kw: dict[str, object], expected: tuple[object, ...]
+) -> None:
+    """One plan at t=10 (the load low since then, if low): the engine's want, and the
+    plan carries it out: started now exactly when wanted running with nothing to wait
+    for, looked at again when its reason ends."""
+    g = governor(cap=CAP)
+    primary = engine("e1", E.PRIMARY, in_flight=load, memory_mb=40)
+    b = engine("b", state, batch=True, **kw)  # type: ignore[arg-type]
+    plan = g.plan([primary, b], load, now=10.0)
+    w = plan.wants["b"]
+    assert (w.state, w.reason, w.until) == expected, w
+    assert w.detail
+    assert plan.start == ([b] if w.reason == "policy" and not b.running else [])
+    assert plan.due == w.until
+    assert plan.wants["e1"].reason == "policy"  # a serving engine runs whatever the load
+
+
+@pytest.mark.parametrize(("state", "next_start"), [(E.DEAD, 12.0), (E.EVICTED, 0.0)])
+def test_an_engine_wanted_running_later_is_started_when_its_reason_ends(
+    state: EngineState, next_start: float
+) -> None:
+    g = governor()
+    b = engine("b", state, batch=True, next_start=next_start)
+    w = g.plan([b], load=1, now=10.0).wants["b"]
+    assert w.state == "running" and w.until is not None
+    assert g.plan([b], load=1, now=w.until - 0.001).start == []
+    plan = g.plan([b], load=1, now=w.until)
+    assert plan.start == [b] and plan.wants["b"].reason == "policy"
+
+
+def test_memory_goes_to_crashed_engines_before_evicted_ones_by_priority() -> None:
+    g = governor(cap=100)
+    primary = engine("e1", E.PRIMARY, memory_mb=40)
+    evicted = engine("ev", E.EVICTED, batch=True, priority=9, memory_mb=30)
+    low = engine("low", E.DEAD, batch=True, priority=0, memory_mb=30)
+    high = engine("high", E.DEAD, batch=True, priority=5, memory_mb=30)
+    g.plan([primary, evicted, low, high], load=0, now=0.0)
+    plan = g.plan([primary, evicted, low, high], load=0, now=5.0)
+    assert [e.name for e in plan.start] == ["high", "low"]
+    w = plan.wants["ev"]
+    assert (w.state, w.reason) == ("stopped", "memory-cap")
+    assert w.detail == "needs 30 MB beside 100 MB running; devices.memory_mb 100"
+
+
+def test_serving_engines_run_after_their_backoff_unless_quarantined() -> None:
+    g = governor()
+    dead = engine("e2", E.DEAD, next_start=12.0)
+    q = engine("e3", E.QUARANTINED)
+    wants = g.plan([dead, q], load=99, now=10.0).wants
+    assert (wants["e2"].reason, wants["e2"].until) == ("backoff", 12.0)
+    assert (wants["e3"].state, wants["e3"].reason) == ("stopped", "quarantined")
+    assert g.plan([dead], load=99, now=12.0).wants["e2"] == RUNS
+
+
+def test_a_want_is_published_on_the_wall_clock() -> None:
+    w = Want("running", "backoff", "restart backoff", until=12.5)
+    assert w.wire(now=10.0, wall=1_000.0) == Wanted(
+        "running", "backoff", "restart backoff", 1_002.5
+    )
+    assert RUNS.wire(10.0, 1_000.0).until is None
 
 
 def test_load_of_the_primary() -> None:

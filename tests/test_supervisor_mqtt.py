@@ -18,6 +18,8 @@ import aiomqtt
 import msgspec
 import pytest
 
+from chaos.pool import kept_out
+from holdfast_contract.control import ClusterStatus
 from holdfast_contract.wire import free_port
 from tests.engines.harness import Load, Supervisor, get, topic, write_policy
 
@@ -167,6 +169,18 @@ def test_mqtt_events_survive_a_broker_outage_and_last_will(
         assert state["epoch"] == 1
         sup.wait(lambda e: e.event == "ready" and e.name != promoted.name, timeout=60)
         assert not any(e.name == "batch-1" for e in sup.tap.events), "batch-1 cannot fit"
+        # ... and the supervisor says why, on the broker, in /cluster and `status --json`,
+        # where the chaos suite reads it: it is not missing from the pool
+        cap = "needs 100 MB beside 200 MB running; devices.memory_mb 250"
+        retained = msgspec.json.decode(
+            sub.wait(f"{PREFIX}/engine/batch-1/state", b'"memory-cap"', timeout=5)
+        )
+        assert retained["state"] == "dead" and retained["wanted"]["detail"] == cap, retained
+        view = msgspec.convert(get(f"{sup.api}/cluster")[1], ClusterStatus)
+        batch = view.engine("batch-1")
+        assert batch is not None and kept_out(batch) == f"memory-cap: {cap}"
+        assert msgspec.convert(sup.status(), ClusterStatus).engine("batch-1") == batch
+        assert f"batch-1 wanted stopped: memory-cap: {cap}\n" in sup.cli("status").stdout
 
         broker.stop()  # mid-run outage: failover must not notice
         load = Load(sup.router, clients=2)
