@@ -45,7 +45,7 @@ def run(coro: Coroutine[Any, Any, None]) -> None:
     asyncio.run(coro)
 
 
-def label(row: Row[Any]) -> str:
+def label(row: Row[Any, Any]) -> str:
     return f"{row.src}-{row.event}-{row.dst}"
 
 
@@ -171,13 +171,19 @@ def test_engine_transition(row: Row[EngineState, str], tmp_path: Path) -> None:
     run(go())
 
 
+async def ready(g: Rig, name: str) -> Engine:
+    """Engine `name` spawned and ready (a standby)."""
+    e = g.c.engines[name]
+    await g.c.spawn(e)
+    assert e.inc is not None
+    g.c.ready(e, e.inc)
+    return e
+
+
 def test_promotion_tells_the_engine_routes_to_it_and_bumps_the_epoch(tmp_path: Path) -> None:
     async def go() -> None:
         async with rig(tmp_path) as g:
-            e = g.c.engines["e1"]
-            await g.c.spawn(e)
-            assert e.inc is not None
-            g.c.ready(e, e.inc)
+            e = await ready(g, "e1")
             g.c.promote(e, time.monotonic(), cause="no-primary", old=None)
             assert (g.c.epoch, g.c.primary, e.role) == (1, e, "primary")
             assert g.hub.sent == [("e1", Promote(epoch=1))]
@@ -194,10 +200,7 @@ def test_a_new_epoch_from_the_fleet_tells_and_routes_the_primary(tmp_path: Path)
 
     async def go() -> None:
         async with rig(tmp_path) as g:
-            e = g.c.engines["e1"]
-            await g.c.spawn(e)
-            assert e.inc is not None
-            g.c.ready(e, e.inc)
+            e = await ready(g, "e1")
             g.c.promote(e, time.monotonic(), cause="no-primary", old=None)
             mark = g.events.mark()
             g.c.raise_epoch(3 << 20, cluster_epoch=3)  # a term won
@@ -221,10 +224,7 @@ def test_a_new_epoch_from_the_fleet_tells_and_routes_the_primary(tmp_path: Path)
 def test_a_new_epoch_without_a_primary_is_kept_for_the_next_promotion(tmp_path: Path) -> None:
     async def go() -> None:
         async with rig(tmp_path) as g:
-            e = g.c.engines["e1"]
-            await g.c.spawn(e)
-            assert e.inc is not None
-            g.c.ready(e, e.inc)
+            e = await ready(g, "e1")
             mark = g.events.mark()
             g.c.raise_epoch(2 << 20, cluster_epoch=2)
             assert (g.c.epoch, g.hub.sent, g.c.view.target) == (2 << 20, [], None)
