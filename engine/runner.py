@@ -23,9 +23,21 @@ from engine.attention import Batch, use_kernel
 from engine.errors import BadRequest
 from engine.graphs import DecodeGraphs
 from engine.job import TOP_LOGPROBS_MAX, Generation, Job, OnStep, Step
-from engine.kvcache import KVCache
+from engine.kvcache import KVCache, blocks_for
 from engine.model import LlamaForCausalLM
 from engine.scheduler import Plan, Seq
+
+# The prompt lengths of the warm-up's prefill steps (cut to the engine's max_len and
+# max_batch): Triton specializes an integer argument on being 1 and on being a multiple of
+# 16, and a step of several prompts pads them to the longest; the last step's requests
+# then decode, and decode beside a prefill.
+WARM_PREFILLS: tuple[tuple[int, ...], ...] = ((1,), (17,), (32,), (33, 16))
+# On CUDA also what a migration brings a just-promoted standby at once: many continuations
+# of a few hundred tokens, up to a full prefill step (large matrix products pick other
+# kernels, which CUDA loads on their first use, and the step's activations are the
+# largest the allocator is asked for). The CPU has none of that, and these would cost it
+# seconds.
+WARM_PREFILLS_CUDA = (*WARM_PREFILLS, (255,) * 4, (511,) * 16)
 
 __all__ = ["TOP_LOGPROBS_MAX", "Generation", "Job", "OnStep", "Runner", "Step"]
 
@@ -62,6 +74,7 @@ class Runner:
         cuda_graphs: bool,
     ) -> None:
         self.model, self.device, self.cache = model, device, cache
+        self.max_batch, self.max_len = max_batch, max_len
         self.tp = model.tp
         self.eos = frozenset(model.args.eos_token_ids)
         self.kernel = use_kernel(device)
@@ -96,16 +109,40 @@ class Runner:
         rows = packed.tolist()
         return [unpack(row, seq.top_logprobs) for row, seq in zip(rows, plan.seqs, strict=True)]
 
-    def warmup(self) -> None:
-        """A prefill and a decode of one request on every rank (no broadcast: all call it).
-        On CUDA this compiles the Triton kernels (or loads them from Triton's disk cache),
+    def warmup(self, prompts: tuple[tuple[int, ...], ...] | None = None) -> None:
+        """Prefills of `prompts` (each a step of prompts of these lengths; by default
+        WARM_PREFILLS, on CUDA WARM_PREFILLS_CUDA), a decode of
+        the last step's requests and a step mixing a prefill with their decode, on every
+        rank (no broadcast: all call it). On CUDA this compiles the Triton kernels (or
+        loads them from Triton's disk cache) for each way a step's sizes specialize them,
         before ready, while the supervisor allows a starting engine to be silent: a
-        compile holds the GIL, and so the heartbeat thread, for a second or more."""
-        seq = Seq((0,), 2, ignore_eos=True)
-        seq.blocks = [self.cache.blocks]  # the scratch block: no request's keys are touched
-        ids, batch = self._inputs(Plan(prefill=(seq,)))
-        seq.out.append(unpack(self._decode_and_sample(ids, batch).tolist()[0], 0))
-        self._decode_and_sample(*self._inputs(Plan(decode=(seq,))))
+        compile holds the GIL, and so the heartbeat thread, for a second or more; and
+        CUDA loads each kernel a step size picks (large matrix products pick others) on
+        its first use. A warm standby's first real steps (migrated streams'
+        continuations, just promoted) then neither compile nor load a kernel. Every
+        position goes to the scratch block: no request's keys are touched."""
+        if prompts is None:
+            prompts = WARM_PREFILLS_CUDA if self.device.type == "cuda" else WARM_PREFILLS
+        seqs: tuple[Seq, ...] = ()
+        for lengths in prompts:
+            cut = lengths[: self.max_batch]
+            seqs = tuple(self._scratch_seq(n) for n in cut)
+            rows = self._decode_and_sample(*self._inputs(Plan(prefill=seqs))).tolist()
+            for seq, row in zip(seqs, rows, strict=True):
+                seq.out.append(unpack(row, 0))
+        if seqs:
+            self._decode_and_sample(*self._inputs(Plan(decode=seqs)))
+            beside = self._scratch_seq(prompts[-1][0])
+            mixed = Plan(prefill=(beside,), decode=seqs[: self.max_batch - 1])
+            self._decode_and_sample(*self._inputs(mixed))
+
+    def _scratch_seq(self, n: int) -> Seq:
+        """A request of `n` prompt tokens (at most what max_len leaves room for) whose
+        positions all go to the scratch block."""
+        n = max(1, min(n, self.max_len - 2))
+        seq = Seq((0,) * n, 2, ignore_eos=True)
+        seq.blocks = [self.cache.blocks] * blocks_for(n + 1, self.cache.block_size)
+        return seq
 
     def capture_next(self) -> bool:
         """Capture one more decode graph, if any is left; True if one was captured."""
