@@ -94,6 +94,35 @@ class DaemonStatus(msgspec.Struct, frozen=True):
     adopted: bool = False
 
 
+class FleetNodeStatus(msgspec.Struct, frozen=True):
+    """One node of a fleet, as its leader's lease and the nodes' keys in etcd say."""
+
+    node: str
+    role: str  # leader | follower
+    healthy: bool
+    priority: int
+    router: str
+    api: str
+    host: str
+    pid: int
+
+
+class FleetStatus(msgspec.Struct, frozen=True):
+    """A fleet node's view of its cluster (the health API's /cluster on top of the pool's;
+    docs/fleet.md lists the keys)."""
+
+    cluster: str
+    node: str
+    role: str  # starting | leader | follower | ...
+    healthy: bool
+    epoch: int
+    cluster_epoch: int
+    leader: str | None = None
+    leader_router: str | None = None
+    lease_age_s: float | None = None
+    nodes: list[FleetNodeStatus] = []
+
+
 class ClusterStatus(msgspec.Struct, frozen=True):
     epoch: int
     primary: str | None

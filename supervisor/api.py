@@ -7,12 +7,12 @@ leads, and /cluster adds the node's view of the cluster to the pool's status."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgspec
 from aiohttp import web
 
-from holdfast_contract.control import ClusterStatus
+from holdfast_contract.control import ClusterStatus, FleetStatus
 from supervisor.metrics import SupervisorMetrics
 
 
@@ -27,7 +27,7 @@ class Fleet(Protocol):
 
     def is_leader(self) -> bool: ...
 
-    def status(self) -> dict[str, Any]: ...
+    def status(self) -> FleetStatus: ...
 
 
 class HealthApi:
@@ -64,9 +64,9 @@ class HealthApi:
             fleet = self._fleet.status()
             return _json(
                 {
-                    "error": f"node {fleet['node']} does not lead cluster {fleet['cluster']}",
-                    "leader": fleet["leader"],
-                    "leader_router": fleet["leader_router"],
+                    "error": f"node {fleet.node} does not lead cluster {fleet.cluster}",
+                    "leader": fleet.leader,
+                    "leader_router": fleet.leader_router,
                     "epoch": st.epoch,
                 },
                 status=503,
@@ -87,4 +87,5 @@ class HealthApi:
         if self._fleet is None:
             return _json(st)
         pool = msgspec.to_builtins(st)
-        return _json({**pool, "local_epoch": st.epoch, **self._fleet.status()})
+        fleet = msgspec.to_builtins(self._fleet.status())
+        return _json({**pool, "local_epoch": st.epoch, **fleet})

@@ -23,6 +23,7 @@ from typing import Any
 
 import structlog
 
+from holdfast_contract.control import FleetNodeStatus, FleetStatus
 from supervisor.core import Cluster
 from supervisor.events import EventBus, UnitState
 from supervisor.fleet.election import Elector
@@ -268,50 +269,46 @@ class Node:
         )
         self.bus.state(st)
 
-    def status(self) -> dict[str, Any]:
-        """The health API's cluster view (docs/fleet.md lists the keys)."""
+    def status(self) -> FleetStatus:
+        """The health API's cluster view."""
         e = self.elector
         if e is None:
-            return {
-                "cluster": self.spec.name,
-                "node": self.spec.node,
-                "role": "starting",
-                "healthy": whole(self.cluster),
-                "epoch": 0,
-                "cluster_epoch": 0,
-                "leader": None,
-                "leader_router": None,
-                "lease_age_s": None,
-                "nodes": [],
-            }
+            return FleetStatus(
+                cluster=self.spec.name,
+                node=self.spec.node,
+                role="starting",
+                healthy=whole(self.cluster),
+                epoch=0,
+                cluster_epoch=0,
+            )
         leader = e.view.leader_node
         info = e.view.nodes.get(leader) if leader else None
         age = e.lease_age_s
         nodes = [
-            {
-                "node": n.node,
-                "role": "leader" if n.node == leader else "follower",
-                "healthy": n.healthy,
-                "priority": n.priority,
-                "router": n.router,
-                "api": n.api,
-                "host": n.host,
-                "pid": n.pid,
-            }
+            FleetNodeStatus(
+                node=n.node,
+                role="leader" if n.node == leader else "follower",
+                healthy=n.healthy,
+                priority=n.priority,
+                router=n.router,
+                api=n.api,
+                host=n.host,
+                pid=n.pid,
+            )
             for n in sorted(e.view.nodes.values(), key=lambda n: n.node)
         ]
-        return {
-            "cluster": self.spec.name,
-            "node": self.spec.node,
-            "role": _role(e),
-            "healthy": e.healthy,
-            "epoch": e.epoch,
-            "cluster_epoch": e.cluster_epoch,
-            "leader": leader,
-            "leader_router": info.router if info is not None else None,
-            "lease_age_s": None if age is None else round(age, 3),
-            "nodes": nodes,
-        }
+        return FleetStatus(
+            cluster=self.spec.name,
+            node=self.spec.node,
+            role=_role(e),
+            healthy=e.healthy,
+            epoch=e.epoch,
+            cluster_epoch=e.cluster_epoch,
+            leader=leader,
+            leader_router=info.router if info is not None else None,
+            lease_age_s=None if age is None else round(age, 3),
+            nodes=nodes,
+        )
 
     def is_leader(self) -> bool:
         return self.elector is not None and self.elector.is_leader()
