@@ -85,7 +85,10 @@ def deposit(keeper: str, pool: Pool) -> None:
         log.warning("deposit failed; this pool dies with the daemon", error=str(exc))
 
 
-class Daemon:
+class CacheServer:
+    """One cache daemon's serving side: its pool, its socket, its clients (the
+    supervisor's record of a daemon is `supervisor.units.Daemon`)."""
+
     def __init__(self, opts: DaemonOptions, config: CacheConfig) -> None:
         self.opts = opts
         self.config = config
@@ -249,7 +252,7 @@ class Daemon:
 
 
 def run(opts: DaemonOptions, config: CacheConfig) -> int:
-    daemon = Daemon(opts, config)
+    daemon = CacheServer(opts, config)
     try:
         daemon.load()
         daemon.serve()
