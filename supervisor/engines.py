@@ -186,7 +186,7 @@ class EngineLauncher:
             await forks.start()
         if await forks.wait_ready(self.policy.engines.ready_timeout_s / 2):
             try:
-                return await Proc.fork(forks.sock, cmd.argv, cmd.env, cmd.log)
+                return await Watcher.fork(forks.sock, cmd)
             except StartupError as err:
                 log.warning("fork server did not answer; starting with exec", error=str(err))
         return await Watcher.spawn(cmd)

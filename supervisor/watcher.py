@@ -58,6 +58,12 @@ class Watcher:
         """`cmd` started in a session (process group) of its own; StartupError if it cannot."""
         return await Proc.spawn(cmd.argv, cmd.env, cmd.log)
 
+    @staticmethod
+    async def fork(server: Path, cmd: Command) -> Proc:
+        """`cmd` forked by the engine fork server at `server` (a session of its own there);
+        StartupError if the server does not answer."""
+        return await Proc.fork(server, cmd.argv, cmd.env, cmd.log)
+
     def watch(self, inc: Incarnation, on_exit: ExitFn, *, one_for_all: bool = True) -> None:
         """Call `on_exit(rank, code)` when a process of `inc` exits, unless its end has been
         handled already. With `one_for_all` the group goes with it: every process group of
