@@ -2,13 +2,15 @@
 
 The keeper lives inside the supervisor (torch-free), so a daemon that dies leaves its pool
 in escrow; its replacement reclaims it and serves again without reading the checkpoint.
-Engines that mapped the pool keep serving meanwhile.
+Engines that mapped the pool keep serving meanwhile. Spawning, the exit watch, waiting for
+the ready file and owning the tasks are `watcher.Watcher`'s; a daemon's readiness probe is
+its ready file (`holdfast_contract.ready`), its health probe the pings of `_probe`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import json
 import os
 import sys
@@ -25,11 +27,10 @@ from supervisor import decisions, pace
 from supervisor.backoff import RestartBook
 from supervisor.errors import StartupError
 from supervisor.events import EventBus, UnitState
-from supervisor.fswatch import DirWatch
 from supervisor.policy import Policy
-from supervisor.procs import Proc
 from supervisor.states import DAEMON, DaemonState, move
 from supervisor.units import Daemon, Incarnation
+from supervisor.watcher import Command, Watcher, not_ready, until, until_ready
 
 log = structlog.get_logger("supervisor.daemons")
 
@@ -44,6 +45,14 @@ def daemon_status(sock: str, timeout: float = 2.0) -> Any:
     except (CacheError, ProtocolError, OSError):
         return None
     return reply if isinstance(reply, protocol.StatusReply) else None
+
+
+def _serving(d: Daemon) -> bool:
+    return d.state == DaemonState.SERVING
+
+
+def _gone(d: Daemon) -> bool:
+    return d.state in (DaemonState.QUARANTINED, DaemonState.DEAD)
 
 
 class DaemonPool:
@@ -69,7 +78,7 @@ class DaemonPool:
             Daemon(rank=r, device=dev, book=RestartBook(policy.restart))
             for r, dev in enumerate(policy.devices.ids)
         ]
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.watcher = Watcher()  # every daemon's and spare's exit watch, readiness, pings
         self._changed = asyncio.Event()
 
     def all_serving(self) -> bool:
@@ -91,41 +100,34 @@ class DaemonPool:
             await self.spawn(d)
         deadline = time.monotonic() + self.policy.cache.ready_timeout_s
         for d in self.daemons:
-            while d.state != DaemonState.SERVING:
-                left = deadline - time.monotonic()
-                if d.state in (DaemonState.QUARANTINED, DaemonState.DEAD) or left <= 0:
-                    raise StartupError(await self._not_serving(d))
-                self._changed.clear()
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(left):
-                        await self._changed.wait()
+            serving = await until(
+                functools.partial(_serving, d),
+                functools.partial(_gone, d),
+                self._changed,
+                deadline,
+            )
+            if not serving:
+                raise StartupError(await self._not_serving(d))
 
     async def _not_serving(self, d: Daemon) -> str:
         """Why rank d does not serve at start: it died (how, when, its last log lines), or
         it is still loading when cache.ready_timeout_s ran out."""
-        inc, log_path = d.inc, self.run / "logs" / f"daemon-{d.rank}.log"
-        tail = inc.tail(2000) if inc else ""
-        lines = f"; its last log lines ({log_path}):\n{tail}" if tail else f"; see {log_path}"
-        proc = inc.procs[0] if inc and inc.procs else None
-        if proc is not None and proc.alive:
-            return (
-                f"cache daemon rank {d.rank} (pid {proc.pid}) did not serve within "
-                f"cache.ready_timeout_s ({self.policy.cache.ready_timeout_s:g} s); raise it "
-                f"if loading the checkpoint takes longer{lines}"
-            )
-        code = await proc.wait() if proc is not None else None  # it has exited
-        how = (
-            "exit status unknown"
-            if code is None
-            else f"killed by signal {-code}"
-            if code < 0
-            else f"exit status {code}"
+        return await not_ready(
+            f"cache daemon rank {d.rank}",
+            d.inc,
+            self._log(d),
+            ("serve", "served"),
+            f"cache.ready_timeout_s ({self.policy.cache.ready_timeout_s:g} s); raise it "
+            "if loading the checkpoint takes longer",
         )
-        after = time.monotonic() - inc.started if inc else 0.0
-        return (
-            f"cache daemon rank {d.rank} died {after:.1f} s after it started, before it "
-            f"served ({how}){lines}"
-        )
+
+    def _log(self, d: Daemon, spare: bool = False) -> Path:
+        return self.run / "logs" / f"daemon-{d.rank}{'-spare' if spare else ''}.log"
+
+    def command(self, d: Daemon, spare: bool = False) -> Command:
+        """How rank d's daemon (or its hot spare) starts."""
+        argv = [*self.argv(d), "--spare"] if spare else self.argv(d)
+        return Command(argv, dict(os.environ), self._log(d, spare))
 
     def argv(self, d: Daemon) -> list[str]:
         m = self.policy.model
@@ -161,9 +163,7 @@ class DaemonPool:
     async def spawn(self, d: Daemon) -> None:
         d.spawning = True
         try:
-            proc = await Proc.spawn(
-                self.argv(d), dict(os.environ), self.run / "logs" / f"daemon-{d.rank}.log"
-            )
+            proc = await Watcher.spawn(self.command(d))
         finally:
             d.spawning = False
         if d.state != DaemonState.DEAD:  # stopped meanwhile
@@ -175,13 +175,10 @@ class DaemonPool:
         """dead -> starting: follow `inc` (a new process, or the spare that took over)."""
         d.inc = inc
         self._move(d, "starting", **data)
-        self._own(self._watch(d, inc))
-        self._own(self._await_ready(d, inc))
-
-    def _own(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.watcher.watch(
+            inc, lambda _, code: self.exited(d, inc, code, time.monotonic()), one_for_all=False
+        )
+        self.watcher.own(self._await_ready(d, inc))
 
     async def _await_ready(self, d: Daemon, inc: Incarnation) -> None:
         ready = daemon_ready_path(self.run, d.rank)
@@ -190,11 +187,7 @@ class DaemonPool:
             info = read_daemon_ready(ready)
             return (info is not None and info.pid == inc.pid) or inc.handled
 
-        watch = DirWatch(self.run)
-        try:
-            ok = await watch.wait(check, self.policy.cache.ready_timeout_s)
-        finally:
-            watch.close()
+        ok = await until_ready(self.run, check, self.policy.cache.ready_timeout_s)
         if not ok or inc.handled or d.inc is not inc:
             return
         info = read_daemon_ready(ready)
@@ -204,7 +197,7 @@ class DaemonPool:
         if inc.handled or d.inc is not inc:
             return  # it died while it was asked for its status
         self.served(d, info, int(getattr(status, "pool_bytes", 0)), time.monotonic())
-        self._own(self._probe(d, inc))
+        self.watcher.own(self._probe(d, inc))
         if self.keeper is not None and self.policy.cache.spare and d.spare is None:
             await self.spawn_spare(d)
 
@@ -249,7 +242,7 @@ class DaemonPool:
                 continue
             except (CacheError, ProtocolError, OSError):
                 # a refused or closed connection is what a dying daemon gives: its exit is
-                # seen by `_watch`; only silence that lasts is a hang
+                # seen by its exit watch; only silence that lasts is a hang
                 if silent_since is None:
                     silent_since, runs_then = t0, runs_now
             now = time.monotonic()
@@ -277,16 +270,12 @@ class DaemonPool:
 
     async def spawn_spare(self, d: Daemon) -> None:
         """A hot spare for rank d: imported and waiting on the serving daemon's pidfd."""
-        proc = await Proc.spawn(
-            [*self.argv(d), "--spare"],
-            dict(os.environ),
-            self.run / "logs" / f"daemon-{d.rank}-spare.log",
-        )
+        proc = await Watcher.spawn(self.command(d, spare=True))
         inc = Incarnation([proc])
         d.spare = inc
         log.info("spare daemon started", rank=d.rank, pid=inc.pid)
-        self._own(self._watch_spare(d, inc))
-        self._own(self._await_spare_ready(d, inc))
+        self.watcher.own(self._watch_spare(d, inc))
+        self.watcher.own(self._await_spare_ready(d, inc))
 
     async def _await_spare_ready(self, d: Daemon, inc: Incarnation) -> None:
         """Publish `daemon.<rank>.spare_ready` once the spare stands by (its .spare file)."""
@@ -298,11 +287,7 @@ class DaemonPool:
             except (OSError, ValueError):
                 return d.spare is not inc
 
-        watch = DirWatch(self.run)
-        try:
-            ok = await watch.wait(check, self.policy.cache.ready_timeout_s)
-        finally:
-            watch.close()
+        ok = await until_ready(self.run, check, self.policy.cache.ready_timeout_s)
         if ok and d.spare is inc:
             self.bus.emit("daemon", str(d.rank), "spare_ready", self._epoch(), pid=inc.pid)
 
@@ -320,7 +305,7 @@ class DaemonPool:
     async def _watch_spare(self, d: Daemon, inc: Incarnation) -> None:
         code = await inc.procs[0].wait()
         if d.spare is not inc:
-            return  # it took over: `_watch` follows it as the serving daemon now
+            return  # it took over: its exit is watched as the serving daemon's now
         d.spare = None
         self._drop_spare_file(d, inc)
         log.warning("spare daemon exited", rank=d.rank, exit_code=code, tail=inc.tail(300))
@@ -328,11 +313,6 @@ class DaemonPool:
             await asyncio.sleep(d.book.delay())
             if d.state == DaemonState.SERVING and d.spare is None:
                 await self.spawn_spare(d)
-
-    async def _watch(self, d: Daemon, inc: Incarnation) -> None:
-        code = await inc.procs[0].wait()
-        if not inc.handled:
-            self.exited(d, inc, code, time.monotonic())
 
     def exited(self, d: Daemon, inc: Incarnation, code: int | None, now: float) -> None:
         """starting | serving -> dead (restarted after its backoff; at once by its spare,
@@ -359,7 +339,7 @@ class DaemonPool:
                 continue
             if now >= d.next_start:
                 d.spawning = True  # until spawn() has its process: no second start
-                self._own(self.spawn(d))
+                self.watcher.own(self.spawn(d))
             else:
                 due = d.next_start if due is None else min(due, d.next_start)
         return due
@@ -395,9 +375,7 @@ class DaemonPool:
                     await p.terminate(grace=5.0)
             if d.state != DaemonState.STOPPED:
                 self._move(d, "stopped")
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.watcher.stop()
         if self.keeper is not None:
             self.keeper.close()
             self.keeper = None

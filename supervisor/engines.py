@@ -2,36 +2,35 @@
 
 An engine is a group of rank processes; if one rank dies the whole group is dead
 (one_for_all). Exits are reported through `on_exit(engine, incarnation, detail)` the moment
-the event loop's child watcher sees them.
+the event loop's child watcher sees them. Spawning, the exit watch and owning the tasks are
+`watcher.Watcher`'s; the start command is the engine kind's, rendered per rank here; its
+readiness and health probes are `engine_kinds.probes`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-import aiohttp
 import structlog
 
 from holdfast_contract.command import FORKABLE, Placeholders, is_forkable, render
 from holdfast_contract.env import EngineEnv, to_environ, var
 from holdfast_contract.wire import free_port
-from supervisor import vllm_kind
+from supervisor import engine_kinds
+from supervisor.engine_kinds import BeatFn
 from supervisor.errors import StartupError
-from supervisor.fswatch import DirWatch
 from supervisor.policy import Policy
 from supervisor.procs import Proc
 from supervisor.units import Engine, Incarnation
+from supervisor.watcher import Command, Watcher, until_ready
 
 log = structlog.get_logger("supervisor.engines")
 ENGINE = [arg.format(python=sys.executable) for arg in FORKABLE]  # what forks serve
 
 ExitFn = Callable[[Engine, Incarnation, str], None]
-BeatFn = Callable[[Engine, Incarnation], None]
 
 
 def wants_forkserver(p: Policy) -> bool:
@@ -63,7 +62,9 @@ class ForkServer:
             "--log-format",
             "json",
         ]
-        self.proc = await Proc.spawn(argv, self.env, self.run / "logs" / "forkserver.log")
+        self.proc = await Watcher.spawn(
+            Command(argv, self.env, self.run / "logs" / "forkserver.log")
+        )
 
     @property
     def ready(self) -> bool:
@@ -73,16 +74,7 @@ class ForkServer:
         """Until it listens (True), it died, or `timeout` passed."""
         if self.proc is None:
             return False
-        watch = DirWatch(self.run)
-        try:
-            seen = asyncio.ensure_future(watch.wait(self.sock.exists, timeout))
-            died = asyncio.ensure_future(self.proc.wait())
-            await asyncio.wait([seen, died], return_when=asyncio.FIRST_COMPLETED)
-            for t in (seen, died):
-                t.cancel()
-            await asyncio.gather(seen, died, return_exceptions=True)
-        finally:
-            watch.close()
+        await until_ready(self.run, self.sock.exists, timeout, unless=self.proc)
         return self.ready
 
     async def stop(self) -> None:
@@ -109,7 +101,8 @@ class EngineLauncher:
         self.on_exit = on_exit
         self.on_beat = on_beat
         self._next_port = policy.engines.port_base
-        self.tasks: set[asyncio.Task[None]] = set()
+        self.watcher = Watcher()  # every exit watch and probe of every engine
+        self.probes = engine_kinds.probes(policy)  # readiness, health, the kind's own
 
     def _port(self) -> int:
         if not self.policy.engines.port_base:
@@ -143,6 +136,12 @@ class EngineLauncher:
             env[var("agent")] = f"ipc://{self.run / 'agents'}"
         return env
 
+    def command(self, e: Engine, rank: int, epoch: int) -> Command:
+        """How rank `rank` of `e` starts: the engine kind's command (`e.command`, which
+        `engine_kinds` resolved into the policy) rendered for it."""
+        env = self.env(e, rank, epoch)
+        return Command(self.argv(e, env), env, self.run / "logs" / f"{e.name}.{rank}.log")
+
     def argv(self, e: Engine, env: dict[str, str]) -> list[str]:
         values = Placeholders(
             python=sys.executable,
@@ -166,73 +165,37 @@ class EngineLauncher:
         procs: list[Proc] = []
         try:
             for rank in range(self.policy.model.tp_size):
-                env = self.env(e, rank, epoch)
-                log = self.run / "logs" / f"{e.name}.{rank}.log"
-                procs.append(await self._start(self.argv(e, env), env, log))
+                procs.append(await self._start(self.command(e, rank, epoch)))
         except BaseException:
             for p in procs:
                 await p.fence()
             raise
         inc = Incarnation(procs)
-        self._own(self._watch(e, inc))
-        if self.policy.engines.health == "http":
-            self._own(self._http_health(e, inc))
-        if self.policy.engines.kind == "vllm":
-            self._own(vllm_kind.watch_load(e, inc, self.policy))
+        self.watcher.watch(inc, lambda rank, code: self._exited(e, inc, rank, code))
+        for probe in self.probes:
+            self.watcher.own(probe(e, inc, self.policy, self.on_beat))
         return inc
 
-    async def _start(self, argv: list[str], env: dict[str, str], log_path: Path) -> Proc:
+    async def _start(self, cmd: Command) -> Proc:
         """Fork from the fork server when it serves this command, else exec."""
         forks = self.forks
-        if forks is None or argv[:3] != ENGINE:
-            return await Proc.spawn(argv, env, log_path)
+        if forks is None or cmd.argv[:3] != ENGINE:
+            return await Watcher.spawn(cmd)
         if forks.proc is not None and not forks.proc.alive:
             log.warning("fork server exited; restarting it", code=forks.proc.returncode)
             await forks.start()
         if await forks.wait_ready(self.policy.engines.ready_timeout_s / 2):
             try:
-                return await Proc.fork(forks.sock, argv, env, log_path)
+                return await Watcher.fork(forks.sock, cmd)
             except StartupError as err:
                 log.warning("fork server did not answer; starting with exec", error=str(err))
-        return await Proc.spawn(argv, env, log_path)
+        return await Watcher.spawn(cmd)
 
-    def _own(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
-    async def _watch(self, e: Engine, inc: Incarnation) -> None:
-        waits = [asyncio.ensure_future(p.wait()) for p in inc.procs]
-        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        first = next(iter(done))
-        rank = waits.index(first)
-        for p in inc.procs:  # one_for_all: the rest of the group goes too, confirmed
-            p.kill_group()
-        if pending:
-            await asyncio.wait(pending, timeout=2.0)
-        for w in pending:
-            w.cancel()
-        detail = f"rank {rank} exited with {first.result()}"
+    def _exited(self, e: Engine, inc: Incarnation, rank: int, code: int | None) -> None:
+        detail = f"rank {rank} exited with {code}"
         if not inc.ready:  # it never answered: a start-up failure, its log tail says why
             detail += " during start-up, before it was ready"
-        if not inc.handled:
-            self.on_exit(e, inc, detail)
-
-    async def _http_health(self, e: Engine, inc: Incarnation) -> None:
-        """Heartbeats for engines without the agent: GET /health on their port."""
-        interval = self.policy.heartbeat.interval_ms / 1000.0
-        timeout = aiohttp.ClientTimeout(total=max(interval, 0.5))
-        async with aiohttp.ClientSession(timeout=timeout) as http:
-            while not inc.handled and e.inc is inc:
-                try:
-                    async with http.get(f"http://127.0.0.1:{e.port}/health") as r:
-                        if r.status == 200:
-                            self.on_beat(e, inc)
-                except (aiohttp.ClientError, OSError, TimeoutError):
-                    pass
-                await asyncio.sleep(interval)
+        self.on_exit(e, inc, detail)
 
     async def stop(self) -> None:
-        for t in list(self.tasks):
-            t.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.watcher.stop()

@@ -20,7 +20,7 @@ import yaml
 from holdfast_contract.command import FORKABLE, is_forkable, template_errors
 from holdfast_contract.env import DEFAULT_HEARTBEAT_MS
 from holdfast_contract.formats import Dtype, Quantization
-from supervisor import schema, vllm_kind
+from supervisor import engine_kinds, schema
 from supervisor.errors import PolicyError
 from supervisor.fleet_spec import ClusterSpec, advertise_errors, cluster_errors
 from supervisor.vllm_spec import VllmSpec
@@ -69,7 +69,8 @@ class LoadSpec(_Spec, frozen=True):
 
 class EnginesSpec(_Spec, frozen=True):
     # holdfast: `command` (the reference engine by default); vllm: vLLM API servers built
-    # from `vllm` (supervisor/vllm_kind.py)
+    # from `vllm` (supervisor/vllm_kind.py); each kind is registered in
+    # supervisor/engine_kinds.py `KINDS`
     kind: Literal["holdfast", "vllm"] = "holdfast"
     vllm: VllmSpec = msgspec.field(default_factory=VllmSpec)
     command: list[str] = msgspec.field(default_factory=lambda: list(FORKABLE))
@@ -228,14 +229,15 @@ def _resolve(policy: Policy, base: Path) -> Policy:
         model = msgspec.structs.replace(model, path=str((base / model.path).resolve()))
     run = str(Path(os.path.expandvars(os.path.expanduser(policy.cache.runtime_dir))).absolute())
     cache = msgspec.structs.replace(policy.cache, runtime_dir=run)
-    return vllm_kind.resolve(msgspec.structs.replace(policy, model=model, cache=cache))
+    resolved = msgspec.structs.replace(policy, model=model, cache=cache)
+    return engine_kinds.kind_of(resolved).resolve(resolved)
 
 
 def semantic_errors(p: Policy, *, schema_only: bool = False) -> list[str]:
     """Cross-field rules msgspec cannot express, each naming the key to change; with
     `schema_only`, none that look at this machine's files."""
     errors = _model_errors(p, schema_only) + _engine_errors(p.engines)
-    errors += vllm_kind.errors(p, schema_only=schema_only)
+    errors += engine_kinds.kind_of(p).errors(p, schema_only=schema_only)
     if not schema_only:
         errors += _runtime_dir_errors(p.cache.runtime_dir)
     for path, value in (("$.router.listen", p.router.listen), ("$.api.listen", p.api.listen)):
