@@ -28,7 +28,7 @@ from supervisor.units import Engine, Incarnation
 from supervisor.watcher import Command, Watcher, until_ready
 
 log = structlog.get_logger("supervisor.engines")
-ENGINE = [arg.format(python=sys.executable) for arg in FORKABLE]  # what forks serve
+FORKABLE_ARGV = [arg.format(python=sys.executable) for arg in FORKABLE]  # what forks serve
 
 ExitFn = Callable[[Engine, Incarnation, str], None]
 
@@ -179,7 +179,7 @@ class EngineLauncher:
     async def _start(self, cmd: Command) -> Proc:
         """Fork from the fork server when it serves this command, else exec."""
         forks = self.forks
-        if forks is None or cmd.argv[:3] != ENGINE:
+        if forks is None or cmd.argv[:3] != FORKABLE_ARGV:
             return await Watcher.spawn(cmd)
         if forks.proc is not None and not forks.proc.alive:
             log.warning("fork server exited; restarting it", code=forks.proc.returncode)
