@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -32,10 +32,14 @@ from supervisor.states import DAEMON, DaemonState, move
 from supervisor.units import Daemon, Incarnation
 from supervisor.watcher import Command, Watcher, not_ready, until, until_ready
 
+if TYPE_CHECKING:  # torch-free, but imported only where they are used
+    from cachedaemon.keeper import Keeper
+    from cachedaemon.protocol import StatusReply
+
 log = structlog.get_logger("supervisor.daemons")
 
 
-def daemon_status(sock: str, timeout: float = 2.0) -> Any:
+def daemon_status(sock: str, timeout: float = 2.0) -> StatusReply | None:
     """The daemon's StatusReply (torch-free wire protocol), or None if it does not answer."""
     from cachedaemon import protocol
     from cachedaemon.errors import CacheError
@@ -71,7 +75,7 @@ class DaemonPool:
         self.bus = bus
         self._kick = kick
         self._epoch = epoch
-        self.keeper: Any = None
+        self.keeper: Keeper | None = None  # started by start_keeper
         self.pace: pace.LoopPace | None = None  # the supervisor's stalls, not a daemon's
         self.keeper_path = run / "keeper.sock"
         self.daemons = [
