@@ -48,6 +48,8 @@ class Clock:
 
 def context_init(cfg: EngineConfig) -> torch.device:
     device = torch.device(cfg.device)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.zeros(1, device=device)  # create the CUDA context now, inside this phase

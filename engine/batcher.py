@@ -13,7 +13,8 @@ Callbacks for one step's tokens go out together through `post` (the server passe
 `loop.call_soon_threadsafe`), so a step of 128 requests costs the event loop one wakeup.
 They go out once the next step is queued on the device (or the loop has nothing left to
 run): the event loop streams step N's tokens while the GPU computes step N+1, instead of
-taking the GIL from the model thread while it prepares that step.
+taking the GIL from the model thread while it prepares that step. On the CPU, where a step
+computes as it is called, they go out as step N+1 begins (`Runner.step`), not after it.
 """
 
 from __future__ import annotations

@@ -54,6 +54,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_batch: int = 128  # most requests one step runs
     max_waiting: int = 256  # requests queued for KV space beyond the batch; then 503
     prefill_tokens: int = 8192  # prompt tokens one prefill step takes (a longer one alone)
+    threads: int = 0  # torch's intra-op threads on the CPU; 0: torch's default (one a core)
     cuda_graphs: bool = True
     grace_s: float = 30.0
     attach_timeout_s: float = 10.0
@@ -103,6 +104,11 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "max_batch": (int, "most requests decoded together in one step"),
     "max_waiting": (int, "requests that may wait for KV space; past it the engine answers 503"),
     "prefill_tokens": (int, "prompt tokens one step prefills (a longer prompt runs alone)"),
+    "threads": (
+        int,
+        "torch's intra-op threads (CPU ops); 0 = torch's default, one per core; engines "
+        "sharing few cores run best at 1",
+    ),
     "grace_s": (float, "on SIGTERM, seconds to let in-flight requests finish"),
     "attach_timeout_s": (float, "seconds to wait for each daemon socket"),
     "peer_stale_s": (
@@ -222,6 +228,8 @@ def validate(cfg: EngineConfig) -> None:
     ):
         if value < 1:
             raise EngineError(f"{flag} must be at least 1 (got {value})")
+    if cfg.threads < 0:
+        raise EngineError(f"--threads must be 0 (torch's default) or more (got {cfg.threads})")
     if not (math.isfinite(cfg.peer_stale_s) and cfg.peer_stale_s >= 1):
         raise EngineError(
             f"--peer-stale-s must be a number of seconds, at least 1 (got {cfg.peer_stale_s:g})"

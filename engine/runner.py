@@ -91,8 +91,13 @@ class Runner:
     # ---- rank 0 ----
     def step(self, plan: Plan, launched: Callable[[], None] | None = None) -> list[Step]:
         """Run one step of `plan` on every rank; the sampled token of each request.
-        `launched` runs once the step is queued on the device, before waiting for it."""
+        `launched` runs once the step is queued on the device, before waiting for it: on
+        CUDA once its kernels are launched; on the CPU, which computes as it is called,
+        before the step (so the last step's tokens are not held back for this one's)."""
         ids, batch = self._inputs(plan)
+        if launched is not None and self.device.type != "cuda":
+            launched()
+            launched = None
         try:
             if self.tp.size > 1:
                 self._send(plan, ids, batch)

@@ -224,6 +224,9 @@ class Router:
         """`PrimaryView.next_after`, or None at once when the router stops."""
         if self.stopping:
             return None
+        now = choose(self.view.route(), epoch)
+        if now is not None:  # (after a cut, the next primary is routed to already)
+            return now
         waiting = asyncio.ensure_future(self.view.next_after(epoch, deadline))
         stopped = asyncio.ensure_future(self._stopped.wait())
         try:

@@ -23,7 +23,7 @@ from engine.kvcache import BlockPool, KVCache, blocks_for
 from engine.model import LlamaForCausalLM, TPGroup
 from engine.modelargs import read_model_args
 from engine.runner import Runner
-from engine.scheduler import Scheduler, Seq
+from engine.scheduler import Plan, Scheduler, Seq
 
 
 def build_engine(
@@ -123,6 +123,21 @@ def test_alone_equals_recomputing_the_whole_prefix(engine: BatchEngine) -> None:
     for n in (1, 7, 19):
         prefix = Job(job.prompt + tuple(tokens[:n]), 1, ignore_eos=True)
         assert engine.run(prefix).tokens == [tokens[n]]
+
+
+def test_on_the_cpu_the_last_steps_tokens_go_out_before_the_next_step(tiny_model: Path) -> None:
+    """A CPU step computes as it is called, so `launched` (which posts the last step's
+    tokens) runs before it: a token never waits for the next step, a long prefill included."""
+    runner = build_engine(tiny_model).runner
+    seq = Seq(tuple(range(1, 41)), 4, ignore_eos=True)
+    seq.blocks = [1, 2, 3]
+    runner.cache.k[:, 1:4].zero_()
+    written: list[bool] = []
+    runner.step(
+        Plan(prefill=(seq,)), launched=lambda: written.append(bool(runner.cache.k[:, 1:4].any()))
+    )
+    assert written == [False], "launched ran after the step had written its keys"
+    assert runner.cache.k[:, 1:4].any(), "the step wrote no keys: the check above means nothing"
 
 
 def test_a_full_cache_queues_then_sheds_and_never_corrupts(tiny_model: Path) -> None:

@@ -47,6 +47,11 @@ def test_flags_win_over_the_environment() -> None:
     assert (cfg.port, cfg.role, cfg.epoch, cfg.name) == (9100, "batch", 9, "e1")
 
 
+def test_threads_default_to_torchs_own_and_a_flag_sets_them() -> None:
+    assert from_args([], ENV).threads == 0
+    assert from_args(["--threads", "1"], ENV).threads == 1
+
+
 @pytest.mark.parametrize(
     ("argv", "env", "message"),
     [
@@ -59,6 +64,7 @@ def test_flags_win_over_the_environment() -> None:
         (["--model-impl", "hf"], ENV, "--model-impl hf serves at --world-size 1 only"),
         (["--peer-stale-s", "0.5"], ENV, "--peer-stale-s must be a number of seconds, at least 1"),
         (["--peer-stale-s", "nan"], ENV, "at least 1 (got nan)"),
+        (["--threads", "-1"], ENV, "--threads must be 0 (torch's default) or more (got -1)"),
     ],
 )
 def test_bad_settings_name_what_to_change(
