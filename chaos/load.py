@@ -33,7 +33,7 @@ import msgspec
 import structlog
 
 from chaos.errors import ChaosError
-from chaos.scenario import LoadSpec
+from chaos.scenario import ClientLoad
 from chaos.waiters import Rows
 
 log = structlog.get_logger("chaos.load")
@@ -72,7 +72,7 @@ class RequestRow(msgspec.Struct, frozen=True):
         return (self.end - self.start) * 1000.0
 
 
-def describe_load(spec: LoadSpec) -> str:
+def describe_load(spec: ClientLoad) -> str:
     """The load in words, for the report."""
     pace = "back to back" if not spec.rate else f"at most {spec.rate:g} requests/s in all"
     eos = ", ignore_eos" if spec.ignore_eos else ""
@@ -169,7 +169,7 @@ class StreamCheck:
 class LoadGenerator:
     """Usage: `gen = LoadGenerator(url, spec)`; `await gen.run(stop)`; then read `gen.rows`."""
 
-    def __init__(self, url: str, spec: LoadSpec, *, seed: int = 0) -> None:
+    def __init__(self, url: str, spec: ClientLoad, *, seed: int = 0) -> None:
         host = urlsplit(url).hostname or ""
         if host not in LOOPBACK:
             raise ChaosError(f"load target {url} is not loopback; point router.listen at 127.0.0.1")

@@ -60,7 +60,10 @@ class _Spec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pass
 
 
-class LoadSpec(_Spec, frozen=True):
+class ClientLoad(_Spec, frozen=True):
+    """The clients' load of a scenario (`load:`); the policy's `engines.load` is the batch
+    rule's thresholds (`supervisor.policy.LoadSpec`)."""
+
     concurrency: int = 4  # requests in flight
     rate: float | None = 40.0  # at most this many requests/s in all; null: back to back
     max_tokens: int = 2  # output tokens asked for per request
@@ -103,7 +106,7 @@ class Scenario(_Spec, frozen=True):
     trials: int = 2
     seed: int = 0
     order: Literal["fixed", "random"] = "fixed"
-    load: LoadSpec = LoadSpec()
+    load: ClientLoad = ClientLoad()
     warmup_s: float = 1.0
     settle_s: float = 0.3
     trial_timeout_s: float = 20.0

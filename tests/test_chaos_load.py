@@ -10,7 +10,7 @@ from aiohttp import web
 
 from chaos.errors import ChaosError
 from chaos.load import LoadGenerator
-from chaos.scenario import LoadSpec
+from chaos.scenario import ClientLoad
 
 
 class Flaky:
@@ -45,7 +45,7 @@ def test_rate_count_retries_and_headers() -> None:
     async def main() -> None:
         flaky = Flaky(fail_first=2)
         runner, url = await _serve(flaky)
-        spec = LoadSpec(concurrency=2, rate=100.0, max_tokens=3, retries=3, max_requests=30)
+        spec = ClientLoad(concurrency=2, rate=100.0, max_tokens=3, retries=3, max_requests=30)
         gen = LoadGenerator(url, spec, seed=1)
         began = time.monotonic()
         await gen.run(asyncio.Event(), duration_s=5.0)
@@ -64,7 +64,7 @@ def test_gives_up_after_retries_and_records_the_failure() -> None:
     async def main() -> None:
         flaky = Flaky(fail_first=1000)
         runner, url = await _serve(flaky)
-        gen = LoadGenerator(url, LoadSpec(rate=50.0, retries=1, max_requests=3), seed=1)
+        gen = LoadGenerator(url, ClientLoad(rate=50.0, retries=1, max_requests=3), seed=1)
         gen.fallback = ("e9", 7)
         await gen.run(asyncio.Event(), duration_s=5.0)
         await runner.cleanup()
@@ -77,7 +77,7 @@ def test_gives_up_after_retries_and_records_the_failure() -> None:
 
 def test_nothing_listening_is_a_failed_row_not_a_crash() -> None:
     async def main() -> None:
-        gen = LoadGenerator("http://127.0.0.1:9", LoadSpec(rate=50.0, retries=0, max_requests=2))
+        gen = LoadGenerator("http://127.0.0.1:9", ClientLoad(rate=50.0, retries=0, max_requests=2))
         stop = asyncio.Event()
         await gen.run(stop, duration_s=5.0)
         assert len(gen.rows) == 2 and all(r.status == 0 and r.error for r in gen.rows)
@@ -88,7 +88,7 @@ def test_nothing_listening_is_a_failed_row_not_a_crash() -> None:
 def test_stop_event_ends_the_load_promptly() -> None:
     async def main() -> None:
         runner, url = await _serve(Flaky(fail_first=0))
-        gen = LoadGenerator(url, LoadSpec(rate=20.0))
+        gen = LoadGenerator(url, ClientLoad(rate=20.0))
         stop = asyncio.Event()
         task = asyncio.create_task(gen.run(stop))
         await asyncio.sleep(0.3)
@@ -102,4 +102,4 @@ def test_stop_event_ends_the_load_promptly() -> None:
 
 def test_refuses_a_non_loopback_target() -> None:
     with pytest.raises(ChaosError, match="not loopback"):
-        LoadGenerator("http://10.0.0.8:8000", LoadSpec())
+        LoadGenerator("http://10.0.0.8:8000", ClientLoad())
