@@ -6,11 +6,19 @@
 One cache daemon (float32) holds the checkpoint for the whole run, as it does for a warm
 standby. Each trial starts the API server once per loader, in turn, from a fresh process to
 its first 200 on /health, and stops it. The checkpoint stays in the page cache (the default
-loader's best case: no disk read). Where the start goes is read from vLLM's own log lines:
-"Model loading took ... seconds" (build + weights + process_weights_after_loading) and "init
-engine (profile, create kv cache, warmup model) took ... s"; the rest is interpreter start,
-imports and process spawns (API server, engine core). The memory of each server's process
-tree (Rss, Pss, shared) is read from /proc when it is ready.
+loader's best case: no disk read). The servers get the environment the supervisor gives a
+CPU engine (supervisor/vllm_kind.py: one OMP thread, no binding, the worker inside
+EngineCore), and run unbuffered, so each output line is stamped with the time it arrived:
+`timeline` gives the seconds from start to vLLM's first log line (the API server's
+imports), to its EngineCore's first line (config, the EngineCore spawn and its imports), to
+"Starting to load model", to "init engine ... took" and to the API server's routes.
+`load_model_s` is load_model whole (build, weights, process_weights_after_loading): from
+"Starting to load model" to where init engine's clock starts. `import_s` times a bare
+`import vllm.entrypoints.openai.api_server` in the venv, once per trial: what a process that
+has imported vLLM already (a fork server) would save of the API server's start. The memory
+of each server's process tree (Rss, Pss, shared; per process: the pool mapping, anonymous,
+files) is read from /proc when it is ready, and the daemon's at the end. Each start's output
+is kept in <model-dir>-bench/<loader>-<time>.log.
 """
 
 from __future__ import annotations
@@ -36,12 +44,27 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 VENV = Path(os.environ.get("HOLDFAST_VLLM_VENV", "/opt/holdfast/vllm-venv"))
 LOADERS = ("holdfast", "auto")
+# seconds vLLM (or the plugin) logs for a phase. vLLM's CPU model runner logs no "Model
+# loading took": the default loader's "Loading weights took" is the read of the checkpoint
+# into the model (not process_weights_after_loading); the plugin's "weights attached ...
+# ms=" is its whole load_model (attach, build on meta, place, load the fused parameters,
+# process_weights_after_loading)
 PHASES = {
-    "model_loading_s": re.compile(
-        r"Model loading took [\d.]+ GiB (?:memory )?and ([\d.]+) seconds"
-    ),
+    "loading_weights_s": re.compile(r"Loading weights took ([\d.]+) seconds"),
+    "holdfast_load_model_s": re.compile(r"weights attached .*ms=([\d.]+)"),
     "init_engine_s": re.compile(
         r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s"
+    ),
+}
+SCALE = {"holdfast_load_model_s": 1e-3}  # logged in ms
+# the first line that matches each, in arrival order: seconds from the server's start
+MILESTONES = {
+    "first_log_s": re.compile(r"(INFO|WARNING|DEBUG)"),
+    "engine_core_first_log_s": re.compile(r"EngineCore"),
+    "load_model_start_s": re.compile(r"Starting to load model"),
+    "engine_initialised_s": PHASES["init_engine_s"],
+    "api_server_up_s": re.compile(
+        r"Starting vLLM (API|server)|Uvicorn running|Application startup complete"
     ),
 }
 
@@ -61,6 +84,11 @@ def vllm_env(root: Path) -> dict[str, str]:
         TRANSFORMERS_OFFLINE="1",
         VLLM_NO_USAGE_STATS="1",
         DO_NOT_TRACK="1",
+        # as supervisor/vllm_kind.py sets for a CPU engine
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",  # each line stamped when it is written
     )
     env.pop("HOLDFAST_DAEMONS", None)
     return env
@@ -77,25 +105,49 @@ def server_argv(model: Path, port: int, loader: str, sock: Path) -> list[str]:
     return argv
 
 
-def tree_memory(pid: int) -> dict[str, float]:
-    """Rss, Pss and shared MiB summed over pid and its descendants (smaps_rollup)."""
+def tree_memory(pid: int) -> dict[str, Any]:
+    """Rss, Pss and shared MiB summed over pid and its descendants, and per process: its
+    Rss in the daemon's pool mapping (memfd:holdfast-pool, shared with every engine
+    attached), in anonymous memory (private: repacked weights, KV cache, heaps) and in
+    files (libraries, the checkpoint when read from the page cache)."""
     pids, i = [pid], 0
     while i < len(pids):
         for task in Path(f"/proc/{pids[i]}/task").glob("*/children"):
             pids += [int(c) for c in task.read_text().split()]
         i += 1
-    total = {"rss_mb": 0.0, "pss_mb": 0.0, "shared_mb": 0.0, "processes": float(len(pids))}
+    keys = ("rss_mb", "pss_mb", "shared_mb", "pool_rss_mb", "anon_rss_mb", "file_rss_mb")
+    total: dict[str, Any] = dict.fromkeys(keys, 0.0)
+    per: list[dict[str, Any]] = []
     for p in pids:
-        for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
-            key, _, rest = line.partition(":")
-            kb = float(rest.split()[0]) if rest.strip() and rest.split()[0].isdigit() else 0.0
-            if key == "Rss":
-                total["rss_mb"] += kb / 1024
-            elif key == "Pss":
-                total["pss_mb"] += kb / 1024
-            elif key in ("Shared_Clean", "Shared_Dirty"):
-                total["shared_mb"] += kb / 1024
-    return {k: round(v, 1) for k, v in total.items()}
+        one = dict.fromkeys(keys, 0.0)
+        kind = "anon"
+        for line in Path(f"/proc/{p}/smaps").read_text().splitlines():
+            head = line.split()
+            if head and not head[0].endswith(":"):  # a mapping's header line
+                path = head[5] if len(head) > 5 else ""
+                kind = (
+                    "pool"
+                    if "holdfast-pool" in path
+                    else "file"
+                    if path.startswith("/")
+                    else "anon"
+                )
+                continue
+            if len(head) < 2 or not head[1].isdigit():
+                continue
+            mb = int(head[1]) / 1024
+            if head[0] == "Rss:":
+                one["rss_mb"] += mb
+                one[f"{kind}_rss_mb"] += mb
+            elif head[0] == "Pss:":
+                one["pss_mb"] += mb
+            elif head[0] in ("Shared_Clean:", "Shared_Dirty:"):
+                one["shared_mb"] += mb
+        comm = Path(f"/proc/{p}/comm").read_text().strip()
+        per.append({"pid": p, "comm": comm, **{k: round(v, 1) for k, v in one.items()}})
+        for k in keys:
+            total[k] += one[k]
+    return {**{k: round(v, 1) for k, v in total.items()}, "processes": per}
 
 
 def start_once(
@@ -113,7 +165,14 @@ def start_once(
         start_new_session=True,
     )
     lines: list[str] = []
-    pump = threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True)
+    stamps: list[float] = []
+
+    def pump_lines() -> None:
+        for line in proc.stdout or []:
+            stamps.append(time.perf_counter() - t0)
+            lines.append(line)
+
+    pump = threading.Thread(target=pump_lines, daemon=True)
     pump.start()
     try:
         ready_s = wait_healthy(proc, port, t0, deadline_s, lines)
@@ -127,10 +186,43 @@ def start_once(
             proc.wait()
         pump.join(10)
     text = "".join(lines)
-    phases = {k: float(m.group(1)) for k, rx in PHASES.items() if (m := rx.search(text))}
+    phases = {
+        k: round(float(m.group(1)) * SCALE.get(k, 1.0), 3)
+        for k, rx in PHASES.items()
+        if (m := rx.search(text))
+    }
     if loader == "holdfast" and "weights attached" not in text:
         raise SystemExit(f"the holdfast start did not attach:\n{text[-3000:]}")
-    return {"loader": loader, "ready_s": round(ready_s, 2), **phases, "memory": memory}
+    timeline = {
+        k: round(
+            next((t for t, line in zip(stamps, lines, strict=False) if rx.search(line)), -1.0), 2
+        )
+        for k, rx in MILESTONES.items()
+    }
+    if min(timeline["load_model_start_s"], timeline["engine_initialised_s"]) >= 0:
+        # load_model ends where init engine's clock starts: its line's arrival less its time
+        load_end = timeline["engine_initialised_s"] - phases.get("init_engine_s", 0.0)
+        phases["load_model_s"] = round(load_end - timeline["load_model_start_s"], 2)
+    log_path = root / f"{loader}-{int(time.time())}.log"
+    log_path.write_text(text)
+    attached = next((line.strip() for line in lines if "weights attached" in line), None)
+    return {
+        "loader": loader,
+        "ready_s": round(ready_s, 2),
+        **phases,
+        "timeline": timeline,
+        "attached_line": attached,
+        "log": str(log_path),
+        "memory": memory,
+    }
+
+
+def import_seconds(root: Path) -> float:
+    """A bare `import vllm.entrypoints.openai.api_server` in the venv, interpreter included."""
+    t0 = time.perf_counter()
+    argv = [str(VENV / "bin" / "python"), "-c", "import vllm.entrypoints.openai.api_server"]
+    subprocess.run(argv, check=True, env=vllm_env(root), capture_output=True)
+    return round(time.perf_counter() - t0, 2)
 
 
 def wait_healthy(
@@ -156,6 +248,8 @@ def start_daemon(model: Path, run: Path) -> subprocess.Popen[str]:
     proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env)
     for line in proc.stderr or []:
         if '"event": "serving"' in line:
+            # its log goes on (an attach is a line): drained, so the pipe never fills
+            threading.Thread(target=lambda: [*(proc.stderr or [])], daemon=True).start()
             return proc
     raise SystemExit(f"cachedaemon exited with {proc.wait()} before serving")
 
@@ -178,18 +272,20 @@ def main() -> None:
         causal_lm_checkpoint(args.model_dir, "llama", hidden=args.hidden, layers=args.layers)
     root = args.model_dir.parent / (args.model_dir.name + "-bench")
     daemon = start_daemon(args.model_dir, root / "run")
+    runs: list[dict[str, Any]] = []
+    imports: list[float] = []
     try:
-        runs = [
-            start_once(
-                args.model_dir, loader, root / "run" / "daemon-0.sock", root, args.deadline_s
-            )
-            for _ in range(args.trials)
-            for loader in LOADERS
-        ]
+        for _ in range(args.trials):
+            imports.append(import_seconds(root))
+            for loader in LOADERS:
+                sock = root / "run" / "daemon-0.sock"
+                runs.append(start_once(args.model_dir, loader, sock, root, args.deadline_s))
+        daemon_memory = tree_memory(daemon.pid)
     finally:
         daemon.terminate()
         daemon.wait(30)
-    report = summarize(args, runs)
+    report = summarize(args, runs, imports)
+    report["daemon_memory"] = daemon_memory
     text = json.dumps(report, indent=2)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -197,11 +293,13 @@ def main() -> None:
     print(text)
 
 
-def summarize(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(
+    args: argparse.Namespace, runs: list[dict[str, Any]], imports: list[float]
+) -> dict[str, Any]:
     med = {
         loader: {
             k: round(statistics.median(r[k] for r in runs if r["loader"] == loader), 2)
-            for k in ("ready_s", *PHASES)
+            for k in ("ready_s", "load_model_s", *PHASES)
             if all(k in r for r in runs if r["loader"] == loader)
         }
         for loader in LOADERS
@@ -212,6 +310,11 @@ def summarize(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str,
     return {
         "bench": "vllm_startup",
         "command": shlex.join([sys.executable, *sys.argv]),
+        "commit": subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {
             "hostname": platform.node(),
@@ -221,6 +324,7 @@ def summarize(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str,
             "load_average": os.getloadavg(),
         },
         "checkpoint": {"hidden": args.hidden, "layers": args.layers, "bytes": ckpt_bytes},
+        "import_s": imports,
         "runs": runs,
         "median": med,
         "ready_ratio_auto_over_holdfast": round(
