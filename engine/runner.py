@@ -33,10 +33,10 @@ from engine.scheduler import Plan, Seq
 # then decode, and decode beside a prefill.
 WARM_PREFILLS: tuple[tuple[int, ...], ...] = ((1,), (17,), (32,), (33, 16))
 # On CUDA also what a migration brings a just-promoted standby at once: many continuations
-# of a few hundred tokens, up to a full prefill step (large matrix products pick other
-# kernels, which CUDA loads on their first use, and the step's activations are the
-# largest the allocator is asked for). The CPU has none of that, and these would cost it
-# seconds.
+# of a few hundred tokens, up to a full prefill step. It keeps the first continuation's
+# step warm; a step of many continuations of lengths not run before still costs several
+# times its warm time once (bench/results/first-step/NOTES.md). On the CPU these would
+# cost seconds of every start.
 WARM_PREFILLS_CUDA = (*WARM_PREFILLS, (255,) * 4, (511,) * 16)
 
 __all__ = ["TOP_LOGPROBS_MAX", "Generation", "Job", "OnStep", "Runner", "Step"]
@@ -121,11 +121,10 @@ class Runner:
         rank (no broadcast: all call it). On CUDA this compiles the Triton kernels (or
         loads them from Triton's disk cache) for each way a step's sizes specialize them,
         before ready, while the supervisor allows a starting engine to be silent: a
-        compile holds the GIL, and so the heartbeat thread, for a second or more; and
-        CUDA loads each kernel a step size picks (large matrix products pick others) on
-        its first use. A warm standby's first real steps (migrated streams'
-        continuations, just promoted) then neither compile nor load a kernel. Every
-        position goes to the scratch block: no request's keys are touched."""
+        compile holds the GIL, and so the heartbeat thread, for a second or more. A warm
+        standby's first real step (a migrated stream's continuation, just promoted) then
+        compiles nothing. Every position goes to the scratch block: no request's keys are
+        touched."""
         if prompts is None:
             prompts = WARM_PREFILLS_CUDA if self.device.type == "cuda" else WARM_PREFILLS
         seqs: tuple[Seq, ...] = ()
