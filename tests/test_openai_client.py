@@ -206,6 +206,8 @@ class Traffic:
         self.failed: list[str] = []  # failed before any byte of the reply: must not happen
         self.cut: list[str] = []  # streams cut after they started (the primary died)
         self.stop = threading.Event()
+        self.go = threading.Event()  # cleared: no client starts another request
+        self.go.set()
         self.cond = threading.Condition()
         self.threads = [threading.Thread(target=self.run, args=(i,)) for i in range(2)]
         for t in self.threads:
@@ -236,6 +238,7 @@ class Traffic:
     def run(self, i: int) -> None:
         n = 0
         while not self.stop.is_set():
+            self.go.wait()
             try:
                 self.once(stream=(n + i) % 2 == 0)
                 with self.cond:
@@ -252,6 +255,7 @@ class Traffic:
 
     def close(self) -> None:
         self.stop.set()
+        self.go.set()
         for t in self.threads:
             t.join(120)
 
@@ -263,10 +267,12 @@ def long_completion(api: Any) -> tuple[str, int]:
     return raw.headers["X-Holdfast-Engine"], len(raw.parse().choices[0].model_extra["token_ids"])
 
 
-def wait_in_flight(router: str, n: int, timeout: float = 60.0) -> None:
+def wait_in_flight(router: str, want: Any, timeout: float = 60.0) -> None:
+    """Until the primary's in-flight count satisfies `want` (the router forwards /metrics
+    to the primary)."""
     deadline = time.monotonic() + timeout
-    while in_flight(router) < n:  # the router forwards /metrics to the primary
-        assert time.monotonic() < deadline, f"never {n} requests in flight"
+    while not want(in_flight(router)):
+        assert time.monotonic() < deadline, f"in-flight requests never as wanted: {want}"
         time.sleep(0.005)
 
 
@@ -288,8 +294,11 @@ def test_openai_client_through_the_router_survives_kill_9(ckpt: Path, tmp_path: 
         sender = threading.Thread(target=lambda: probe.append(long_completion(api)))
         try:
             traffic.wait_ok(4, timeout=120)
+            traffic.go.clear()  # the clients' requests end, and no new one starts...
+            wait_in_flight(sup.router, lambda n: n == 0)
             sender.start()
-            wait_in_flight(sup.router, 3)  # 3 clients: the probe is in the engine too
+            wait_in_flight(sup.router, lambda n: n >= 1)  # ...so this one is the probe
+            traffic.go.set()
             second = sup.kill_primary(first)
             sender.join(120)
             traffic.wait_ok(6, timeout=120)
