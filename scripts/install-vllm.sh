@@ -8,7 +8,9 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="$VENV/bin/python"
 
 ready() {
-    [ -x "$PY" ] && "$PY" - "$REPO" <<'PY' 2>/dev/null
+    # -I: the check must not import this checkout from the working directory, where the
+    # venv may map holdfast to another one
+    [ -x "$PY" ] && (cd / && "$PY" -I - "$REPO") <<'PY' 2>/dev/null
 import importlib.metadata as md, importlib.util as u, pathlib, sys
 assert u.find_spec("vllm") and u.find_spec("structlog") and u.find_spec("aiomqtt")
 import holdfast_vllm
