@@ -56,29 +56,72 @@ class Blocks:
         return s
 
 
-def timed(runner: Runner, plan: Plan, device: torch.device) -> float:
-    """One step (its tokens appended to its requests); its wall time in ms."""
+def triton_entries() -> set[str]:
+    """The kernels in Triton's disk cache: one directory per compiled specialization."""
+    root = os.environ.get("TRITON_CACHE_DIR")
+    if not root or not Path(root).is_dir():
+        return set()
+    return {f"{d.name[:8]}/{j.stem}" for d in Path(root).iterdir() for j in d.glob("*.json")}
+
+
+def segments(device: torch.device) -> int:
+    """cudaMalloc calls the caching allocator has made so far."""
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.memory_stats(device).get("segment.all.allocated", 0))
+
+
+def timed(runner: Runner, plan: Plan, device: torch.device, why: dict | None = None) -> float:
+    """One step (its tokens appended to its requests); its wall time in ms. With `why`,
+    also what the step did the first time: the Triton kernels it compiled, the device
+    allocations it made, and its costliest operators by host time (torch.profiler)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    kernels, segs = triton_entries(), segments(device)
+    prof = None
+    if why is not None:
+        prof = torch.profiler.profile(record_shapes=False)
+        prof.__enter__()
     t = time.perf_counter()
     for seq, step in zip(plan.seqs, runner.step(plan), strict=True):
         seq.out.append(step)
-    return round((time.perf_counter() - t) * 1e3, 2)
+    ms = round((time.perf_counter() - t) * 1e3, 2)
+    if why is not None and prof is not None:
+        prof.__exit__(None, None, None)
+        ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        why["top_host_ops_ms"] = [
+            [e.key, round(e.self_cpu_time_total / 1e3, 2), e.count] for e in ops[:12]
+        ]
+    if why is not None:
+        why["compiled"] = sorted(triton_entries() - kernels)
+        why["cuda_mallocs"] = segments(device) - segs
+    return ms
 
 
-def migration(runner: Runner, blocks: Blocks, args: argparse.Namespace, salt: int) -> dict:
+def migration(
+    runner: Runner, blocks: Blocks, args: argparse.Namespace, salt: int, explain: bool = False
+) -> dict:
     """The steps of one migration: the first continuation alone, then the rest beside its
-    decode, then one decode of all; each step's ms."""
+    decode, then one decode of all; each step's ms (with `explain`, and what each did)."""
     first = blocks.seq(args.prompt_tokens, args.max_tokens, salt)
     rest = [
         blocks.seq(args.prompt_tokens + i, args.max_tokens, salt + i)
         for i in range(1, args.streams)
     ]
     d = runner.device
-    alone = timed(runner, Plan(prefill=(first,)), d)
-    beside = timed(runner, Plan(prefill=tuple(rest), decode=(first,)), d)
-    decode = timed(runner, Plan(decode=(first, *rest)), d)
-    return {"first_alone_ms": alone, "rest_beside_ms": beside, "decode_all_ms": decode}
+    why: dict[str, dict] = {"first_alone": {}, "rest_beside": {}, "decode_all": {}}
+    alone = timed(runner, Plan(prefill=(first,)), d, why["first_alone"] if explain else None)
+    beside = timed(
+        runner,
+        Plan(prefill=tuple(rest), decode=(first,)),
+        d,
+        why["rest_beside"] if explain else None,
+    )
+    decode = timed(runner, Plan(decode=(first, *rest)), d, why["decode_all"] if explain else None)
+    out: dict = {"first_alone_ms": alone, "rest_beside_ms": beside, "decode_all_ms": decode}
+    if explain:
+        out["why"] = why
+    return out
 
 
 def main() -> int:
@@ -90,6 +133,12 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=300, help="a continuation's prompt")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--kv-cache-mb", type=int, default=8192)
+    p.add_argument(
+        "--explain",
+        action="store_true",
+        help="profile the cold steps: kernels compiled, device allocations, costliest host ops "
+        "(the profiler adds its own cost to the cold times)",
+    )
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     device = torch.device(args.device)
@@ -110,7 +159,7 @@ def main() -> int:
     while runner.capture_next():
         pass
     blocks = Blocks(cache)
-    cold = migration(runner, blocks, args, salt=1)
+    cold = migration(runner, blocks, args, salt=1, explain=args.explain)
     warm = migration(runner, blocks, args, salt=1000)
     result = {
         "benchmark": "first_step",
