@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -100,9 +100,28 @@ class _Spare:
         self.warm_ms: float | None = None  # set when it says it is warm
 
 
+# what a fork runs once it has its fds, environment and directory: (flags, clock, spare ms)
+# -> exit status. The engine's by default; holdfast_vllm.forkserver serves vLLM's.
+Program = Callable[[list[str], float, float], int]
+
+
+def run_engine(argv: list[str], t0: float, spare_ms: float) -> int:
+    """`python -m engine` with `argv`, its startup clock started at `t0`."""
+    sys.argv = [sys.executable, "-m", "engine", *argv]
+    from engine.cli import main
+
+    try:
+        return main(argv, t0=t0, spare_ms=spare_ms)
+    except SystemExit as e:  # argparse: --help, or a usage error
+        return e.code if isinstance(e.code, int) else 2
+
+
 class Server:
-    def __init__(self, listener: socket.socket, spares: str = "auto") -> None:
+    def __init__(
+        self, listener: socket.socket, spares: str = "auto", program: Program = run_engine
+    ) -> None:
         self.listener = listener
+        self.program = program
         self.sel = selectors.DefaultSelector()
         self.sel.register(listener, selectors.EVENT_READ)
         self.children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, conn)
@@ -357,22 +376,16 @@ class Server:
             s.sock.close()
 
     def _become(self, spawn: Spawn, fds: list[int], t0: float, spare_ms: float = 0.0) -> int:
-        """Run the engine `spawn` asks for, on its fds, its clock started at `t0`."""
+        """Run the program `spawn` asks for, on its fds, its clock started at `t0`."""
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
         wire.close_fds([fd for fd in fds if fd > 2])
         os.environ.clear()
         os.environ.update(spawn.env)
         os.chdir(spawn.cwd)
-        sys.argv = [sys.executable, "-m", "engine", *spawn.argv]
         if spawn.owner:
             die_with(spawn.owner)
-        from engine.cli import main
-
-        try:
-            return main(spawn.argv, t0=t0, spare_ms=spare_ms)
-        except SystemExit as e:  # argparse: --help, or a usage error
-            return e.code if isinstance(e.code, int) else 2
+        return self.program(spawn.argv, t0, spare_ms)
 
 
 def die_with(pid: int, unless: threading.Event | None = None) -> None:

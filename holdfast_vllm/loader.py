@@ -11,6 +11,7 @@ or the fingerprints differ, `fallback: true` loads from disk with vLLM's default
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any
 
@@ -31,6 +32,15 @@ from holdfast_vllm.errors import PluginError
 from holdfast_vllm.options import LoaderOptions, parse
 
 log = structlog.get_logger("holdfast_vllm.loader")
+
+
+def engine_core_start() -> str:
+    """How this process (vLLM's EngineCore, the worker inside it) was started: "forked"
+    from an API server that put fork back (holdfast_vllm.plugin.fork_engine_core), else
+    "spawned" (or the API server itself, where vLLM runs the engine in-process)."""
+    from holdfast_vllm import plugin
+
+    return "forked" if plugin.forked_from not in (0, os.getpid()) else "spawned"
 
 
 class HoldfastModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM is untyped here
@@ -78,6 +88,7 @@ class HoldfastModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM is unt
             loaded_from_pool=len(placed.private),
             private_mb=round(placed.private_bytes / 2**20, 1),
             ms=round((time.perf_counter() - t0) * 1e3, 1),
+            engine_core=engine_core_start(),
         )
         return model.eval()
 

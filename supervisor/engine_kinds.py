@@ -11,19 +11,25 @@ own (vLLM's load from `/metrics`). The launcher runs them all, as tasks of its `
 for as long as the incarnation lives. What a silence or a missed deadline means is judged
 in `decisions.liveness`, not here.
 
-A new kind: a `Kind` with its `resolve`, `errors` and `probes`, added to `KINDS` and to
-`EnginesSpec.kind` (supervisor/policy.py).
+A kind may also have a fork server (`forks`): a process that has imported the engine's
+code and forks each engine from it (engine.forkserver for the reference engine,
+holdfast_vllm.forkserver for vLLM); an engine whose command it does not serve is exec'd.
+
+A new kind: a `Kind` with its `resolve`, `errors`, `probes` and `forks`, added to `KINDS`
+and to `EnginesSpec.kind` (supervisor/policy.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
+from holdfast_contract.command import FORKABLE, is_forkable
 from supervisor import vllm_kind
 
 if TYPE_CHECKING:
@@ -33,6 +39,7 @@ if TYPE_CHECKING:
 BeatFn = Callable[["Engine", "Incarnation"], None]
 # a probe: runs while the incarnation lives; reports a 200 (ready, alive) through BeatFn
 Probe = Callable[["Engine", "Incarnation", "Policy", BeatFn], Coroutine[Any, Any, None]]
+FORKABLE_ARGV = [arg.format(python=sys.executable) for arg in FORKABLE]  # what forks serve
 
 
 async def http_health(e: Engine, inc: Incarnation, p: Policy, on_beat: BeatFn) -> None:
@@ -68,25 +75,60 @@ def _no_errors(p: Policy, *, schema_only: bool) -> list[str]:
 
 
 @dataclass(frozen=True)
+class Forks:
+    """A fork server for a kind: the command that runs it (`--socket PATH` is added), and
+    the head of the engine commands it forks (the rest of each travels in the request)."""
+
+    server: list[str]
+    serves: list[str]
+    name: str  # of its socket and log in the run dir
+
+
+def _reference_forks(p: Policy) -> Forks | None:
+    """engine.forkserver, unless the policy says false, when an engine command is
+    `{python} -m engine ...`."""
+    if p.engines.forkserver is False:
+        return None
+    commands = [p.engines.command, *(b.command for b in p.engines.batch if b.command)]
+    if not any(is_forkable(c) for c in commands):
+        return None
+    return Forks([sys.executable, "-m", "engine.forkserver"], FORKABLE_ARGV, "forkserver")
+
+
+def _vllm_forks(p: Policy) -> Forks | None:
+    """holdfast_vllm.forkserver in the vLLM venv, unless the policy says false."""
+    if p.engines.forkserver is False:
+        return None
+    server, serves = vllm_kind.forkserver(p)
+    return Forks(server, serves, "vllm-forkserver")
+
+
+@dataclass(frozen=True)
 class Kind:
     name: str
     # `p` with this kind's start command (engines.command, env, health) filled in
     resolve: Callable[[Policy], Policy] = _as_given
     errors: Callable[..., list[str]] = _no_errors  # (p, *, schema_only) -> what to change
     probes: tuple[Probe, ...] = ()  # beyond readiness and health (`HEALTH`)
+    forks: Callable[[Policy], Forks | None] = _reference_forks  # its fork server, if any
 
 
 KINDS: dict[str, Kind] = {
     k.name: k
     for k in (
         Kind("holdfast"),  # engines.command as given; the agent, or engines.health: http
-        Kind("vllm", vllm_kind.resolve, vllm_kind.errors, (vllm_load,)),
+        Kind("vllm", vllm_kind.resolve, vllm_kind.errors, (vllm_load,), _vllm_forks),
     )
 }
 
 
 def kind_of(p: Policy) -> Kind:
     return KINDS[p.engines.kind]  # `EnginesSpec.kind` allows only these names
+
+
+def forks(p: Policy) -> Forks | None:
+    """The fork server `p`'s engines start from, if any (else each is exec'd)."""
+    return kind_of(p).forks(p)
 
 
 def probes(p: Policy) -> tuple[Probe, ...]:

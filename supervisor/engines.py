@@ -16,11 +16,11 @@ from pathlib import Path
 
 import structlog
 
-from holdfast_contract.command import FORKABLE, Placeholders, is_forkable, render
+from holdfast_contract.command import Placeholders, render
 from holdfast_contract.env import EngineEnv, to_environ, var
 from holdfast_contract.wire import free_port
 from supervisor import engine_kinds
-from supervisor.engine_kinds import BeatFn
+from supervisor.engine_kinds import BeatFn, Forks
 from supervisor.errors import StartupError
 from supervisor.policy import Policy
 from supervisor.procs import Proc
@@ -28,42 +28,30 @@ from supervisor.units import Engine, Incarnation
 from supervisor.watcher import Command, Watcher, until_ready
 
 log = structlog.get_logger("supervisor.engines")
-FORKABLE_ARGV = [arg.format(python=sys.executable) for arg in FORKABLE]  # what forks serve
 
 ExitFn = Callable[[Engine, Incarnation, str], None]
 
 
-def wants_forkserver(p: Policy) -> bool:
-    """Unless the policy says false: when some engine command is `{python} -m engine ...`."""
-    if p.engines.forkserver is False:
-        return False
-    commands = [p.engines.command, *(b.command for b in p.engines.batch if b.command)]
-    return any(is_forkable(c) for c in commands)
-
-
 class ForkServer:
-    """`python -m engine.forkserver` in the run dir: engines fork from it with their imports
-    done. Started before the daemons load; restarted when it dies (exec meanwhile)."""
+    """A kind's fork server (`engine_kinds.Forks`) in the run dir: engines fork from it
+    with their imports done. Started before the daemons load; restarted when it dies
+    (exec meanwhile)."""
 
-    def __init__(self, run: Path, env: dict[str, str]) -> None:
+    def __init__(self, run: Path, env: dict[str, str], forks: Forks) -> None:
         self.run = run
-        self.sock = run / "forkserver.sock"
+        self.forks = forks
+        self.sock = run / f"{forks.name}.sock"
         self.env = env
         self.proc: Proc | None = None
 
+    def serves(self, argv: list[str]) -> bool:
+        return argv[: len(self.forks.serves)] == self.forks.serves
+
     async def start(self) -> None:
         self.sock.unlink(missing_ok=True)  # the run dir is ours alone: a leftover is stale
-        argv = [
-            sys.executable,
-            "-m",
-            "engine.forkserver",
-            "--socket",
-            str(self.sock),
-            "--log-format",
-            "json",
-        ]
+        argv = [*self.forks.server, "--socket", str(self.sock), "--log-format", "json"]
         self.proc = await Watcher.spawn(
-            Command(argv, self.env, self.run / "logs" / "forkserver.log")
+            Command(argv, self.env, self.run / "logs" / f"{self.forks.name}.log")
         )
 
     @property
@@ -179,7 +167,7 @@ class EngineLauncher:
     async def _start(self, cmd: Command) -> Proc:
         """Fork from the fork server when it serves this command, else exec."""
         forks = self.forks
-        if forks is None or cmd.argv[:3] != FORKABLE_ARGV:
+        if forks is None or not forks.serves(cmd.argv):
             return await Watcher.spawn(cmd)
         if forks.proc is not None and not forks.proc.alive:
             log.warning("fork server exited; restarting it", code=forks.proc.returncode)

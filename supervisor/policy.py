@@ -76,7 +76,8 @@ class EnginesSpec(_Spec, frozen=True):
     command: list[str] = msgspec.field(default_factory=lambda: list(FORKABLE))
     env: dict[str, str] = msgspec.field(default_factory=dict)
     # fork engines from a process that has imported them already; None: whenever the
-    # command is `{python} -m engine ...` (others are started with exec either way)
+    # command is `{python} -m engine ...` (others are started with exec either way), and
+    # for kind vllm always (holdfast_vllm.forkserver in the vLLM venv)
     forkserver: bool | None = None
     health: Literal["agent", "http"] = "agent"
     primary: int = 1
@@ -314,7 +315,7 @@ def _engine_errors(e: EnginesSpec) -> list[str]:
     if not e.command:
         errors.append("$.engines.command: empty; give the engine command as a list")
     errors += template_errors("$.engines.command", e.command)
-    if e.forkserver and not is_forkable(e.command):
+    if e.forkserver and e.kind == "holdfast" and not is_forkable(e.command):
         errors.append(
             f"$.engines.forkserver: true needs engines.command to start with "
             f"{' '.join(FORKABLE)} (got {' '.join(e.command[:3])!r}); set it to "

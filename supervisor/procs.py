@@ -95,7 +95,7 @@ class Proc:
 
     @classmethod
     async def fork(cls, server: Path, argv: list[str], env: dict[str, str], log: Path) -> Proc:
-        """An engine forked by the fork server at `server`; `argv` is `python -m engine ...`
+        """An engine forked by the fork server at `server`; `argv` is `python -m MODULE ...`
         (only the flags travel). StartupError if the server does not answer."""
         request = forkserver.Spawn(argv=argv[3:], env=env, cwd=os.getcwd(), owner=os.getpid())
         with open(log, "ab") as out, open(os.devnull, "rb") as null:

@@ -29,14 +29,14 @@ from aiohttp import web
 
 from holdfast_contract.control import ControlReply, Request
 from holdfast_contract.formats import GENERATED_MARK, GENERATION
-from supervisor import reconcile, sdnotify
+from supervisor import engine_kinds, reconcile, sdnotify
 from supervisor.agent_hub import AgentHub
 from supervisor.aio import cancel_all
 from supervisor.api import HealthApi
 from supervisor.control import ControlServer
 from supervisor.core import Cluster
 from supervisor.daemons import DaemonPool
-from supervisor.engines import EngineLauncher, ForkServer, wants_forkserver
+from supervisor.engines import EngineLauncher, ForkServer
 from supervisor.errors import StartupError
 from supervisor.events import EventBus
 from supervisor.fleet.errors import JoinRefused
@@ -203,8 +203,10 @@ class Service:
                 on_ack=inbox.ack,
             ),
         )
-        if wants_forkserver(self.policy):
-            self.forks = ForkServer(rd.path, {**os.environ, **self.policy.engines.env})
+        forks = engine_kinds.forks(self.policy)
+        if forks is not None:
+            env = {**os.environ, **self.policy.engines.env}
+            self.forks = ForkServer(rd.path, env, forks)
         self.daemons = daemons = DaemonPool(
             self.policy, rd.path, model_dir, bus, kick=inbox.kick, epoch=inbox.epoch
         )

