@@ -26,6 +26,7 @@ from supervisor.routing import (
     LeadershipEnded,
     NotLeader,
     Target,
+    answered_by,
     attempts,
     error,
     not_leader,
@@ -257,9 +258,8 @@ class StreamRelay:
         for k, v in up.headers.items():
             if k.lower() not in HOP_BY_HOP and k.lower() != "content-encoding":
                 resp.headers.add(k, v)
-        if not target.remote:
-            resp.headers["X-Holdfast-Engine"] = target.name
-            resp.headers["X-Holdfast-Epoch"] = str(target.epoch)
+        if not target.remote:  # another router's response carries its own
+            answered_by(resp.headers, target)
         return resp
 
     async def _pump(
