@@ -38,6 +38,7 @@ from supervisor.routing import (
     NotLeader,
     PrimaryView,
     Target,
+    answered_by,
     attempts,
     choose,
     error,
@@ -194,11 +195,7 @@ class Router:
             if "Content-Encoding" in up.headers:
                 resp.headers["Content-Encoding"] = up.headers["Content-Encoding"]
             if not target.remote:  # another router's response carries its own
-                resp.headers["X-Holdfast-Engine"] = target.name
-                resp.headers["X-Holdfast-Epoch"] = str(target.epoch)
-                if target.node:
-                    resp.headers["X-Holdfast-Node"] = target.node
-                    resp.headers["X-Holdfast-Cluster-Epoch"] = str(target.cluster_epoch)
+                answered_by(resp.headers, target)
             first = await up.content.readany()  # upstream failures up to here are retried
             await resp.prepare(request)
             sent.append(resp)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -64,6 +64,16 @@ class Target:
     node: str = ""
     cluster_epoch: int = 0
     remote: bool = False
+
+
+def answered_by(headers: MutableMapping[str, str], target: Target) -> None:
+    """The headers that say which engine (and, in a cluster, which node's term) answered:
+    set by the router that forwarded to its local primary; another router's pass through."""
+    headers["X-Holdfast-Engine"] = target.name
+    headers["X-Holdfast-Epoch"] = str(target.epoch)
+    if target.node:
+        headers["X-Holdfast-Node"] = target.node
+        headers["X-Holdfast-Cluster-Epoch"] = str(target.cluster_epoch)
 
 
 def not_leader() -> web.Response:

@@ -1,7 +1,9 @@
 """The router's relay of a streamed completion or chat completion: chunk by chunk to the
 client, and, when the primary answering it dies or is fenced, continued on the next one by
 token replay (supervisor/migration.py), at most `router.migration_limit` times. A stream
-that cannot go on ends with an error event in OpenAI's shape and no `data: [DONE]`."""
+that cannot go on ends with an error event in OpenAI's shape and no `data: [DONE]`; one
+that another node's router forwarded here, cut because this node stops, is handed back to
+that router (its connection aborted), which continues it on the next leader."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from supervisor.routing import (
     LeadershipEnded,
     NotLeader,
     Target,
+    answered_by,
     attempts,
     error,
     not_leader,
@@ -119,6 +122,8 @@ class StreamRelay:
                     continue
                 if st.complete():  # the cut came after the last token
                     return await self._finish(sent[0], st)
+                if self.r.stopping and FORWARDED_BY in request.headers:
+                    return self._hand_back(request, st, sent[0])
                 why = self._unmigratable(st)
                 if why:
                     reason = f"{reason}; {why}"
@@ -133,6 +138,17 @@ class StreamRelay:
                         f"({self.r.spec.retry_deadline_s:g} s)"
                     )
         return await self._end_with_error(request, st, sent, reason)
+
+    def _hand_back(
+        self, request: web.Request, st: Stream, resp: web.StreamResponse
+    ) -> web.StreamResponse:
+        """A forwarded stream cut while this node stops: the router that forwarded it
+        continues it on the next leader from what its own client has seen, so it gets a
+        cut (the connection aborted), not an error event it would pass on as the end."""
+        log.info("stream_handed_back", by=request.headers[FORWARDED_BY], tokens=len(st.emitted))
+        if request.transport is not None:
+            request.transport.abort()
+        return resp
 
     def _unmigratable(self, st: Stream) -> str:
         if self.r.stopping:
@@ -257,9 +273,8 @@ class StreamRelay:
         for k, v in up.headers.items():
             if k.lower() not in HOP_BY_HOP and k.lower() != "content-encoding":
                 resp.headers.add(k, v)
-        if not target.remote:
-            resp.headers["X-Holdfast-Engine"] = target.name
-            resp.headers["X-Holdfast-Epoch"] = str(target.epoch)
+        if not target.remote:  # another router's response carries its own
+            answered_by(resp.headers, target)
         return resp
 
     async def _pump(
