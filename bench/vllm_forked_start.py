@@ -1,17 +1,15 @@
-"""What a fork server would give a vLLM standby: start to ready of an API server forked from
-a process that has imported vLLM already, against plain starts (holdfast and the default
-loader) in the same run.
+"""A vLLM standby started as the supervisor starts it: start to ready of an API server
+forked from `holdfast_vllm.forkserver` (vLLM imported once) that forks its EngineCore in
+turn (HOLDFAST_VLLM_FORK=1), against plain starts (holdfast and the default loader) in the
+same run.
 
     PYTHONPATH=. python3 bench/vllm_forked_start.py --model-dir /tmp/models/vllm-bench-4096 \
         --trials 2 --out bench/results/vllm-cpu/forked_start_h4096.json
 
-A prototype of the measurement, not of a product: one process in the vLLM venv imports
-`vllm.entrypoints.launchers.api_server.entry` (what `python -m
-vllm.entrypoints.openai.api_server` runs) and then forks, on each request, a child that runs
-its `main()` with `--load-format holdfast`. Its clock starts when the request is written.
-The EngineCore is still spawned by vLLM (its CPU platform forces spawn), so it imports vLLM
-again. The daemon, the flags, the environment and the checkpoint are those of
-bench/vllm_startup.py (the checkpoint must exist: that bench makes it).
+The fork server runs in the vLLM venv, and each forked start is one request of
+`holdfast_contract.forkserver` (what supervisor/procs.py sends), its clock started when
+the request is sent. The daemon, the flags, the environment and the checkpoint are those
+of bench/vllm_startup.py (the checkpoint must exist: that bench makes it).
 """
 
 from __future__ import annotations
@@ -22,6 +20,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import signal
 import statistics
@@ -35,30 +34,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vllm_startup as vs  # noqa: E402
 
-FORKER = r"""
-import json, os, sys
-from vllm.entrypoints.launchers.api_server.entry import main
-print("imported", flush=True)
-for line in sys.stdin:
-    req = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
-        os.setsid()
-        fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        sys.argv = req["argv"]
-        code = 0
-        try:
-            main()
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    print(pid, flush=True)
-"""
+from holdfast_contract import forkserver  # noqa: E402
+from supervisor.vllm_kind import FORK_ENV  # noqa: E402
 
 
 def alive(pid: int) -> bool:
@@ -71,16 +48,16 @@ def alive(pid: int) -> bool:
 
 
 def forked_start(
-    forker: subprocess.Popen[str], model: Path, sock: Path, root: Path, deadline_s: float
+    server: Path, model: Path, sock: Path, root: Path, deadline_s: float
 ) -> dict[str, Any]:
     port = vs.free_port()
-    argv = vs.server_argv(model, port, "holdfast", sock)[2:]  # after `python -m`
+    argv = vs.server_argv(model, port, "holdfast", sock)[3:]  # after `python -m MODULE`
     log = root / f"forked-{int(time.time())}.log"
-    assert forker.stdin is not None and forker.stdout is not None
-    t0 = time.perf_counter()
-    forker.stdin.write(json.dumps({"argv": argv, "log": str(log)}) + "\n")
-    forker.stdin.flush()
-    pid = int(forker.stdout.readline())
+    env = {**vs.vllm_env(root), FORK_ENV: "1"}
+    spawn = forkserver.Spawn(argv=argv, env=env, cwd=str(root), owner=os.getpid())
+    with open(log, "wb") as out, open(os.devnull, "rb") as null:
+        t0 = time.perf_counter()
+        conn, pid = forkserver.request(server, spawn, [null.fileno(), out.fileno(), out.fileno()])
     url = f"http://127.0.0.1:{port}/health"
     ready_s = None
     try:
@@ -101,11 +78,12 @@ def forked_start(
             time.sleep(0.1)
         if alive(pid):
             os.killpg(pid, signal.SIGKILL)
+    conn.close()
     text = log.read_text()
     if ready_s is None:
         raise SystemExit(f"the forked vLLM was not ready:\n{text[-3000:]}")
-    if "weights attached" not in text:
-        raise SystemExit(f"the forked start did not attach:\n{text[-3000:]}")
+    if "weights attached" not in text or not re.search(r'engine_core("?: "|=)forked', text):
+        raise SystemExit(f"the forked start did not attach in a forked EngineCore:\n{text[-3000:]}")
     return {
         "loader": "holdfast-forked",
         "ready_s": round(ready_s, 2),
@@ -128,24 +106,23 @@ def main() -> None:
     root = args.model_dir.parent / (args.model_dir.name + "-bench")
     sock = root / "run" / "daemon-0.sock"
     daemon = vs.start_daemon(args.model_dir, root / "run")
-    argv = [str(vs.VENV / "bin" / "python"), "-c", FORKER]
+    server = root / "run" / "vllm-forkserver.sock"
+    server.unlink(missing_ok=True)  # an earlier run's, killed
+    argv = [str(vs.VENV / "bin" / "python"), "-m", "holdfast_vllm.forkserver"]
+    argv += ["--socket", str(server)]
     t0 = time.perf_counter()
     forker = subprocess.Popen(
-        argv,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=vs.vllm_env(root),
-        start_new_session=True,
+        argv, env={**vs.vllm_env(root), FORK_ENV: "1"}, start_new_session=True
     )
     runs: list[dict[str, Any]] = []
     try:
-        assert forker.stdout is not None
-        if forker.stdout.readline().strip() != "imported":
-            raise SystemExit(f"the forker exited with {forker.wait()} before it imported vLLM")
+        while not server.exists():
+            if forker.poll() is not None:
+                raise SystemExit(f"the vLLM fork server exited with {forker.returncode}")
+            time.sleep(0.1)
         forker_import_s = round(time.perf_counter() - t0, 2)
         for _ in range(args.trials):
-            runs.append(forked_start(forker, args.model_dir, sock, root, args.deadline_s))
+            runs.append(forked_start(server, args.model_dir, sock, root, args.deadline_s))
             for loader in vs.LOADERS:
                 runs.append(vs.start_once(args.model_dir, loader, sock, root, args.deadline_s))
     finally:
