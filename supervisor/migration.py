@@ -42,6 +42,7 @@ KEEP = (
     "seed",
     "stop",
     "ignore_eos",
+    "skip_special_tokens",
     "user",
 )
 # upper bounds (s) of the stream stall histogram's buckets
@@ -111,8 +112,9 @@ class Stream:
             max_tokens=self.left(),
             stream=True,
             return_token_ids=True,
-            skip_special_tokens=self.chat,  # as the chat reply decodes
         )
+        if self.chat:  # as the chat reply decodes, unless the request said otherwise
+            body.setdefault("skip_special_tokens", True)
         return json.dumps(body).encode()
 
     # ---- reading chunks ----
