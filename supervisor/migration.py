@@ -11,6 +11,14 @@ first chunk's id and `created` throughout, no token twice, none missing, the con
 `finish_reason`, and (chat with `stream_options.include_usage`) usage over the whole answer.
 Where the continuation begins the router writes an SSE comment, `: migrated`, which clients
 skip (the chaos suite counts them).
+
+A non-streamed request with one choice and nothing its stream cannot rebuild (`collectable`:
+no logprobs, echo, best_of, several prompts, tools, ...) is asked for as a stream too and
+collected (`Stream.collect`): its client gets one JSON body at the end, the engine's own
+non-streamed shape (supervisor/answers.py), migrated or not. Since that client has seen
+nothing yet, a cut rewinds the tokens whose text the engine still held back (part of a
+character, or of a stop string), and the continuation makes them again, so their text is
+decoded with the tokens after them.
 """
 
 from __future__ import annotations
@@ -42,7 +50,13 @@ KEEP = (
     "seed",
     "stop",
     "ignore_eos",
+    "skip_special_tokens",
     "user",
+)
+# the fields of a non-streamed request whose answer can be built from its stream (allowlist)
+COLLECTABLE = frozenset(KEEP).union(
+    ("prompt", "prompt_token_ids", "messages", "max_tokens", "max_completion_tokens"),
+    ("stream", "logprobs"),
 )
 # upper bounds (s) of the stream stall histogram's buckets
 STALL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -58,6 +72,7 @@ class Stream:
 
     path: str  # COMPLETIONS or CHAT, as the client asked
     request: dict[str, Any]
+    collect: bool = False  # a non-streamed request: its client gets one JSON body at the end
     prompt_ids: list[int] | None = None  # from the first chunk
     emitted: list[int] = field(default_factory=list)  # token ids sent to the client
     chunk_id: str = ""
@@ -65,6 +80,9 @@ class Stream:
     model: str = ""
     finish_reason: str | None = None
     usage_sent: bool = False
+    usage: dict[str, Any] | None = None  # the engine's usage chunk, if it sent one
+    text: list[str] = field(default_factory=list)  # the text of the tokens, chunk by chunk
+    held: int = 0  # the last tokens, whose chunks carried no text (the engine held it back)
     migrated: int = 0  # continuations started
     last_token_at: float = 0.0  # monotonic time of the last token chunk written
     cut_at: float = 0.0  # last_token_at of a cut not yet resumed (0: none)
@@ -91,7 +109,14 @@ class Stream:
         return self.chat and isinstance(opts, dict) and bool(opts.get("include_usage"))
 
     def first_body(self) -> bytes:
-        return json.dumps({**self.request, "return_token_ids": True}).encode()
+        body = {**self.request, "return_token_ids": True}
+        if self.collect:
+            body.update(stream=True, stream_options={"include_usage": True})
+        return json.dumps(body).encode()
+
+    def fresh(self) -> Stream:
+        """The same request with nothing received yet."""
+        return Stream(self.path, self.request, collect=self.collect)
 
     def can_continue(self) -> bool:
         """Whether the ids needed for a continuation are known."""
@@ -111,9 +136,18 @@ class Stream:
             max_tokens=self.left(),
             stream=True,
             return_token_ids=True,
-            skip_special_tokens=self.chat,  # as the chat reply decodes
         )
+        if self.chat:  # as the chat reply decodes, unless the request said otherwise
+            body.setdefault("skip_special_tokens", True)
         return json.dumps(body).encode()
+
+    def rewind(self) -> None:
+        """Before a collected request's continuation: forget the last tokens whose text the
+        engine held back, so the continuation makes them again and decodes their text
+        with what follows (nothing of them reached the client)."""
+        if self.held:
+            del self.emitted[-self.held :]
+            self.held = 0
 
     # ---- reading chunks ----
     def seen(self, event: dict[str, Any]) -> None:
@@ -124,6 +158,7 @@ class Stream:
             self.model = str(event.get("model", ""))
         if "usage" in event and event.get("usage"):
             self.usage_sent = True
+            self.usage = event["usage"]
         for choice in event.get("choices") or ():
             if self.prompt_ids is None and isinstance(choice.get("prompt_token_ids"), list):
                 self.prompt_ids = list(choice["prompt_token_ids"])
@@ -131,8 +166,13 @@ class Stream:
             if ids:
                 self.emitted.extend(ids)
                 self.last_token_at = time.monotonic()
+            text = text_of(choice)
+            if text:
+                self.text.append(text)
+            self.held = 0 if text else self.held + len(ids)
             if choice.get("finish_reason") is not None:
                 self.finish_reason = choice["finish_reason"]
+                self.held = 0  # the finish chunk carries what was held back
 
     def reshape(self, event: dict[str, Any]) -> list[dict[str, Any]]:
         """A continuation's completion chunk as the client's stream carries it."""
@@ -179,11 +219,16 @@ class Stream:
                 choice = {"index": 0, "text": "", "token_ids": [], "finish_reason": "length"}
                 out.append(self.envelope([choice]))
         if self.wants_usage and not self.usage_sent and self.prompt_ids is not None:
-            prompt, done = len(self.prompt_ids), len(self.emitted)
-            usage = {"prompt_tokens": prompt, "completion_tokens": done}
-            out.append({**self.envelope([]), "usage": {**usage, "total_tokens": prompt + done}})
+            out.append({**self.envelope([]), "usage": self.total_usage()})
             self.usage_sent = True
         return out
+
+    def total_usage(self) -> dict[str, Any] | None:
+        """Usage over the whole answer, from the ids (the engine's own without them)."""
+        if self.prompt_ids is None:
+            return self.usage
+        prompt, done = len(self.prompt_ids), len(self.emitted)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
     def complete(self) -> bool:
         """Whether nothing is owed: the stream may end with `[DONE]` without an upstream."""
@@ -191,18 +236,45 @@ class Stream:
 
 
 def plan(method: str, path: str, body: bytes) -> Stream | None:
-    """The `Stream` of a streamed generation request, else None (relayed as bytes)."""
+    """The `Stream` of a generation request, streamed or `collectable`, else None (relayed
+    as bytes, retried only before its first byte)."""
     if method != "POST" or path not in (COMPLETIONS, CHAT):
         return None
     try:
         request = json.loads(body)
     except ValueError:
         return None  # the engine answers it with its 400
-    if not isinstance(request, dict) or request.get("stream") is not True:
+    if not isinstance(request, dict) or (request.get("n") or 1) != 1:
         return None
-    if path == COMPLETIONS and (request.get("n") or 1) != 1:
-        return None
-    return Stream(path, request)
+    if request.get("stream") is True:
+        return Stream(path, request)
+    if off(request.get("stream")) and collectable(request):
+        return Stream(path, request, collect=True)
+    return None
+
+
+def collectable(request: dict[str, Any]) -> bool:
+    """Whether a non-streamed request's answer can be built from its stream: only fields
+    of COLLECTABLE, one choice, one prompt, no logprobs."""
+    prompt = request.get("prompt")
+    return (
+        request.keys() <= COLLECTABLE
+        and off(request.get("logprobs"))
+        and (request.get("best_of") or 1) == 1
+        and (not isinstance(prompt, list) or all(type(t) is int for t in prompt))
+    )
+
+
+def off(value: Any) -> bool:
+    """Whether a flag is left out, null or false (not 0: the engine refuses that)."""
+    return value is None or value is False
+
+
+def text_of(choice: dict[str, Any]) -> str:
+    """The text one chunk's choice carries: a completion's `text`, a chat `delta`'s content."""
+    delta = choice.get("delta")
+    text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+    return text if isinstance(text, str) else ""
 
 
 def events(buf: bytearray) -> list[bytes]:

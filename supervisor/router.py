@@ -10,8 +10,12 @@ A streamed completion or chat completion cut after its first byte (the primary d
 was fenced) is migrated: continued on the next primary by token replay
 (supervisor/migration.py), at most `router.migration_limit` times. A stream that cannot be
 continued ends with an error event in the same shape and no `data: [DONE]`: never a clean
-end. Once the supervisor stops (`stop()`), new requests get 503 with Retry-After at once and
-those under way finish within the engines' stop grace.
+end. A non-streamed one that the stream can rebuild (one choice, no logprobs, echo, ...:
+`migration.collectable`) is asked for as a stream, migrated the same way, and answered with
+one JSON body at the end (supervisor/answers.py), or a 502 when it cannot be completed;
+any other request is relayed as bytes, retried only before its first byte. Once the
+supervisor stops (`stop()`), new requests get 503 with Retry-After at once and those under
+way finish within the engines' stop grace.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import structlog
 from aiohttp import web
 
 from supervisor import migration
+from supervisor.answers import stamp
 from supervisor.migration import Stalls
 from supervisor.policy import RouterSpec
 from supervisor.routing import (
@@ -38,13 +43,12 @@ from supervisor.routing import (
     NotLeader,
     PrimaryView,
     Target,
-    answered_by,
     attempts,
     choose,
     error,
     not_leader,
 )
-from supervisor.streams import StreamRelay
+from supervisor.streams import NotAStream, StreamRelay
 
 __all__ = ["LeadershipEnded", "NotLeader", "PrimaryView", "Router", "Target", "attempts", "choose"]
 
@@ -125,7 +129,10 @@ class Router:
         deadline = time.monotonic() + self.spec.retry_deadline_s
         stream = migration.plan(request.method, request.path, body)
         if stream is not None:
-            return await self.streams.relay(request, stream, deadline)
+            try:
+                return await self.streams.relay(request, stream, deadline)
+            except NotAStream as e:  # a non-streamed request: sent again as it came
+                log.debug("not_collected", path=request.path, why=str(e))
         target = await self.first(deadline)
         tries = attempts(self.spec)
         reason = "no primary is serving"
@@ -194,8 +201,7 @@ class Router:
                     resp.headers.add(k, v)
             if "Content-Encoding" in up.headers:
                 resp.headers["Content-Encoding"] = up.headers["Content-Encoding"]
-            if not target.remote:  # another router's response carries its own
-                answered_by(resp.headers, target)
+            stamp(resp.headers, target)
             first = await up.content.readany()  # upstream failures up to here are retried
             await resp.prepare(request)
             sent.append(resp)

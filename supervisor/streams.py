@@ -1,14 +1,15 @@
-"""The router's relay of a streamed completion or chat completion: chunk by chunk to the
-client, and, when the primary answering it dies or is fenced, continued on the next one by
-token replay (supervisor/migration.py), at most `router.migration_limit` times. A stream
-that cannot go on ends with an error event in OpenAI's shape and no `data: [DONE]`; one
-that another node's router forwarded here, cut because this node stops, is handed back to
-that router (its connection aborted), which continues it on the next leader."""
+"""The router's relay of a completion or chat completion as a stream: chunk by chunk to a
+streamed request's client, or collected into one JSON body for a non-streamed one
+(supervisor/answers.py); when the primary answering it dies or is fenced, continued on the
+next one by token replay (supervisor/migration.py), at most `router.migration_limit` times.
+A stream that cannot go on ends with an error event in OpenAI's shape and no `data: [DONE]`;
+a collected one with a 502 (503 while stopping) in the same shape. One that another node's
+router forwarded here, cut because this node stops, is handed back to that router (its
+connection aborted), which continues it on the next leader."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,7 @@ import structlog
 from aiohttp import web
 
 from supervisor import migration
+from supervisor.answers import Answer, ClientGone, JsonAnswer, SseAnswer, as_it_came
 from supervisor.migration import Stream, StreamCut
 from supervisor.routing import (
     FORWARDED_BY,
@@ -28,7 +30,6 @@ from supervisor.routing import (
     LeadershipEnded,
     NotLeader,
     Target,
-    answered_by,
     attempts,
     error,
     not_leader,
@@ -42,16 +43,10 @@ BUSY_WAIT_S = 0.01  # a continuation answered 503 (busy) is asked again this muc
 CUT = (*UPSTREAM_ERRORS, StreamCut, LeadershipEnded)
 
 
-class ClientGone(Exception):
-    """The client of a stream left: nothing to migrate, nobody to tell."""
-
-
-async def write(resp: web.StreamResponse, data: bytes) -> None:
-    """Write to the client; its hang-up is ClientGone, never mistaken for a cut upstream."""
-    try:
-        await resp.write(data)
-    except (ConnectionError, aiohttp.ClientConnectionError, RuntimeError) as e:
-        raise ClientGone(str(e)) from e
+class NotAStream(Exception):
+    """The engine answered a collected request with something other than an OpenAI stream
+    (an error, its own non-streamed body, another format): the request goes again as the
+    client sent it, relayed as bytes."""
 
 
 class Refused(Exception):
@@ -80,9 +75,9 @@ class StreamRelay:
                 up.close()
 
     async def relay(self, request: web.Request, st: Stream, deadline: float) -> web.StreamResponse:
-        """A streamed request: relayed chunk by chunk, and continued on the next primary
-        when cut (token replay), up to router.migration_limit times."""
-        sent: list[web.StreamResponse] = []  # the client's response, once prepared
+        """A generation as a stream: relayed chunk by chunk (or collected), and continued
+        on the next primary when cut (token replay), up to router.migration_limit times."""
+        out: Answer = JsonAnswer(request) if st.collect else SseAnswer(request)
         target = await self.r.first(deadline)
         tries, attempt = attempts(self.r.spec), 0
         reason = "no primary is serving"
@@ -96,10 +91,10 @@ class StreamRelay:
                 ):
                     raise NotLeader(f"{target.node or target.name} is not leading here")
                 async with self.r.view.serving(target):
-                    return await self._stream_once(request, st, target, sent)
-            except ClientGone:
+                    return await self._stream_once(request, st, target, out)
+            except ClientGone:  # (raised by a streamed client's writes only)
                 log.info("client went away", stream=True, tokens=len(st.emitted))
-                return sent[0]
+                return out.resp if isinstance(out, SseAnswer) and out.resp else web.Response()
             except Refused as e:
                 if e.status == 503 and time.monotonic() < deadline:  # busy: ask again
                     await asyncio.sleep(BUSY_WAIT_S)
@@ -107,23 +102,27 @@ class StreamRelay:
                 reason = f"the continuation on {target.name} was refused: {e}"
                 break
             except CUT as e:
-                if isinstance(e, NotLeader) and FORWARDED_BY in request.headers and not sent:
+                if isinstance(e, NotLeader) and FORWARDED_BY in request.headers and not out.opened:
                     return not_leader()
                 reason = f"primary {target.name} failed: {type(e).__name__}"
-                if isinstance(e, NotLeader) and target.remote and not sent:
+                if isinstance(e, NotLeader) and target.remote and not out.opened:
                     target = await self.r.view.again(target, deadline, NOT_LEADER_WAIT_S)
                     continue
-                if not sent or not st.wrote:  # nothing reached the client: a plain retry
+                if st.collect and not st.can_continue():  # no ids: asked again, whole
+                    st, out = st.fresh(), JsonAnswer(request)
+                if not out.opened or not st.wrote:  # nothing came through: a plain retry
                     attempt += 1
                     if attempt >= tries:
                         break
                     self.r.retried += 1
                     target = await self.r.next_primary(target.epoch, deadline)
                     continue
+                if st.collect:
+                    st.rewind()  # its client has seen nothing: held-back text is made again
                 if st.complete():  # the cut came after the last token
-                    return await self._finish(sent[0], st)
+                    return await self._finish(out, st)
                 if self.r.stopping and FORWARDED_BY in request.headers:
-                    return self._hand_back(request, st, sent[0])
+                    return self._hand_back(request, st, out)
                 why = self._unmigratable(st)
                 if why:
                     reason = f"{reason}; {why}"
@@ -137,18 +136,16 @@ class StreamRelay:
                         f"{reason}; no primary took over within router.retry_deadline_s "
                         f"({self.r.spec.retry_deadline_s:g} s)"
                     )
-        return await self._end_with_error(request, st, sent, reason)
+        return await self._end_with_error(request, st, out, reason)
 
-    def _hand_back(
-        self, request: web.Request, st: Stream, resp: web.StreamResponse
-    ) -> web.StreamResponse:
+    def _hand_back(self, request: web.Request, st: Stream, out: Answer) -> web.StreamResponse:
         """A forwarded stream cut while this node stops: the router that forwarded it
         continues it on the next leader from what its own client has seen, so it gets a
         cut (the connection aborted), not an error event it would pass on as the end."""
         log.info("stream_handed_back", by=request.headers[FORWARDED_BY], tokens=len(st.emitted))
         if request.transport is not None:
             request.transport.abort()
-        return resp
+        return out.resp if isinstance(out, SseAnswer) and out.resp else web.Response()
 
     def _unmigratable(self, st: Stream) -> str:
         if self.r.stopping:
@@ -178,42 +175,34 @@ class StreamRelay:
             self.r.emit("router", self.r.node or "main", event, epoch, **data)
 
     async def _end_with_error(
-        self, request: web.Request, st: Stream, sent: list[web.StreamResponse], reason: str
+        self, request: web.Request, st: Stream, out: Answer, reason: str
     ) -> web.StreamResponse:
-        """The end of a stream that cannot go on: a 502 before any byte, else an error
-        event and no [DONE]."""
+        """The end of a stream that cannot go on: a 502 (503 while stopping) before any byte
+        or to a collected request, else an error event and no [DONE]."""
         self.r.failed += 1
         log.warning("route_failed", path=request.path, error=reason)
         if st.pending:
             st.pending = False
             self.r.migrations["failed"] += 1
             self._event("migration-failed", 0, tokens=len(st.emitted), why=reason)
-        if not sent:
-            status = 503 if self.r.stopping else 502
-            return error(status, reason, "unavailable" if self.r.stopping else "upstream_error")
-        self.r.broken += 1
-        resp = sent[0]
-        with contextlib.suppress(ClientGone, *UPSTREAM_ERRORS):
-            await write(resp, migration.error_event(reason))
-            await resp.write_eof()
-        return resp
+        if isinstance(out, SseAnswer) and out.opened:
+            self.r.broken += 1
+            return await out.failed(reason)
+        status = 503 if self.r.stopping else 502
+        return error(status, reason, "unavailable" if self.r.stopping else "upstream_error")
 
-    async def _finish(self, resp: web.StreamResponse, st: Stream) -> web.StreamResponse:
-        for body in st.closing():
-            await write(resp, migration.sse(body))
-        await write(resp, migration.DONE)
-        with contextlib.suppress(ConnectionError):
-            await resp.write_eof()
+    async def _finish(self, out: Answer, st: Stream) -> web.StreamResponse:
+        resp = await out.done(st)
         if st.pending:
             st.pending = False
             self.r.migrations["succeeded"] += 1
         return resp
 
     async def _stream_once(
-        self, request: web.Request, st: Stream, target: Target, sent: list[web.StreamResponse]
+        self, request: web.Request, st: Stream, target: Target, out: Answer
     ) -> web.StreamResponse:
         """One upstream request of a stream: the original, or (after a cut) a continuation."""
-        cont = bool(sent) and st.wrote > 0
+        cont = out.opened and st.wrote > 0
         path = migration.COMPLETIONS if cont else str(request.rel_url)
         body = st.continuation() if cont else st.first_body()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
@@ -229,7 +218,7 @@ class StreamRelay:
             if not target.remote:
                 self._upstreams.setdefault(target.epoch, set()).add(up)
             try:
-                return await self._answer(request, st, target, sent, up, cont)
+                return await self._answer(request, st, target, out, up, cont)
             finally:
                 live = self._upstreams.get(target.epoch)
                 if live is not None:
@@ -242,7 +231,7 @@ class StreamRelay:
         request: web.Request,
         st: Stream,
         target: Target,
-        sent: list[web.StreamResponse],
+        out: Answer,
         up: aiohttp.ClientResponse,
         cont: bool,
     ) -> web.StreamResponse:
@@ -250,9 +239,11 @@ class StreamRelay:
         streaming = up.status == 200 and up.content_type == "text/event-stream"
         if not streaming and cont:
             raise Refused(up.status, (await up.read()).decode(errors="replace")[:500])
-        if not sent:
-            resp = self._response(up, target)
+        if not out.opened:
+            if not streaming and st.collect:
+                raise NotAStream(f"{target.name} answered {up.status} {up.content_type}")
             if not streaming:  # an error answer, or not a stream after all: as it is
+                resp = as_it_came(up, target)
                 first = await up.read()
                 await resp.prepare(request)
                 await resp.write(first)
@@ -260,27 +251,16 @@ class StreamRelay:
                 self.r.forwarded += 1
                 return resp
             first = await up.content.readany()  # failures up to here are retried
-            await resp.prepare(request)
-            sent.append(resp)
+            await out.open(up, target)
             self.r.forwarded += 1
-            return await self._pump(up, sent[0], st, cont, bytearray(first))
-        # an SSE comment (clients skip it) marks where the stream goes on elsewhere
-        await write(sent[0], migration.MIGRATED)
-        return await self._pump(up, sent[0], st, cont, bytearray())
-
-    def _response(self, up: aiohttp.ClientResponse, target: Target) -> web.StreamResponse:
-        resp = web.StreamResponse(status=up.status, reason=up.reason)
-        for k, v in up.headers.items():
-            if k.lower() not in HOP_BY_HOP and k.lower() != "content-encoding":
-                resp.headers.add(k, v)
-        if not target.remote:  # another router's response carries its own
-            answered_by(resp.headers, target)
-        return resp
+            return await self._pump(up, out, st, cont, bytearray(first))
+        await out.resumed(up, target)  # the stream goes on elsewhere
+        return await self._pump(up, out, st, cont, bytearray())
 
     async def _pump(
         self,
         up: aiohttp.ClientResponse,
-        resp: web.StreamResponse,
+        out: Answer,
         st: Stream,
         cont: bool,
         buf: bytearray,
@@ -290,24 +270,27 @@ class StreamRelay:
             for raw in migration.events(buf):
                 data = migration.data_of(raw)
                 if data == b"[DONE]":
-                    return await self._finish(resp, st)
+                    return await self._finish(out, st)
                 try:
                     obj = json.loads(data) if data is not None else None
                 except ValueError:
                     obj = None
                 if not isinstance(obj, dict):  # not a JSON chunk: through as it came
-                    await write(resp, raw)
+                    if st.collect and data is not None and not st.wrote:
+                        raise NotAStream(f"the stream's first event is not JSON: {data[:80]!r}")
+                    await out.event(raw)
                     st.wrote += 1
                     continue
                 if "error" in obj:  # the engine's own error end: through, then stop
-                    await write(resp, raw)
-                    await resp.write_eof()
-                    self.r.broken += 1
-                    return resp
+                    if isinstance(out, SseAnswer):
+                        self.r.broken += 1
+                    else:
+                        self.r.failed += 1
+                    return await out.engine_error(raw, obj["error"])
                 for body in st.reshape(obj) if cont else [obj]:
                     tokens = len(st.emitted)
                     st.seen(body)
-                    await write(resp, raw if not cont else migration.sse(body))
+                    await out.event(raw if not cont else migration.sse(body))
                     st.wrote += 1
                     if st.cut_at and len(st.emitted) > tokens:
                         self._resumed(st, tokens)
