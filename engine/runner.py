@@ -42,6 +42,7 @@ WARM_PREFILLS_CUDA = (*WARM_PREFILLS, (255,) * 4, (511,) * 16)
 __all__ = ["TOP_LOGPROBS_MAX", "Generation", "Job", "OnStep", "Runner", "Step"]
 
 log = structlog.get_logger("engine.runner")
+ALIGN = 2  # int64s in 16 bytes: every part of a step's copy starts at a multiple
 OP_STEP, OP_STOP = 1, 2
 
 
@@ -204,16 +205,26 @@ class Runner:
         tables: list[list[int]],
         triton: bool | None = None,
     ) -> tuple[torch.Tensor, Batch]:
-        """The step's tensors, sent to the device in one copy (int64 throughout)."""
+        """The step's tensors, sent to the device in one copy (int64 throughout). Each starts
+        16 bytes aligned in that copy: Triton specializes a kernel on whether each pointer
+        is, so a part at an odd offset would compile its kernels once more, mid-serving
+        (bench/results/first-step/NOTES.md)."""
         split, n = bounds[-1], len(ids)
         last = [b - 1 for b in bounds[1:]] + list(range(split, n))
         lengths = [p + 1 for p in pos[split:]]
-        flat = torch.tensor(ids + pos + slots + last + lengths + [t for r in tables for t in r])
+        parts_in = (ids, pos, slots, last, lengths, [t for r in tables for t in r])
+        sizes = [len(part) for part in parts_in]
+        padded = [-(-size // ALIGN) * ALIGN for size in sizes]
+        values: list[int] = []
+        for part, size, room in zip(parts_in, sizes, padded, strict=True):
+            values += part
+            values += [0] * (room - size)
+        flat = torch.tensor(values, dtype=torch.int64)
         if self.device.type == "cuda":
             flat = flat.pin_memory()
         flat = flat.to(self.device, non_blocking=True)
-        rest = flat.numel() - 3 * n - len(last) - len(lengths)
-        parts = torch.split(flat, [n, n, n, len(last), len(lengths), rest])
+        chunks = torch.split(flat, padded)
+        parts = [c[:size] for c, size in zip(chunks, sizes, strict=True)]
         batch = Batch(
             parts[1],
             parts[2],
