@@ -33,10 +33,8 @@ from engine.scheduler import Plan, Seq
 # then decode, and decode beside a prefill.
 WARM_PREFILLS: tuple[tuple[int, ...], ...] = ((1,), (17,), (32,), (33, 16))
 # On CUDA also what a migration brings a just-promoted standby at once: many continuations
-# of a few hundred tokens, up to a full prefill step. It keeps the first continuation's
-# step warm; a step of many continuations of lengths not run before still costs several
-# times its warm time once (bench/results/first-step/NOTES.md). On the CPU these would
-# cost seconds of every start.
+# of a few hundred tokens, up to a full prefill step (bench/results/first-step/NOTES.md).
+# On the CPU these would cost seconds of every start.
 WARM_PREFILLS_CUDA = (*WARM_PREFILLS, (255,) * 4, (511,) * 16)
 
 __all__ = ["TOP_LOGPROBS_MAX", "Generation", "Job", "OnStep", "Runner", "Step"]
