@@ -117,8 +117,10 @@ def kill_all(sup: Supervisor) -> list[int]:
     """SIGKILL the supervisor and every process under it, frozen first so none is added."""
     os.kill(sup.proc.pid, signal.SIGSTOP)
     tree = descendants(sup.proc.pid)
-    for pid in [sup.proc.pid, *tree]:
-        os.kill(pid, signal.SIGKILL)
+    os.kill(sup.proc.pid, signal.SIGKILL)
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):  # one that exited since the listing
+            os.kill(pid, signal.SIGKILL)
     sup.proc.wait(30)
     return tree
 
