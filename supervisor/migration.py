@@ -132,7 +132,10 @@ class Stream:
         prompt = self.prompt_ids if self.prompt_ids is not None else []
         body = {k: self.request[k] for k in KEEP if k in self.request}
         body.update(
-            prompt_token_ids=[*prompt, *self.emitted],
+            prompt=[
+                *prompt,
+                *self.emitted,
+            ],  # token ids: the reference engine and vLLM read them here
             max_tokens=self.left(),
             stream=True,
             return_token_ids=True,
