@@ -83,6 +83,16 @@ class CompletionRequest(Sampling, frozen=True):
     stop: str | list[str] | None = None
     return_token_ids: bool = False
     skip_special_tokens: bool = False
+    holdfast_warm: str = ""  # a prefix kept under this key may be continued (WarmRequest)
+
+
+class WarmRequest(msgspec.Struct, frozen=True):
+    """`POST /holdfast/warm`: prefill `prompt` and keep it under `key` for a continuation
+    (`holdfast_warm` in a completion request); with `forget`, give back what `key` keeps."""
+
+    key: str
+    prompt: list[int] = []
+    forget: bool = False
 
 
 class EmbeddingRequest(msgspec.Struct, frozen=True):

@@ -55,6 +55,7 @@ class BatchEngine:
         self._stopping = False
         self._requests: dict[int, Request] = {}
         self._step_ms, self._steps = 0.0, 0
+        self._reused = 0  # prompt tokens a kept prefix spared a step
         self._pending: list[Callable[[], None]] = []  # the last step's callbacks, not yet out
         self._thread = threading.Thread(target=self._loop, name="model", daemon=True)
 
@@ -75,10 +76,33 @@ class BatchEngine:
             top_logprobs=job.top_logprobs,
             ignore_eos=job.ignore_eos,
             cancel=cancel,
+            warm_key=job.warm_key if self.warms else "",
         )
+        return self._queue(seq, on_step)
+
+    @property
+    def warms(self) -> bool:
+        """Whether this engine keeps prefixes warm (one rank: a continued prompt's tokens
+        take rows the other ranks could not place)."""
+        return self.runner.tp.size == 1
+
+    def warm(self, key: str, prompt: tuple[int, ...]) -> concurrent.futures.Future[Generation]:
+        """Prefill `prompt` and keep its keys and values under `key` for a continuation of
+        it (only the tokens after what `key` already keeps are computed)."""
+        if not self.warms:
+            raise BadRequest("this engine runs tensor parallel and keeps no prefix warm")
+        seq = Seq(prompt, 1, ignore_eos=True, warm_key=key, warming=True)
+        return self._queue(seq, None)
+
+    def forget(self, key: str) -> bool:
+        """Give back what is kept under `key`; whether anything was."""
+        with self._lock:
+            return self.scheduler.forget(key)
+
+    def _queue(self, seq: Seq, on_step: OnStep | None) -> concurrent.futures.Future[Generation]:
         if not self.scheduler.fits_ever(seq.kv_tokens):
             raise BadRequest(
-                f"prompt ({len(job.prompt)} tokens) + `max_tokens` ({job.max_tokens}) needs "
+                f"prompt ({len(seq.prompt)} tokens) + `max_tokens` ({seq.max_tokens}) needs "
                 f"more KV cache than this engine has ({self.runner.cache.tokens} tokens); "
                 "shorten the prompt or lower max_tokens (or raise the engine's --kv-cache-mb)"
             )
@@ -111,6 +135,9 @@ class BatchEngine:
                 s.max_running,
                 round(self._step_ms, 3),
                 self._steps,
+                len(s.kept),
+                s.kept_blocks,
+                self._reused,
             )
 
     def embed(self, batch: list[list[int]]) -> list[list[float]]:
@@ -163,6 +190,7 @@ class BatchEngine:
             self.scheduler.record(plan, steps, lambda seq: out.append(self._finisher(seq)))
             self._step_ms = (time.perf_counter() - t0) * 1e3
             self._steps += 1
+            self._reused += sum(seq.cached for seq in plan.prefill)
         self._pending += out  # out with the next step's launch, or when the loop idles
 
     def _flush(self) -> None:

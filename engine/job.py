@@ -32,6 +32,7 @@ class Job(msgspec.Struct, frozen=True):
     max_tokens: int
     top_logprobs: int = 0
     ignore_eos: bool = False
+    warm_key: str = ""  # a kept prefix this request may continue (engine.scheduler)
 
 
 OnStep = Callable[[Step], None]
@@ -47,3 +48,6 @@ class Stats(msgspec.Struct, frozen=True):
     max_batch: int
     step_ms: float  # the last step's wall time
     steps: int
+    kept_prefixes: int = 0  # streams' pasts kept warm (engine.scheduler)
+    kv_blocks_kept: int = 0  # the blocks they hold (part of kv_blocks_used)
+    reused_tokens: int = 0  # prompt tokens not computed again: a kept prefix held them

@@ -118,9 +118,18 @@ class Metrics:
         blocks = GaugeMetricFamily(
             PREFIX + "kv_blocks", "KV cache blocks, by state", labels=["state"]
         )
-        blocks.add_metric(["used"], st.kv_blocks_used)
+        blocks.add_metric(["used"], st.kv_blocks_used - st.kv_blocks_kept)
+        blocks.add_metric(["kept"], st.kv_blocks_kept)
         blocks.add_metric(["free"], st.kv_blocks_free)
         yield blocks
+        yield _gauge(
+            "kept_prefixes", "streams' pasts kept warm for a continuation", st.kept_prefixes
+        )
+        yield CounterMetricFamily(
+            PREFIX + "reused_prompt_tokens",
+            "prompt tokens not computed again: a kept prefix held their keys and values",
+            value=st.reused_tokens,
+        )
         yield _gauge("step_ms", "wall time of the last model step", st.step_ms)
         yield CounterMetricFamily(PREFIX + "steps", "model steps run", value=st.steps)
 

@@ -171,7 +171,8 @@ class Runner:
     # ---- all ranks ----
     @torch.inference_mode()
     def _run(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor:
-        if batch.prefill_tokens == 0 and self.graphs is not None:
+        rows = batch.last.shape[0]  # one a token, unless kept prefixes continue in the step
+        if batch.prefill_tokens == 0 and rows == ids.shape[0] and self.graphs is not None:
             out = self.graphs.replay(ids, batch)
             if out is not None:
                 return out
@@ -181,18 +182,30 @@ class Runner:
         return sample(self.model(ids, batch, self.cache))
 
     def _inputs(self, plan: Plan, triton: bool | None = None) -> tuple[torch.Tensor, Batch]:
+        """A step's tensors. Its token axis: the prompts prefilled whole, then the fresh
+        tokens of prompts continuing a kept prefix (`Seq.cached`), then one token per
+        running request. A continued prompt's tokens attend like decode queries (each
+        to its request's blocks up to itself: its keys are stored first), so they ride
+        in the decode part of the step, one row each."""
         bs = self.cache.block_size
-        ids = [t for s in plan.prefill for t in s.prompt] + [s.last_token for s in plan.decode]
-        pos = [p for s in plan.prefill for p in range(len(s.prompt))]
-        pos += [s.position for s in plan.decode]
-        seqs = [s for s in plan.prefill for _ in s.prompt] + list(plan.decode)
+        whole = [s for s in plan.prefill if not s.cached]
+        rows = [(s, p) for s in plan.prefill if s.cached for p in range(s.cached, len(s.prompt))]
+        rows += [(s, s.position) for s in plan.decode]
+        ids = [t for s in whole for t in s.prompt]
+        ids += [s.prompt[p] if p < len(s.prompt) else s.last_token for s, p in rows]
+        pos = [p for s in whole for p in range(len(s.prompt))] + [p for _, p in rows]
+        seqs = [s for s in whole for _ in s.prompt] + [s for s, _ in rows]
         slots = [s.blocks[p // bs] * bs + p % bs for s, p in zip(seqs, pos, strict=True)]
         bounds = [0]
-        for s in plan.prefill:
+        for s in whole:
             bounds.append(bounds[-1] + len(s.prompt))
-        width = max((len(s.blocks) for s in plan.decode), default=0)
-        tables = [s.blocks + [0] * (width - len(s.blocks)) for s in plan.decode]
-        return self._batch(ids, pos, slots, bounds, tables, triton)
+        width = max((len(s.blocks) for s, _ in rows), default=0)
+        tables = [s.blocks + [0] * (width - len(s.blocks)) for s, _ in rows]
+        last: list[int] | None = None
+        if len(whole) < len(plan.prefill):  # each request's last token, in plan.seqs order
+            ends = {s.id: i for i, s in enumerate(seqs)}  # (the last index of each wins)
+            last = [ends[s.id] for s in plan.seqs]
+        return self._batch(ids, pos, slots, bounds, tables, triton, last)
 
     def _batch(
         self,
@@ -202,13 +215,15 @@ class Runner:
         bounds: list[int],
         tables: list[list[int]],
         triton: bool | None = None,
+        last: list[int] | None = None,
     ) -> tuple[torch.Tensor, Batch]:
         """The step's tensors, sent to the device in one copy (int64 throughout). Each starts
         16 bytes aligned in that copy: Triton specializes a kernel on whether each pointer
         is, so a part at an odd offset would compile its kernels once more, mid-serving
         (bench/results/first-step/NOTES.md)."""
         split, n = bounds[-1], len(ids)
-        last = [b - 1 for b in bounds[1:]] + list(range(split, n))
+        if last is None:
+            last = [b - 1 for b in bounds[1:]] + list(range(split, n))
         lengths = [p + 1 for p in pos[split:]]
         parts_in = (ids, pos, slots, last, lengths, [t for r in tables for t in r])
         sizes = [len(part) for part in parts_in]

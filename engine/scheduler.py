@@ -9,6 +9,14 @@ batch has room; nothing behind it jumps the queue, so no request starves. A requ
 the blocks for its whole length (prompt + max_tokens) when it is admitted, so a running
 request never runs out of cache and is never preempted; a request that ends early gives
 its blocks back at once.
+
+A prefix may be kept warm (`warm`): a standby prefills the prompt and tokens so far of a
+stream another engine serves, under the stream's key, and keeps their blocks. A
+continuation naming that key (`Seq.warm_key`) takes those blocks over and prefills only
+the tokens after them (`Seq.cached`), so a promoted standby resumes a migrated stream
+without computing its whole past again. Kept prefixes give their blocks back when told
+(`forget`), when their continuation takes them, when a request needs the blocks (least
+recently warmed first), or after `WARM_TTL_S` unused.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -25,6 +34,7 @@ from engine.job import Step
 from engine.kvcache import BlockPool, blocks_for
 
 _ids = itertools.count()
+WARM_TTL_S = 120.0  # a kept prefix no continuation took is dropped after this long
 
 
 class Seq:
@@ -38,6 +48,8 @@ class Seq:
         top_logprobs: int = 0,
         ignore_eos: bool = False,
         cancel: threading.Event | None = None,
+        warm_key: str = "",
+        warming: bool = False,
     ) -> None:
         self.id = next(_ids)
         self.prompt, self.max_tokens = prompt, max_tokens
@@ -46,11 +58,20 @@ class Seq:
         self.out: list[Step] = []
         self.blocks: list[int] = []
         self.finish_reason = ""
+        # the kept prefix this request takes over (a continuation), or keeps (`warming`:
+        # a prefill only, whose blocks are kept under the key when it ends)
+        self.warm_key, self.warming = warm_key, warming
+        self.cached = 0  # leading prompt positions whose keys and values are in `blocks`
 
     @property
     def kv_tokens(self) -> int:
         """Positions this request ever writes: the last sampled token is never fed back."""
         return len(self.prompt) + self.max_tokens - 1
+
+    @property
+    def fresh(self) -> int:
+        """Prompt tokens its prefill computes (those after the kept prefix)."""
+        return len(self.prompt) - self.cached
 
     @property
     def position(self) -> int:
@@ -60,6 +81,14 @@ class Seq:
     @property
     def last_token(self) -> int:
         return self.out[-1].token
+
+
+class Kept(msgspec.Struct):
+    """A warm prefix: its tokens, the blocks holding their keys and values, when last used."""
+
+    tokens: tuple[int, ...]
+    blocks: list[int]
+    used: float
 
 
 class Plan(msgspec.Struct, frozen=True):
@@ -90,6 +119,7 @@ class Scheduler:
         self.prefill_tokens = prefill_tokens
         self.waiting: collections.deque[Seq] = collections.deque()
         self.running: list[Seq] = []
+        self.kept: collections.OrderedDict[str, Kept] = collections.OrderedDict()
 
     def add(self, seq: Seq) -> None:
         if len(self.waiting) >= self.max_waiting:
@@ -97,6 +127,10 @@ class Scheduler:
                 f"{len(self.waiting)} requests already wait for the KV cache "
                 f"(the engine's --max-waiting); retry later"
             )
+        if seq.warm_key and not seq.warming:  # its past is what it brings: keep no more of it
+            for other in self.waiting:
+                if other.warming and other.warm_key == seq.warm_key:
+                    other.cancel.set()
         self.waiting.append(seq)
 
     def fits_ever(self, tokens: int) -> bool:
@@ -116,19 +150,72 @@ class Scheduler:
         decode = tuple(self.running)
         admitted: list[Seq] = []
         budget = self.prefill_tokens
+        self._expire(time.monotonic())
         while self.waiting and len(self.running) + len(admitted) < self.max_running:
             head = self.waiting[0]
-            need = blocks_for(head.kv_tokens, self.block_size)
-            if need > self.pool.free or (admitted and len(head.prompt) > budget):
+            kept = self._kept_for(head)
+            have = len(kept.blocks) if kept is not None else 0
+            need = blocks_for(head.kv_tokens, self.block_size) - have
+            fresh = len(head.prompt) - (kept_len(kept, head) if kept is not None else 0)
+            if admitted and fresh > budget:
                 break
+            if need > self.pool.free:
+                self._evict(need, keep=head.warm_key)
+                if need > self.pool.free:
+                    break
             self.waiting.popleft()
-            head.blocks = self.pool.take(need)
+            if kept is not None:
+                del self.kept[head.warm_key]
+                head.blocks, head.cached = kept.blocks, kept_len(kept, head)
+            head.blocks = head.blocks + self.pool.take(need)
             admitted.append(head)
-            budget -= len(head.prompt)
+            budget -= head.fresh
         self.running.extend(admitted)
         if not admitted and not decode:
             return None
         return Plan(tuple(admitted), decode)
+
+    # ---- kept prefixes ----
+    def forget(self, key: str) -> bool:
+        """Give back the blocks kept under `key` and cancel a prefill that would keep
+        more; whether any were kept."""
+        for seq in (*self.waiting, *self.running):
+            if seq.warming and seq.warm_key == key:
+                seq.cancel.set()
+        return self._release(key)
+
+    def _release(self, key: str) -> bool:
+        kept = self.kept.pop(key, None)
+        if kept is not None:
+            self.pool.give_back(kept.blocks)
+        return kept is not None
+
+    @property
+    def kept_blocks(self) -> int:
+        return sum(len(k.blocks) for k in self.kept.values())
+
+    def _kept_for(self, seq: Seq) -> Kept | None:
+        """The prefix kept under the request's key, if its tokens begin the prompt."""
+        kept = self.kept.get(seq.warm_key) if seq.warm_key else None
+        if kept is None or seq.prompt[: len(kept.tokens)] != kept.tokens:
+            if kept is not None:  # another past under this key: of no use to anyone now
+                self._release(seq.warm_key)
+            return None
+        return kept
+
+    def _evict(self, need: int, keep: str) -> None:
+        """Free kept prefixes, least recently warmed first, until `need` blocks are free."""
+        for key in [k for k in self.kept if k != keep]:
+            if self.pool.free >= need:
+                return
+            self._release(key)
+
+    def _expire(self, now: float) -> None:
+        while self.kept:
+            key, kept = next(iter(self.kept.items()))
+            if now - kept.used < WARM_TTL_S:
+                return
+            self._release(key)
 
     def record(self, plan: Plan, sampled: list[Step], on_done: Callable[[Seq], None]) -> None:
         """Append each request's new token; end those that hit EOS or max_tokens."""
@@ -155,5 +242,19 @@ class Scheduler:
 
     def _finish(self, seq: Seq, reason: str, on_done: Callable[[Seq], None]) -> None:
         seq.finish_reason = reason
-        self.drop(seq)
+        if seq.warming and reason != "cancelled" and seq in self.running:
+            self.running.remove(seq)  # its blocks are kept, not given back
+            self._release(seq.warm_key)
+            keep = blocks_for(len(seq.prompt), self.block_size)
+            self.pool.give_back(seq.blocks[keep:])
+            self.kept[seq.warm_key] = Kept(seq.prompt, seq.blocks[:keep], time.monotonic())
+            seq.blocks = []
+        else:
+            self.drop(seq)
         on_done(seq)
+
+
+def kept_len(kept: Kept, seq: Seq) -> int:
+    """Prompt positions of `seq` a kept prefix covers: all its tokens, less the prompt's
+    last, which the prefill must compute to sample what follows it."""
+    return min(len(kept.tokens), len(seq.prompt) - 1)

@@ -12,7 +12,7 @@ import threading
 from typing import Protocol
 
 from engine.batcher import Post
-from engine.errors import QueueFull
+from engine.errors import BadRequest, QueueFull
 from engine.job import Generation, Job, OnStep, Stats, Step
 
 
@@ -77,6 +77,14 @@ class SerialEngine:
 
     def embed(self, batch: list[list[int]]) -> list[list[float]]:
         return self._pool.submit(self.model.embed, batch).result()
+
+    warms = False  # keeps no prefix: each request runs the model over its whole input
+
+    def warm(self, key: str, prompt: tuple[int, ...]) -> concurrent.futures.Future[Generation]:
+        raise BadRequest("this engine keeps no prefix warm (a transformers model, one at a time)")
+
+    def forget(self, key: str) -> bool:
+        return False
 
     def wake(self) -> None:
         """Nothing to wake: a cancelled request stops at its next step by itself."""

@@ -20,6 +20,7 @@ import structlog
 from aiohttp import web
 
 from engine import api, chat
+from engine.api import InvalidField
 from engine.batcher import Post
 from engine.errors import BadRequest, QueueFull, Unavailable
 from engine.job import Generation, Job, OnStep, Stats, Step
@@ -47,6 +48,13 @@ class Model(Protocol):
     def wake(self) -> None: ...
 
     def stats(self) -> Stats: ...
+
+    @property
+    def warms(self) -> bool: ...  # whether `warm` keeps prefixes
+
+    def warm(self, key: str, prompt: tuple[int, ...]) -> concurrent.futures.Future[Generation]: ...
+
+    def forget(self, key: str) -> bool: ...
 
     def follow(self) -> int: ...
 
@@ -84,6 +92,7 @@ class EngineServer:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_post("/holdfast/warm", self.warm)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_text)
         return app
@@ -232,7 +241,7 @@ class EngineServer:
         self._check_serving("generate")
         req = api.decode_body(await request.read(), api.CompletionRequest)
         prompt, max_tokens = api.completion_prompt(req, self.tokenizer, self.limits)
-        job = Job(tuple(prompt), max_tokens, req.logprobs or 0, req.ignore_eos)
+        job = Job(tuple(prompt), max_tokens, req.logprobs or 0, req.ignore_eos, req.holdfast_warm)
         out = CompletionReply(
             self.model_id,
             self.tokenizer,
@@ -258,6 +267,29 @@ class EngineServer:
             usage = req.stream_options is not None and req.stream_options.include_usage
             return await self._stream(request, job, out, usage)
         return web.json_response(await self._generate(job, out))
+
+    async def warm(self, request: web.Request) -> web.Response:
+        """Keep a stream's past warm here (a standby, or any engine ready), so that its
+        continuation, if this engine is promoted, prefills only what came after
+        (engine/scheduler.py). Not counted in flight: a standby warming is still idle."""
+        if self.state not in ("ready", "serving"):
+            raise Unavailable(f"engine {self.name} is {self.state} and keeps nothing warm")
+        req = api.decode_body(await request.read(), api.WarmRequest)
+        if req.forget:
+            return web.json_response({"key": req.key, "forgotten": self.model.forget(req.key)})
+        if not req.key:
+            raise InvalidField("`key` is empty; name the stream to keep warm", "key")
+        api.check_ids(req.prompt, self.limits, "prompt")
+        if len(req.prompt) >= self.limits.max_model_len:
+            raise InvalidField(
+                f"`prompt` has {len(req.prompt)} tokens; this engine's context is "
+                f"{self.limits.max_model_len}",
+                "prompt",
+            )
+        t0 = time.perf_counter()
+        await asyncio.wrap_future(self.model.warm(req.key, tuple(req.prompt)))
+        ms = round((time.perf_counter() - t0) * 1e3, 2)
+        return web.json_response({"key": req.key, "kept": len(req.prompt), "ms": ms})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(chat.models_body(self.model_id))

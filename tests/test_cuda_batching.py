@@ -128,3 +128,22 @@ def test_a_request_alone_decodes_after_a_long_batch(tiny_model: Path) -> None:
         assert e.run(job).tokens == first.tokens
     finally:
         e.stop_followers()
+
+
+def test_a_continuation_of_a_kept_past_gives_the_uninterrupted_tokens(tiny_model: Path) -> None:
+    """On CUDA a continued prompt's fresh tokens run in the decode part of the step, through
+    the Triton kernel (engine/runner.py `_inputs`); float32: the same tokens as the whole
+    stream, beside other requests and a captured decode graph's steps."""
+    e = build_engine(tiny_model, device="cuda:0", graphs=True)
+    e.start()
+    try:
+        prompt = (5, 17, 99, 3, 250, 42, 7, 11, 130)
+        whole = e.run(Job(prompt, 64, ignore_eos=True)).tokens
+        e.warm("k", prompt + tuple(whole[:20])).result(timeout=60)
+        e.warm("k", prompt + tuple(whole[:40])).result(timeout=60)
+        beside = e.submit(Job(prompt, 64, ignore_eos=True))
+        cont = e.run(Job(prompt + tuple(whole[:45]), 19, ignore_eos=True, warm_key="k"))
+        assert cont.tokens == whole[45:] and beside.result(timeout=60).tokens == whole
+        assert e.stats().reused_tokens >= len(prompt) + 40
+    finally:
+        e.stop_followers()

@@ -241,6 +241,7 @@ def test_metrics_count_requests_and_startup_phases(engines: dict[str, EngineProc
     assert samples[("holdfast_engine_info", info)] == 1
     assert {s.labels["state"] for s in families["holdfast_engine_kv_blocks"].samples} == {
         "used",
+        "kept",
         "free",
     }
 
