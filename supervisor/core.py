@@ -23,6 +23,7 @@ import structlog
 from holdfast_contract.agent_protocol import Ack, Drain, Heartbeat, Hello, Promote, StateChange
 from holdfast_contract.control import ClusterStatus, DaemonStatus
 from supervisor import decisions
+from supervisor.engine_kinds import kind_of
 from supervisor.errors import ControlError, StartupError
 from supervisor.events import EngineUnitState, EventBus
 from supervisor.exitwatch import ExitWatch, is_exiting
@@ -97,6 +98,7 @@ class Cluster:
             ExitWatch(poll_ms / 1000.0, self._exiting, self.realtime) if poll_ms else None
         )
         self.engines: dict[str, Engine] = {e.name: e for e in engines_of(policy)}
+        self.warms = policy.router.warm_every > 0 and kind_of(policy).warms
 
     # ---- the one way an engine's state changes ----
     def _move(self, e: Engine, event: str, to: EngineState | None = None, **data: Any) -> None:
@@ -104,6 +106,17 @@ class Cluster:
         raises IllegalTransition when there is no such row."""
         move(e, ENGINE, event, to)
         self.publish(e, event, **data)
+        self._name_heir()
+
+    def _name_heir(self) -> None:
+        """Tell the router which standby is promoted next: it keeps streams' pasts warm
+        there (router.warm_every), if this kind of engine keeps them."""
+        h = self.best_standby() if self.warms else None
+        now = self.view.heir
+        if h is None:
+            self.view.heir = None
+        elif now is None or now.name != h.name or now.port != h.port:
+            self.view.heir = Target(h.name, h.port, 0)
 
     def publish(self, e: Engine, event: str, **data: Any) -> None:
         data.setdefault("pid", e.pid)
@@ -329,7 +342,11 @@ class Cluster:
 
     # ---- promotion ----
     def best_standby(self) -> Engine | None:
-        return decisions.best_standby(self.engines.values(), time.monotonic(), self.windows.hang_s)
+        """The standby to promote: the one the router keeps pasts warm on, if ready."""
+        heir = self.view.heir.name if self.view.heir is not None else None
+        return decisions.best_standby(
+            self.engines.values(), time.monotonic(), self.windows.hang_s, prefer=heir
+        )
 
     def _promote_best(
         self,

@@ -56,9 +56,12 @@ def earliest(a: float | None, b: float | None) -> float | None:
 
 
 # ---- promotion ----
-def best_standby(engines: Iterable[Engine], now: float, hang_s: float) -> Engine | None:
-    """The ready standby to promote: one whose heartbeat is fresh, the least loaded first,
-    then the most recently heard from."""
+def best_standby(
+    engines: Iterable[Engine], now: float, hang_s: float, prefer: str | None = None
+) -> Engine | None:
+    """The ready standby to promote: one whose heartbeat is fresh; `prefer` first (the
+    router keeps streams' pasts warm there), then the least loaded, then the most recently
+    heard from."""
     ready = [
         e
         for e in engines
@@ -67,7 +70,9 @@ def best_standby(engines: Iterable[Engine], now: float, hang_s: float) -> Engine
         and not e.inc.handled
         and now - e.last_beat < hang_s
     ]
-    return min(ready, key=lambda e: (e.in_flight, now - e.last_beat), default=None)
+    return min(
+        ready, key=lambda e: (e.name != prefer, e.in_flight, now - e.last_beat), default=None
+    )
 
 
 # ---- liveness ----

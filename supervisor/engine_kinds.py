@@ -111,13 +111,14 @@ class Kind:
     errors: Callable[..., list[str]] = _no_errors  # (p, *, schema_only) -> what to change
     probes: tuple[Probe, ...] = ()  # beyond readiness and health (`HEALTH`)
     forks: Callable[[Policy], Forks | None] = _reference_forks  # its fork server, if any
+    warms: bool = True  # keeps a stream's past warm (`POST /holdfast/warm`, engine/server.py)
 
 
 KINDS: dict[str, Kind] = {
     k.name: k
     for k in (
         Kind("holdfast"),  # engines.command as given; the agent, or engines.health: http
-        Kind("vllm", vllm_kind.resolve, vllm_kind.errors, (vllm_load,), _vllm_forks),
+        Kind("vllm", vllm_kind.resolve, vllm_kind.errors, (vllm_load,), _vllm_forks, warms=False),
     )
 }
 

@@ -35,6 +35,7 @@ from holdfast_contract.events import Event
 from supervisor.aio import cancel_all
 from supervisor.events import EventBus
 from supervisor.migration import Stalls
+from supervisor.warming import Warmer
 
 PREFIX = "holdfast_supervisor_"
 KINDS = ("daemon", "engine")
@@ -55,6 +56,7 @@ class RouterCounts(Protocol):
     broken: int
     migrations: dict[str, int]  # attempted, succeeded, failed
     stalls: Stalls
+    warmer: Warmer
 
 
 @dataclass
@@ -264,6 +266,14 @@ class SupervisorMetrics:
             for outcome, n in r.migrations.items():
                 migrations.add_metric([outcome], n)
             yield migrations
+            warms = CounterMetricFamily(
+                PREFIX + "router_warm_requests",
+                "streams' pasts sent to the next standby to keep warm, by outcome",
+                labels=["outcome"],
+            )
+            warms.add_metric(["kept"], r.warmer.sent)
+            warms.add_metric(["failed"], r.warmer.failed)
+            yield warms
             yield HistogramMetricFamily(
                 PREFIX + "router_stream_stall_seconds",
                 "a migrated stream's last token before the cut to its first after it",

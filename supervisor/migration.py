@@ -89,6 +89,12 @@ class Stream:
     pending: bool = False  # a migration under way: it succeeds at [DONE]
     wrote: int = 0  # events written to the client
     epoch: int = 0  # of the primary answering now
+    # kept warm on the next standby (supervisor/warming.py): under this key, on that engine,
+    # this many tokens of prompt and answer; one warm request at a time
+    warm_key: str = ""
+    warmed_on: str = ""
+    warmed: int = 0
+    warming: bool = False
 
     @property
     def chat(self) -> bool:
@@ -115,7 +121,7 @@ class Stream:
         return json.dumps(body).encode()
 
     def fresh(self) -> Stream:
-        """The same request with nothing received yet."""
+        """The same request with nothing received yet (what was kept warm is stale)."""
         return Stream(self.path, self.request, collect=self.collect)
 
     def can_continue(self) -> bool:
@@ -127,8 +133,9 @@ class Stream:
         m = self.max_tokens
         return None if m is None else m - len(self.emitted)
 
-    def continuation(self) -> bytes:
-        """The `/v1/completions` body that continues this stream where it was cut."""
+    def continuation(self, warm_key: str = "") -> bytes:
+        """The `/v1/completions` body that continues this stream where it was cut (naming
+        the key its past is kept warm under on that engine, if any)."""
         prompt = self.prompt_ids if self.prompt_ids is not None else []
         body = {k: self.request[k] for k in KEEP if k in self.request}
         body.update(
@@ -142,6 +149,8 @@ class Stream:
         )
         if self.chat:  # as the chat reply decodes, unless the request said otherwise
             body.setdefault("skip_special_tokens", True)
+        if warm_key:
+            body["holdfast_warm"] = warm_key
         return json.dumps(body).encode()
 
     def rewind(self) -> None:

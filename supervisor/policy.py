@@ -123,6 +123,9 @@ class RouterSpec(_Spec, frozen=True):
     retry_deadline_s: float = 5.0
     upstream_timeout_s: float = 300.0
     migration_limit: int = 3  # continuations of one cut stream; 0: none (a cut ends it)
+    # keep each stream's past warm on the next standby every this many tokens, so a
+    # continuation there prefills only what came after (reference engines); 0: never
+    warm_every: int = 32
 
 
 class ApiSpec(_Spec, frozen=True):
@@ -257,6 +260,8 @@ def semantic_errors(p: Policy, *, schema_only: bool = False) -> list[str]:
         errors.append("$.restart: need max_restarts >= 0 and window_s > 0")
     if p.events.queue < 1:
         errors.append("$.events.queue: must be at least 1")
+    if p.router.warm_every < 0:
+        errors.append("$.router.warm_every: must be 0 (off) or more tokens")
     if p.cluster is not None:
         errors += cluster_errors(p.cluster, miss_window_s(p))
         if not p.cluster.advertise:

@@ -49,6 +49,7 @@ from supervisor.routing import (
     not_leader,
 )
 from supervisor.streams import NotAStream, StreamRelay
+from supervisor.warming import Warmer
 
 __all__ = ["LeadershipEnded", "NotLeader", "PrimaryView", "Router", "Target", "attempts", "choose"]
 
@@ -76,6 +77,7 @@ class Router:
         self.in_flight = 0
         self._stopped = asyncio.Event()
         self.streams = StreamRelay(self)
+        self.warmer = Warmer(self)
         self._session: aiohttp.ClientSession | None = None
 
     def stop(self) -> None:

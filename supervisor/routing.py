@@ -104,6 +104,9 @@ class PrimaryView:
 
     def __init__(self) -> None:
         self.target: Target | None = None
+        # the standby promoted next, where the router keeps streams' pasts warm (None:
+        # none ready, or the engines keep nothing warm; set by the supervisor)
+        self.heir: Target | None = None
         self._changed = asyncio.Event()
         self._acked = asyncio.Event()
         self._listeners: list[Callable[[Target | None], None]] = []

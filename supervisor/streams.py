@@ -77,6 +77,12 @@ class StreamRelay:
     async def relay(self, request: web.Request, st: Stream, deadline: float) -> web.StreamResponse:
         """A generation as a stream: relayed chunk by chunk (or collected), and continued
         on the next primary when cut (token replay), up to router.migration_limit times."""
+        try:
+            return await self._relay(request, st, deadline)
+        finally:
+            self.r.warmer.ended(st)
+
+    async def _relay(self, request: web.Request, st: Stream, deadline: float) -> web.StreamResponse:
         out: Answer = JsonAnswer(request) if st.collect else SseAnswer(request)
         target = await self.r.first(deadline)
         tries, attempt = attempts(self.r.spec), 0
@@ -204,7 +210,7 @@ class StreamRelay:
         """One upstream request of a stream: the original, or (after a cut) a continuation."""
         cont = out.opened and st.wrote > 0
         path = migration.COMPLETIONS if cont else str(request.rel_url)
-        body = st.continuation() if cont else st.first_body()
+        body = st.continuation(self.r.warmer.key_for(st, target)) if cont else st.first_body()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         headers["Content-Type"] = "application/json"
         headers.pop("Content-Encoding", None)
@@ -294,6 +300,8 @@ class StreamRelay:
                     st.wrote += 1
                     if st.cut_at and len(st.emitted) > tokens:
                         self._resumed(st, tokens)
+                    if len(st.emitted) > tokens:
+                        self.r.warmer.heard(st)
             chunk = await up.content.readany()
             if not chunk:
                 raise StreamCut("the upstream stream ended before data: [DONE]")

@@ -1,0 +1,62 @@
+"""Streams' pasts kept warm on the next standby: while a stream runs, the router sends its
+past to the standby promoted next every `router.warm_every` tokens; when the primary is
+killed, the continuation there computes only the tokens after the last past kept, and the
+client's stream is the same as without the fault. With `warm_every: 0` nothing is kept and
+the continuation computes the whole past.
+
+Real `supervisor run` and engines on the tiny checkpoint; sizes in tokens."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.engines.harness import get
+from tests.test_router_streams import PROMPT, TOKENS, boot, cut_stream, get_text, stream, token_ids
+
+
+def engine_metric(port: int, name: str) -> float:
+    for line in get_text(f"http://127.0.0.1:{port}/metrics").splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not on engine :{port}/metrics")
+
+
+@pytest.mark.parametrize("every", [8, 0])
+def test_a_killed_primarys_stream_continues_from_what_the_standby_kept(
+    tmp_path: Path, tiny_model: Path, every: int
+) -> None:
+    sup = boot(tmp_path, tiny_model, router={"warm_every": every})
+    try:
+        sup.wait_pair()
+        reference = list(stream(sup.router, prompt_token_ids=PROMPT, max_tokens=TOKENS))
+        standby = get(f"{sup.api}/standby")[1][0]
+        # the reference stream ended: the standby was told to forget its past
+        name = "holdfast_engine_kept_prefixes"
+        deadline = time.monotonic() + 10
+        while engine_metric(standby["port"], name) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine_metric(standby["port"], name) == 0
+        mark = sup.tap.mark()
+        events = cut_stream(sup, prompt_token_ids=PROMPT, max_tokens=TOKENS)
+        promoted = sup.wait(lambda e: e.event == "promoted", timeout=10, after=mark)
+        assert promoted.name == standby["name"]
+        assert events[-1] == b"[DONE]" and token_ids(events) == token_ids(reference)
+        reused = engine_metric(standby["port"], "holdfast_engine_reused_prompt_tokens_total")
+        if every:
+            # kept at least once after the first 8 tokens: the continuation's prefill
+            # skipped the prompt and those
+            assert reused >= len(PROMPT) + every
+        else:
+            assert reused == 0
+        router = get_text(f"{sup.api}/metrics")
+        line = 'holdfast_supervisor_router_warm_requests_total{outcome="kept"}'
+        sent = [float(ln.split()[-1]) for ln in router.splitlines() if ln.startswith(line)]
+        assert (sent[0] > 0) == bool(every)
+        assert sup.stop(signal.SIGTERM) == 0, sup.output()
+    finally:
+        if sup.proc.poll() is None:
+            sup.stop(signal.SIGKILL)
