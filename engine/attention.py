@@ -38,6 +38,9 @@ class Batch:
     tables: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
     triton: bool = False
+    # rows of the decode part that continue a kept prefix, one (first, end, context) per
+    # request, host ints: off CUDA each request's blocks are gathered once for all its rows
+    extend: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def prefill_tokens(self) -> int:
@@ -72,13 +75,59 @@ def attend(
     if split == q.shape[0]:
         return _prefill(q, k, v, batch.bounds)
     assert batch.tables is not None and batch.lengths is not None
-    decode = paged_decode if batch.triton else _decode_gather
     if split == 0:
-        return decode(q, k_cache, v_cache, batch.tables, batch.lengths)
+        return _decode(q, k_cache, v_cache, batch)
     out = torch.empty_like(q)
     out[:split] = _prefill(q[:split], k[:split], v[:split], batch.bounds)
-    out[split:] = decode(q[split:], k_cache, v_cache, batch.tables, batch.lengths)
+    out[split:] = _decode(q[split:], k_cache, v_cache, batch)
     return out
+
+
+def _decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Batch
+) -> torch.Tensor:
+    """The decode part: one query a row against its request's cached keys (on CUDA the
+    Triton kernel, in place). Off CUDA the rows of a continued prompt come first, and
+    each such request's blocks are gathered once for all of its rows."""
+    tables, lengths = batch.tables, batch.lengths
+    assert tables is not None and lengths is not None
+    if batch.triton:
+        return paged_decode(q, k_cache, v_cache, tables, lengths)
+    if not batch.extend:
+        return _decode_gather(q, k_cache, v_cache, tables, lengths)
+    out = torch.empty_like(q)
+    for a, b, context in batch.extend:
+        out[a:b] = _extend_gather(q[a:b], k_cache, v_cache, tables[a], lengths[a:b], context)
+    rest = batch.extend[-1][1]
+    if rest < q.shape[0]:
+        out[rest:] = _decode_gather(q[rest:], k_cache, v_cache, tables[rest:], lengths[rest:])
+    return out
+
+
+def _extend_gather(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    lengths: torch.Tensor,
+    context: int,
+) -> torch.Tensor:
+    """The fresh tokens of one continued prompt: each query attends to the request's first
+    `lengths[i]` positions (its own included), from its blocks gathered once."""
+    block = k_cache.shape[1]
+    blocks = table[: -(-context // block)].long()
+    k = k_cache[blocks].flatten(0, 1)[:context]  # (positions, kv_heads, dim)
+    v = v_cache[blocks].flatten(0, 1)[:context]
+    mask = torch.arange(context, device=q.device)[None, :] < lengths[:, None]
+    with sdpa_kernel(BACKENDS):
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=mask[None],
+            enable_gqa=True,
+        )
+    return o.transpose(0, 1)
 
 
 def _prefill(

@@ -202,10 +202,15 @@ class Runner:
         width = max((len(s.blocks) for s, _ in rows), default=0)
         tables = [s.blocks + [0] * (width - len(s.blocks)) for s, _ in rows]
         last: list[int] | None = None
+        extend: list[tuple[int, int, int]] = []
         if len(whole) < len(plan.prefill):  # each request's last token, in plan.seqs order
             ends = {s.id: i for i, s in enumerate(seqs)}  # (the last index of each wins)
             last = [ends[s.id] for s in plan.seqs]
-        return self._batch(ids, pos, slots, bounds, tables, triton, last)
+            for s in plan.prefill:
+                if s.cached:
+                    first = extend[-1][1] if extend else 0
+                    extend.append((first, first + s.fresh, len(s.prompt)))
+        return self._batch(ids, pos, slots, bounds, tables, triton, last, tuple(extend))
 
     def _batch(
         self,
@@ -216,6 +221,7 @@ class Runner:
         tables: list[list[int]],
         triton: bool | None = None,
         last: list[int] | None = None,
+        extend: tuple[tuple[int, int, int], ...] = (),
     ) -> tuple[torch.Tensor, Batch]:
         """The step's tensors, sent to the device in one copy (int64 throughout). Each starts
         16 bytes aligned in that copy: Triton specializes a kernel on whether each pointer
@@ -246,6 +252,7 @@ class Runner:
             tables=parts[5].view(len(tables), -1) if tables else None,
             lengths=parts[4] if tables else None,
             triton=self.kernel if triton is None else triton,
+            extend=extend,
         )
         return parts[0], batch
 
