@@ -29,6 +29,7 @@ from supervisor.events import EngineUnitState, EventBus
 from supervisor.exitwatch import ExitWatch, is_exiting
 from supervisor.pace import LoopPace, thread_runs
 from supervisor.policy import Policy
+from supervisor.priority import renice
 from supervisor.realtime import RealtimeSection
 from supervisor.router import PrimaryView, Target
 from supervisor.states import ENGINE, EngineState, move
@@ -400,6 +401,8 @@ class Cluster:
         )
         if self.exit_watch is not None and s.inc is not None:  # once routed and told
             self.exit_watch.watch(s.name, [p.pid for p in s.inc.procs])
+        if s.inc is not None and self.policy.engines.primary_nice:
+            renice([p.pid for p in s.inc.procs], self.policy.engines.primary_nice)
 
     def _route_to(self, p: Engine) -> bool:
         """Tell `p` to serve at the current epoch and route to it (the router waits for

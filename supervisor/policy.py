@@ -85,6 +85,8 @@ class EnginesSpec(_Spec, frozen=True):
     memory_mb: int = 0  # per primary/standby engine, beyond the shared weights
     ready_timeout_s: float = 120.0
     stop_grace_s: float = 2.0
+    # the nice value of a promoted primary's threads (supervisor/priority.py); 0: unchanged
+    primary_nice: int = -5
     port_base: int = 0  # 0: free ports chosen by the OS
     batch: list[BatchSpec] = msgspec.field(default_factory=list)
     load: LoadSpec = msgspec.field(default_factory=LoadSpec)
@@ -260,6 +262,8 @@ def semantic_errors(p: Policy, *, schema_only: bool = False) -> list[str]:
         errors.append("$.restart: need max_restarts >= 0 and window_s > 0")
     if p.events.queue < 1:
         errors.append("$.events.queue: must be at least 1")
+    if not -20 <= p.engines.primary_nice <= 19:
+        errors.append("$.engines.primary_nice: must be a nice value, -20..19 (0: unchanged)")
     if p.router.warm_every < 0:
         errors.append("$.router.warm_every: must be 0 (off) or more tokens")
     if p.cluster is not None:
