@@ -388,6 +388,8 @@ class Cluster:
         promote_ms = round((time.monotonic() - t_detect) * 1000, 3)
         realtime = self.realtime.held
         self.realtime.leave()  # (entered where the loss was seen, if it was)
+        if s.inc is not None and self.policy.engines.primary_nice:  # before it is said
+            renice([p.pid for p in s.inc.procs], self.policy.engines.primary_nice)
         self._move(
             s,
             "promoted",
@@ -401,8 +403,6 @@ class Cluster:
         )
         if self.exit_watch is not None and s.inc is not None:  # once routed and told
             self.exit_watch.watch(s.name, [p.pid for p in s.inc.procs])
-        if s.inc is not None and self.policy.engines.primary_nice:
-            renice([p.pid for p in s.inc.procs], self.policy.engines.primary_nice)
 
     def _route_to(self, p: Engine) -> bool:
         """Tell `p` to serve at the current epoch and route to it (the router waits for
