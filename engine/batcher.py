@@ -9,6 +9,12 @@ When there is no work the loop captures the next CUDA graph, if one is left (see
 every `CAPTURE_EVERY` steps, so a step waits for at most one capture (about 50 ms on an
 H200) now and then until every graph exists.
 
+Continuations arrive together: when a primary dies, the router sends every cut stream's
+continuation to the promoted engine within a few milliseconds. Stepping at the first one
+would run it alone and the others a whole step later, so while continuations are still
+arriving (the last less than `GATHER_QUIET_S` ago) the loop waits, at most `GATHER_MAX_S`
+after the first, and they prefill in one step.
+
 Callbacks for one step's tokens go out together through `post` (the server passes
 `loop.call_soon_threadsafe`), so a step of 128 requests costs the event loop one wakeup.
 They go out once the next step is queued on the device (or the loop has nothing left to
@@ -36,6 +42,8 @@ log = structlog.get_logger("engine.batcher")
 Post = Callable[[Callable[[], None]], object]
 SWITCH_INTERVAL_S = 0.0002
 CAPTURE_EVERY = 64  # steps: under non-stop load, still capture a graph now and then
+GATHER_QUIET_S = 0.002  # continuations this far apart come in one step...
+GATHER_MAX_S = 0.010  # ...which waits at most this long for them
 
 
 class Request:
@@ -164,7 +172,13 @@ class BatchEngine:
                     self.scheduler.abort_all("cancelled", self._done_now)
                     return
                 self.scheduler.reap(self._done_now)
-                plan = self.scheduler.plan()
+                gather = self._gathering()
+                plan = None if gather else self.scheduler.plan()
+            if gather:
+                self._flush()
+                self._wake.wait(gather)
+                self._wake.clear()
+                continue
             if plan is None:
                 self._flush()
                 if not self.runner.capture_next():
@@ -174,6 +188,14 @@ class BatchEngine:
             self._step(plan)
             if self._steps % CAPTURE_EVERY == 0:
                 self.runner.capture_next()
+
+    def _gathering(self) -> float:
+        """Seconds to wait for more continuations before the next step (0: step now)."""
+        queued = [s.queued for s in self.scheduler.waiting if s.continues]
+        if not queued:
+            return 0.0
+        until = min(max(queued) + GATHER_QUIET_S, min(queued) + GATHER_MAX_S)
+        return max(0.0, until - time.monotonic())
 
     def _step(self, plan: Plan) -> None:
         t0 = time.perf_counter()

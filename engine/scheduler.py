@@ -62,6 +62,12 @@ class Seq:
         # a prefill only, whose blocks are kept under the key when it ends)
         self.warm_key, self.warming = warm_key, warming
         self.cached = 0  # leading prompt positions whose keys and values are in `blocks`
+        self.queued = time.monotonic()
+
+    @property
+    def continues(self) -> bool:
+        """Whether this is a continuation of a prefix kept here (a migrated stream)."""
+        return bool(self.warm_key) and not self.warming
 
     @property
     def kv_tokens(self) -> int:

@@ -95,6 +95,7 @@ class Stream:
     warmed_on: str = ""
     warmed: int = 0
     warming: bool = False
+    kept: int = 0  # of those, what the continuation under way names
 
     @property
     def chat(self) -> bool:

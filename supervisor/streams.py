@@ -171,10 +171,12 @@ class StreamRelay:
         self._event("migrating", target.epoch, engine=target.name, tokens=len(st.emitted))
 
     def _resumed(self, st: Stream, tokens: int) -> None:
-        """The first token after a cut reached the client: the stall it saw."""
+        """The first token after a cut reached the client: the stall it saw, and how many
+        tokens of its past the engine had kept warm (`kept`; the rest it computed)."""
         stall, st.cut_at = st.last_token_at - st.cut_at, 0.0
         self.r.stalls.observe(stall)
-        self._event("migrated", st.epoch, tokens=tokens, stall_ms=round(stall * 1e3, 2))
+        stall_ms = round(stall * 1e3, 2)
+        self._event("migrated", st.epoch, tokens=tokens, kept=st.kept, stall_ms=stall_ms)
 
     def _event(self, event: str, epoch: int, **data: Any) -> None:
         if self.r.emit is not None:
@@ -210,7 +212,9 @@ class StreamRelay:
         """One upstream request of a stream: the original, or (after a cut) a continuation."""
         cont = out.opened and st.wrote > 0
         path = migration.COMPLETIONS if cont else str(request.rel_url)
-        body = st.continuation(self.r.warmer.key_for(st, target)) if cont else st.first_body()
+        key = self.r.warmer.key_for(st, target) if cont else ""
+        st.kept = st.warmed if key else 0
+        body = st.continuation(key) if cont else st.first_body()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         headers["Content-Type"] = "application/json"
         headers.pop("Content-Encoding", None)

@@ -7,6 +7,7 @@ HTTP endpoint on a real engine process."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from engine import batcher as engine_batcher
 from engine.batcher import BatchEngine
 from engine.job import Job
 from engine.kvcache import BlockPool, blocks_for
@@ -93,6 +95,29 @@ def test_continuations_and_fresh_prompts_share_a_step(
     ]
     got = [f.result(timeout=120).tokens for f in futures]
     assert got == [whole, whole[19:], other_whole[9:], other_whole]
+    assert not engine.scheduler.kept
+
+
+def test_continuations_arriving_apart_prefill_in_one_step(
+    engine: BatchEngine, whole: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A promoted engine gets its cut streams' continuations one after another: while they
+    still arrive the loop waits, so the first does not step alone (the windows widened so
+    that the 50 ms between arrivals here is inside them)."""
+    monkeypatch.setattr(engine_batcher, "GATHER_QUIET_S", 1.0)
+    monkeypatch.setattr(engine_batcher, "GATHER_MAX_S", 5.0)
+    keys = ("g1", "g2", "g3")
+    for n, key in enumerate(keys):
+        engine.warm(key, PROMPT + tuple(whole[: 10 + n])).result(timeout=60)
+    steps = engine.stats().steps
+    futures = []
+    for n, key in enumerate(keys):
+        job = Job(PROMPT + tuple(whole[: 12 + n]), 6, ignore_eos=True, warm_key=key)
+        futures.append(engine.submit(job))
+        time.sleep(0.05)
+    got = [f.result(timeout=60).tokens for f in futures]
+    assert got == [whole[12 + n : 18 + n] for n in range(3)]
+    assert engine.stats().steps - steps == 6  # one prefill step for all three, 5 decodes
     assert not engine.scheduler.kept
 
 
