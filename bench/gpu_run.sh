@@ -16,6 +16,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site
 fi
+# the carried broker for every stage: the tests start their own from it too
+[ -x .mqtt/mosquitto ] && export HOLDFAST_MOSQUITTO=$PWD/.mqtt/mosquitto
 stages=${*:-env tests probe moe lifetime llama}
 
 checkpoint() {  # the llama-8b checkpoint the GPU policies name (model.path)
