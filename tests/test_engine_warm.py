@@ -7,7 +7,7 @@ HTTP endpoint on a real engine process."""
 from __future__ import annotations
 
 import json
-import time
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -98,24 +98,47 @@ def test_continuations_and_fresh_prompts_share_a_step(
     assert not engine.scheduler.kept
 
 
+class Waits(threading.Event):
+    """The loop's wake-up event, telling the test each time the loop goes to wait on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.entered.set()
+        return super().wait(timeout)
+
+
 def test_continuations_arriving_apart_prefill_in_one_step(
     engine: BatchEngine, whole: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A promoted engine gets its cut streams' continuations one after another: while they
-    still arrive the loop waits, so the first does not step alone (the windows widened so
-    that the 50 ms between arrivals here is inside them)."""
-    monkeypatch.setattr(engine_batcher, "GATHER_QUIET_S", 1.0)
-    monkeypatch.setattr(engine_batcher, "GATHER_MAX_S", 5.0)
+    still arrive the loop waits, so the first does not step alone. Each continuation is
+    submitted once the loop has gone back to waiting after the one before (the windows
+    widened so that this is inside them on any machine)."""
+    monkeypatch.setattr(engine_batcher, "GATHER_QUIET_S", 30.0)
+    monkeypatch.setattr(engine_batcher, "GATHER_MAX_S", 60.0)
     keys = ("g1", "g2", "g3")
     for n, key in enumerate(keys):
         engine.warm(key, PROMPT + tuple(whole[: 10 + n])).result(timeout=60)
     steps = engine.stats().steps
+    old, engine._wake = engine._wake, Waits()
+    old.set()  # the loop, idle on the old event, waits on the new one from now on
     futures = []
-    for n, key in enumerate(keys):
-        job = Job(PROMPT + tuple(whole[: 12 + n]), 6, ignore_eos=True, warm_key=key)
-        futures.append(engine.submit(job))
-        time.sleep(0.05)
-    got = [f.result(timeout=60).tokens for f in futures]
+    try:
+        for n, key in enumerate(keys):
+            assert engine._wake.entered.wait(timeout=60)
+            engine._wake.entered.clear()
+            job = Job(PROMPT + tuple(whole[: 12 + n]), 6, ignore_eos=True, warm_key=key)
+            futures.append(engine.submit(job))
+        assert engine._wake.entered.wait(timeout=60)  # the last one is gathered too
+        monkeypatch.setattr(engine_batcher, "GATHER_QUIET_S", 0.0)
+        engine._wake.set()
+        got = [f.result(timeout=60).tokens for f in futures]
+    finally:
+        waits, engine._wake = engine._wake, old
+        waits.set()
     assert got == [whole[12 + n : 18 + n] for n in range(3)]
     assert engine.stats().steps - steps == 6  # one prefill step for all three, 5 decodes
     assert not engine.scheduler.kept
