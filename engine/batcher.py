@@ -15,6 +15,12 @@ would run it alone and the others a whole step later, so while continuations are
 arriving (the last less than `GATHER_QUIET_S` ago) the loop waits, at most `GATHER_MAX_S`
 after the first, and they prefill in one step.
 
+Warm prefills (a standby keeping streams' pasts, `warm`) arrive one stream at a time, and
+each read of the weights costs about what a decode step of the primary sharing the device
+does. So while a standby has only warm prefills to run, it holds them until
+`WARM_TOGETHER_S` after the first of them (or after its last warm step), and they run in
+one step: a few steps a second instead of one per stream and `router.warm_every` tokens.
+
 Callbacks for one step's tokens go out together through `post` (the server passes
 `loop.call_soon_threadsafe`), so a step of 128 requests costs the event loop one wakeup.
 They go out once the next step is queued on the device (or the loop has nothing left to
@@ -44,6 +50,7 @@ SWITCH_INTERVAL_S = 0.0002
 CAPTURE_EVERY = 64  # steps: under non-stop load, still capture a graph now and then
 GATHER_QUIET_S = 0.002  # continuations this far apart come in one step...
 GATHER_MAX_S = 0.010  # ...which waits at most this long for them
+WARM_TOGETHER_S = 0.2  # warm prefills only: held this long after the first, to run together
 
 
 class Request:
@@ -63,6 +70,7 @@ class BatchEngine:
         self._stopping = False
         self._requests: dict[int, Request] = {}
         self._step_ms, self._steps = 0.0, 0
+        self._warmed_at = 0.0  # when the last step with a warm prefill ended
         self._reused = 0  # prompt tokens a kept prefix spared a step
         self._pending: list[Callable[[], None]] = []  # the last step's callbacks, not yet out
         self._thread = threading.Thread(target=self._loop, name="model", daemon=True)
@@ -172,7 +180,7 @@ class BatchEngine:
                     self.scheduler.abort_all("cancelled", self._done_now)
                     return
                 self.scheduler.reap(self._done_now)
-                gather = self._gathering()
+                gather = self._gathering() or self._holding()
                 plan = None if gather else self.scheduler.plan()
             if gather:
                 self._flush()
@@ -197,6 +205,15 @@ class BatchEngine:
         until = min(max(queued) + GATHER_QUIET_S, min(queued) + GATHER_MAX_S)
         return max(0.0, until - time.monotonic())
 
+    def _holding(self) -> float:
+        """Seconds to hold warm prefills back so more run with them (0: step now). Only
+        while they are all there is to run: a request or a continuation never waits."""
+        s = self.scheduler
+        if s.running or not s.waiting or not all(seq.warming for seq in s.waiting):
+            return 0.0
+        first = min(seq.queued for seq in s.waiting)
+        return max(0.0, max(first, self._warmed_at) + WARM_TOGETHER_S - time.monotonic())
+
     def _step(self, plan: Plan) -> None:
         t0 = time.perf_counter()
         try:
@@ -213,6 +230,8 @@ class BatchEngine:
             self._step_ms = (time.perf_counter() - t0) * 1e3
             self._steps += 1
             self._reused += sum(seq.cached for seq in plan.prefill)
+            if any(seq.warming for seq in plan.prefill):
+                self._warmed_at = time.monotonic()
         self._pending += out  # out with the next step's launch, or when the loop idles
 
     def _flush(self) -> None:

@@ -144,6 +144,49 @@ def test_continuations_arriving_apart_prefill_in_one_step(
     assert not engine.scheduler.kept
 
 
+def test_warm_prefills_arriving_apart_run_in_one_step_and_hold_back_no_request(
+    engine: BatchEngine, whole: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A standby gets its streams' pasts one stream at a time: while they are all it has to
+    run, it holds them, and they prefill in one step. A request arriving meanwhile is not
+    held: the warm prefills waiting run in its first step. Each is submitted once the loop
+    has gone back to waiting (the hold widened so that this is inside it on any machine)."""
+    monkeypatch.setattr(engine_batcher, "WARM_TOGETHER_S", 60.0)
+    pasts = {f"w{n}": PROMPT + tuple(whole[: 10 + n]) for n in range(4)}
+    steps = engine.stats().steps
+    old, engine._wake = engine._wake, Waits()
+    old.set()  # the loop, idle on the old event, waits on the new one from now on
+    try:
+        futures = []
+        for key in ("w0", "w1", "w2"):
+            assert engine._wake.entered.wait(timeout=60)
+            engine._wake.entered.clear()
+            futures.append(engine.warm(key, pasts[key]))
+        assert engine._wake.entered.wait(timeout=60)  # holding all three
+        assert engine.stats().steps == steps
+        monkeypatch.setattr(engine_batcher, "WARM_TOGETHER_S", 0.0)
+        engine._wake.set()
+        for f in futures:
+            f.result(timeout=60)
+        assert engine.stats().steps - steps == 1
+        monkeypatch.setattr(engine_batcher, "WARM_TOGETHER_S", 60.0)
+        steps = engine.stats().steps
+        engine._wake.entered.clear()
+        held = engine.warm("w3", pasts["w3"])
+        assert engine._wake.entered.wait(timeout=60)
+        got = engine.run(Job(PROMPT, 4, ignore_eos=True)).tokens
+        held.result(timeout=60)
+    finally:
+        waits, engine._wake = engine._wake, old
+        waits.set()
+    assert got == whole[:4]
+    assert engine.stats().steps - steps == 4  # the request's prefill (with w3's), 3 decodes
+    assert {k: engine.scheduler.kept[k].tokens for k in pasts} == pasts
+    for key in pasts:
+        assert engine.forget(key)
+    assert engine.stats().kv_blocks_used == 0
+
+
 def test_kept_blocks_give_way_to_requests_and_come_back_when_forgotten(
     tiny_model: Path,
 ) -> None:
