@@ -113,6 +113,8 @@ async def _stage(
     finally:
         if (workdir / "supervisor.log").exists():
             shutil.copy2(workdir / "supervisor.log", stage_out)
+        if (workdir / "run" / "logs").is_dir():  # the daemons' and engines' own logs
+            shutil.copytree(workdir / "run" / "logs", stage_out / "logs", dirs_exist_ok=True)
         shutil.rmtree(workdir, ignore_errors=True)
 
 

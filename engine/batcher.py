@@ -215,7 +215,7 @@ class BatchEngine:
         return max(0.0, max(first, self._warmed_at) + WARM_TOGETHER_S - time.monotonic())
 
     def _step(self, plan: Plan) -> None:
-        t0 = time.perf_counter()
+        t0, t0_wall = time.perf_counter(), time.monotonic()
         try:
             steps = self.runner.step(plan, launched=self._flush)
         except Exception as e:  # a bug in a step fails its requests, not the engine
@@ -233,6 +233,17 @@ class BatchEngine:
             if any(seq.warming for seq in plan.prefill):
                 self._warmed_at = time.monotonic()
         self._pending += out  # out with the next step's launch, or when the loop idles
+        continued = [seq for seq in plan.prefill if seq.continues]
+        if continued:  # a failover's cost on this engine, for whoever reads its log
+            log.info(
+                "continued",
+                streams=len(continued),
+                kept=sum(seq.cached for seq in continued),
+                fresh=sum(seq.fresh for seq in continued),
+                beside=len(plan.seqs) - len(continued),
+                waited_ms=round((t0_wall - min(seq.queued for seq in continued)) * 1e3, 1),
+                step_ms=round(self._step_ms, 1),
+            )
 
     def _flush(self) -> None:
         """Post the callbacks held back from the last step (before anything else is posted,
