@@ -15,11 +15,10 @@ would run it alone and the others a whole step later, so while continuations are
 arriving (the last less than `GATHER_QUIET_S` ago) the loop waits, at most `GATHER_MAX_S`
 after the first, and they prefill in one step.
 
-Warm prefills (a standby keeping streams' pasts, `warm`) arrive one stream at a time, and
-each read of the weights costs about what a decode step of the primary sharing the device
-does. So while a standby has only warm prefills to run, it holds them until
-`WARM_TOGETHER_S` after the first of them (or after its last warm step), and they run in
-one step: a few steps a second instead of one per stream and `router.warm_every` tokens.
+Warm prefills (a standby keeping streams' pasts, `warm`) arrive the same way: the router
+sends the pasts of many streams at once (supervisor/warming.py), and each step of a
+standby reads the weights as a decode step of the primary beside it does. So while warm
+prefills are all a standby has to run, it gathers them the same way, into one step.
 
 Callbacks for one step's tokens go out together through `post` (the server passes
 `loop.call_soon_threadsafe`), so a step of 128 requests costs the event loop one wakeup.
@@ -50,7 +49,6 @@ SWITCH_INTERVAL_S = 0.0002
 CAPTURE_EVERY = 64  # steps: under non-stop load, still capture a graph now and then
 GATHER_QUIET_S = 0.002  # continuations this far apart come in one step...
 GATHER_MAX_S = 0.010  # ...which waits at most this long for them
-WARM_TOGETHER_S = 0.2  # warm prefills only: held this long after the first, to run together
 
 
 class Request:
@@ -70,7 +68,6 @@ class BatchEngine:
         self._stopping = False
         self._requests: dict[int, Request] = {}
         self._step_ms, self._steps = 0.0, 0
-        self._warmed_at = 0.0  # when the last step with a warm prefill ended
         self._reused = 0  # prompt tokens a kept prefix spared a step
         self._pending: list[Callable[[], None]] = []  # the last step's callbacks, not yet out
         self._thread = threading.Thread(target=self._loop, name="model", daemon=True)
@@ -180,7 +177,7 @@ class BatchEngine:
                     self.scheduler.abort_all("cancelled", self._done_now)
                     return
                 self.scheduler.reap(self._done_now)
-                gather = self._gathering() or self._holding()
+                gather = self._gathering()
                 plan = None if gather else self.scheduler.plan()
             if gather:
                 self._flush()
@@ -198,21 +195,16 @@ class BatchEngine:
                 self.runner.capture_next()
 
     def _gathering(self) -> float:
-        """Seconds to wait for more continuations before the next step (0: step now)."""
-        queued = [s.queued for s in self.scheduler.waiting if s.continues]
+        """Seconds to wait for more of what arrives together before the next step (0: step
+        now): continuations, or warm prefills while they are all there is to run."""
+        s = self.scheduler
+        queued = [seq.queued for seq in s.waiting if seq.continues]
+        if not queued and not s.running and all(seq.warming for seq in s.waiting):
+            queued = [seq.queued for seq in s.waiting]
         if not queued:
             return 0.0
         until = min(max(queued) + GATHER_QUIET_S, min(queued) + GATHER_MAX_S)
         return max(0.0, until - time.monotonic())
-
-    def _holding(self) -> float:
-        """Seconds to hold warm prefills back so more run with them (0: step now). Only
-        while they are all there is to run: a request or a continuation never waits."""
-        s = self.scheduler
-        if s.running or not s.waiting or not all(seq.warming for seq in s.waiting):
-            return 0.0
-        first = min(seq.queued for seq in s.waiting)
-        return max(0.0, max(first, self._warmed_at) + WARM_TOGETHER_S - time.monotonic())
 
     def _step(self, plan: Plan) -> None:
         t0, t0_wall = time.perf_counter(), time.monotonic()
@@ -230,8 +222,6 @@ class BatchEngine:
             self._step_ms = (time.perf_counter() - t0) * 1e3
             self._steps += 1
             self._reused += sum(seq.cached for seq in plan.prefill)
-            if any(seq.warming for seq in plan.prefill):
-                self._warmed_at = time.monotonic()
         self._pending += out  # out with the next step's launch, or when the loop idles
         continued = [seq for seq in plan.prefill if seq.continues]
         if continued:  # a failover's cost on this engine, for whoever reads its log

@@ -9,12 +9,18 @@ heir prefills what it has not kept yet and keeps the keys and values (engine/sch
 A continuation sent to that engine names the key, and prefills only the tokens after the
 last past it kept. At most one warm request per stream is under way; a failed one is only
 logged (the continuation then computes more). When the stream ends, the heir forgets it.
+
+Each prefill on the heir reads all the weights, as a decode step of the primary beside it
+on the same device does; one per stream would cost the primary a step every few tokens. So
+when one stream is due, every other stream with half as many tokens not yet sent goes with
+it, at once: the heir prefills them in one step (engine/batcher.py), a few times a second.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+import weakref
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
@@ -39,24 +45,36 @@ class Warmer:
         self.sent = 0  # warm requests answered 200
         self.failed = 0
         self._tasks: set[asyncio.Future[object]] = set()
+        # streams under way, by id (weakly: one replaced by a fresh copy leaves by itself)
+        self._live: weakref.WeakValueDictionary[int, Stream] = weakref.WeakValueDictionary()
 
     def heard(self, st: Stream) -> None:
         """After a chunk of `st` reached its client: its past goes to the heir when
-        `every` tokens came since the last (at once on a new heir)."""
+        `every` tokens came since the last (at once on a new heir), and with it the past
+        of every other stream `every // 2` tokens on."""
         heir = self.r.view.heir
-        if not self.every or heir is None or st.warming or st.prompt_ids is None:
+        if not self.every or heir is None or st.prompt_ids is None:
             return
+        self._live[id(st)] = st
+        if not self._due(st, heir, self.every):
+            return
+        for other in list(self._live.values()):
+            if other is st or self._due(other, heir, self.every // 2):
+                other.warming = True
+                self._spawn(self._warm(heir, other, [*(other.prompt_ids or ()), *other.emitted]))
+
+    def _due(self, st: Stream, heir: Target, tokens: int) -> bool:
+        """Whether `st`'s past is worth sending to `heir`: `tokens` came since the last
+        it kept (all of it on a new heir), and the stream is not about to end."""
+        if st.warming or st.prompt_ids is None:
+            return False
         if st.warmed_on != heir.name:
             st.warmed_on, st.warmed = heir.name, 0
             st.warm_key = st.warm_key or uuid.uuid4().hex
-        past = [*st.prompt_ids, *st.emitted]
-        if st.warmed and len(past) - st.warmed < self.every:
-            return
+        if st.warmed and len(st.prompt_ids) + len(st.emitted) - st.warmed < tokens:
+            return False
         left = st.left()
-        if left is not None and left <= self.every // 2:
-            return  # about to end: the continuation would be short anyway
-        st.warming = True
-        self._spawn(self._warm(heir, st, past))
+        return left is None or left > self.every // 2  # else the continuation is short anyway
 
     def key_for(self, st: Stream, target: Target) -> str:
         """The key a continuation on `target` names: its past is kept there."""
@@ -64,6 +82,7 @@ class Warmer:
 
     def ended(self, st: Stream) -> None:
         """`st` is over: the engine keeping its past warm may forget it."""
+        self._live.pop(id(st), None)
         heir = self.r.view.heir
         if st.warmed and heir is not None and heir.name == st.warmed_on:
             st.warmed = 0

@@ -117,11 +117,11 @@ def test_continuations_arriving_apart_prefill_in_one_step(
     still arrive the loop waits, so the first does not step alone. Each continuation is
     submitted once the loop has gone back to waiting after the one before (the windows
     widened so that this is inside them on any machine)."""
-    monkeypatch.setattr(engine_batcher, "GATHER_QUIET_S", 30.0)
-    monkeypatch.setattr(engine_batcher, "GATHER_MAX_S", 60.0)
     keys = ("g1", "g2", "g3")
     for n, key in enumerate(keys):
         engine.warm(key, PROMPT + tuple(whole[: 10 + n])).result(timeout=60)
+    monkeypatch.setattr(engine_batcher, "GATHER_QUIET_S", 30.0)
+    monkeypatch.setattr(engine_batcher, "GATHER_MAX_S", 60.0)
     steps = engine.stats().steps
     old, engine._wake = engine._wake, Waits()
     old.set()  # the loop, idle on the old event, waits on the new one from now on
@@ -147,11 +147,13 @@ def test_continuations_arriving_apart_prefill_in_one_step(
 def test_warm_prefills_arriving_apart_run_in_one_step_and_hold_back_no_request(
     engine: BatchEngine, whole: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A standby gets its streams' pasts one stream at a time: while they are all it has to
-    run, it holds them, and they prefill in one step. A request arriving meanwhile is not
-    held: the warm prefills waiting run in its first step. Each is submitted once the loop
-    has gone back to waiting (the hold widened so that this is inside it on any machine)."""
-    monkeypatch.setattr(engine_batcher, "WARM_TOGETHER_S", 60.0)
+    """A standby gets the pasts of many streams at once, one request each: while they still
+    arrive and are all it has to run, it waits, and they prefill in one step. A request
+    arriving meanwhile is not held: the warm prefills waiting run in its first step. Each
+    is submitted once the loop has gone back to waiting (the windows widened so that this
+    is inside them on any machine)."""
+    monkeypatch.setattr(engine_batcher, "GATHER_QUIET_S", 30.0)
+    monkeypatch.setattr(engine_batcher, "GATHER_MAX_S", 60.0)
     pasts = {f"w{n}": PROMPT + tuple(whole[: 10 + n]) for n in range(4)}
     steps = engine.stats().steps
     old, engine._wake = engine._wake, Waits()
@@ -162,14 +164,14 @@ def test_warm_prefills_arriving_apart_run_in_one_step_and_hold_back_no_request(
             assert engine._wake.entered.wait(timeout=60)
             engine._wake.entered.clear()
             futures.append(engine.warm(key, pasts[key]))
-        assert engine._wake.entered.wait(timeout=60)  # holding all three
+        assert engine._wake.entered.wait(timeout=60)  # gathering all three
         assert engine.stats().steps == steps
-        monkeypatch.setattr(engine_batcher, "WARM_TOGETHER_S", 0.0)
+        monkeypatch.setattr(engine_batcher, "GATHER_QUIET_S", 0.0)
         engine._wake.set()
         for f in futures:
             f.result(timeout=60)
         assert engine.stats().steps - steps == 1
-        monkeypatch.setattr(engine_batcher, "WARM_TOGETHER_S", 60.0)
+        monkeypatch.setattr(engine_batcher, "GATHER_QUIET_S", 30.0)
         steps = engine.stats().steps
         engine._wake.entered.clear()
         held = engine.warm("w3", pasts["w3"])
