@@ -138,7 +138,8 @@ def _throughput(results: Results) -> list[str]:
         "## Throughput",
         "",
         "Successful requests and output tokens per second before the first fault (the "
-        "baseline) and inside each fault kind's trials; the drop is of tokens/s.",
+        "baseline) and inside each fault kind's trials; the drop is of tokens/s. A request "
+        "counts where it ended; its tokens count where they came (spread over its time).",
         "",
         "| when | seconds | requests/s | output tokens/s | drop |",
         "| --- | ---: | ---: | ---: | ---: |",

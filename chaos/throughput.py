@@ -1,5 +1,11 @@
 """Throughput: requests/s and output tokens/s before the first fault (the baseline) and
-inside the trials of each fault kind, and how far each fell from the baseline."""
+inside the trials of each fault kind, and how far each fell from the baseline.
+
+Requests/s counts the successful requests that ended inside a window. Tokens/s counts the
+part of each successful answer's tokens that came inside it, spread evenly over the time
+the request took: a long answer (256 tokens over seconds) that ends just after a window
+gave most of its tokens inside it, and counting it whole where it ends would step a short
+window's figure by whole rounds of answers."""
 
 from __future__ import annotations
 
@@ -19,22 +25,34 @@ class Rate(msgspec.Struct, frozen=True):
     drop_pct: float | None = None  # of tokens/s against the baseline (requests/s without tokens)
 
 
-def _rate(label: str, rows: Sequence[RequestRow], seconds: float) -> Rate:
+def _rate(
+    label: str, rows: Sequence[RequestRow], windows: Sequence[tuple[float, float]]
+) -> Rate:
     ok = [r for r in rows if r.ok]
-    per_s = len(ok) / seconds if seconds > 0 else 0.0
-    tokens = sum(r.tokens for r in ok) / seconds if seconds > 0 else 0.0
-    return Rate(label, round(seconds, 1), round(per_s, 1), round(tokens, 1))
+    seconds = sum(b - a for a, b in windows)
+    if seconds <= 0:
+        return Rate(label, 0.0, 0.0, 0.0)
+    ended = sum(1 for r in ok if any(a <= r.end < b for a, b in windows))
+    tokens = sum(r.tokens * _share(r, a, b) for r in ok for a, b in windows)
+    return Rate(label, round(seconds, 1), round(ended / seconds, 1), round(tokens / seconds, 1))
+
+
+def _share(row: RequestRow, a: float, b: float) -> float:
+    """The part of `row`'s time that lies inside [a, b) (all of it for an instant one that
+    ended there)."""
+    took = row.end - row.start
+    if took <= 0:
+        return 1.0 if a <= row.end < b else 0.0
+    return max(0.0, min(row.end, b) - max(row.start, a)) / took
 
 
 def baseline(
     rows: Sequence[RequestRow], stages: Sequence[StageSpan], before: float | None
 ) -> Rate | None:
-    """Completed requests between the first stage's load start and the first fault."""
+    """Between the first stage's load start and the first fault."""
     if not stages or before is None or before <= stages[0].start:
         return None
-    start = stages[0].start
-    inside = [r for r in rows if start <= r.end < before]
-    return _rate("before the first fault", inside, before - start)
+    return _rate("before the first fault", rows, [(stages[0].start, before)])
 
 
 def per_fault(
@@ -44,9 +62,7 @@ def per_fault(
     out = []
     for fault in sorted({t.fault for t in trials if t.outcome == "injected"}):
         mine = [t for t in trials if t.fault == fault and t.outcome == "injected"]
-        seconds = sum(t.ended - t.injected for t in mine)
-        inside = [r for r in rows if any(t.injected <= r.end < t.ended for t in mine)]
-        rate = _rate(fault, inside, seconds)
+        rate = _rate(fault, rows, [(t.injected, t.ended) for t in mine])
         out.append(msgspec.structs.replace(rate, drop_pct=_drop(rate, base)))
     return out
 

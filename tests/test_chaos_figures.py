@@ -145,3 +145,21 @@ def test_detection_checks_leave_out_faults_that_are_not_detected() -> None:
     run = run_figures([], trials, None)
     result = evaluate(parse_check("detection_ms.p99 < 1000", fault_kinds=FAULT_KINDS), trials, run)
     assert result.value == 2.0 and result.passed
+
+
+def test_long_answers_count_their_tokens_where_they_came_not_where_they_ended() -> None:
+    """Four clients back to back, each answer 256 tokens over 2.5 s, offset by 0.625 s:
+    1024 tokens every 2.5 s, 409.6 tokens/s, in any window, whatever its phase (counted
+    where each answer ended, a 3 s window would hold 4 or 8 answers: 341 or 683)."""
+    rows = [
+        RequestRow(s, s + 2.5, 200, 1, "e1", 1, tokens=256)
+        for c in range(4)
+        for s in [100.0 + c * 0.625 + k * 2.5 for k in range(8)]
+    ]
+    stages = [StageSpan("main", 100.0, 120.0)]
+    for start in (103.0, 103.4, 104.1):
+        trials = [TrialRow(0, "main", "kill-primary", "e1", 1, start, start + 3.0, 2.0, 9.0)]
+        (during,) = per_fault(rows, trials, None)
+        assert during.tokens_per_s == 409.6
+    base = baseline(rows, stages, before=103.0)
+    assert base is not None and base.tokens_per_s < 409.6  # clients still starting up
