@@ -9,6 +9,12 @@ silent only for its heartbeat window, so capture never holds the GIL for long: i
 the graph's own begin/end rather than `torch.cuda.graph`, which collects Python garbage
 (a pause of hundreds of ms with the GIL held, on a heap with torch in it) before every
 capture. A batch larger than the largest size runs eagerly.
+
+A row is one query against its request's blocks up to its own position, so the fresh
+tokens of a prompt continuing a kept prefix (a migrated stream's, a warm prefill's) are
+rows too: a step of such rows, as many as the largest size at most, replays a graph as a
+decode step does, and each request takes its last row's token (`Runner._run`). A
+failover's first step on the promoted engine is then one replay, not an eager pass.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class DecodeGraphs:
         self.tables = torch.full((n, width), self.scratch_block, dtype=torch.int64, device=device)
         self.last = torch.arange(n, device=device)
         self.capture_ms = 0.0
+        self.continued = 0  # steps replayed with rows of continued prompts (engine.runner)
         self.pool: Any = None  # the first graph's memory pool, shared by the others
 
     def _batch(self, size: int) -> Batch:

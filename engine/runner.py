@@ -7,7 +7,8 @@ themselves (cancellation, EOS, max_tokens) live only on rank 0: a request that e
 simply not in the next step, so every rank stops it at the same step.
 
 Decode steps on one CUDA device replay CUDA graphs captured at a set of batch sizes
-(`engine.graphs`); everything else runs eagerly, with the same code.
+(`engine.graphs`), and so do steps whose only other rows are continued prompts' fresh
+tokens; everything else runs eagerly, with the same code.
 """
 
 from __future__ import annotations
@@ -171,11 +172,16 @@ class Runner:
     # ---- all ranks ----
     @torch.inference_mode()
     def _run(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor:
-        rows = batch.last.shape[0]  # one a token, unless kept prefixes continue in the step
-        if batch.prefill_tokens == 0 and rows == ids.shape[0] and self.graphs is not None:
+        if batch.prefill_tokens == 0 and self.graphs is not None:
             out = self.graphs.replay(ids, batch)
             if out is not None:
-                return out
+                if batch.last.shape[0] == ids.shape[0]:
+                    return out
+                # Kept prefixes continue in this step: their fresh tokens are decode rows
+                # (one each, `_inputs`), so a graph of that many rows computes them; each
+                # request's token is its last row's.
+                self.graphs.continued += 1
+                return out[batch.last]
         return self._decode_and_sample(ids, batch)
 
     def _decode_and_sample(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor:
