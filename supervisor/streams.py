@@ -84,6 +84,7 @@ class StreamRelay:
 
     async def _relay(self, request: web.Request, st: Stream, deadline: float) -> web.StreamResponse:
         out: Answer = JsonAnswer(request) if st.collect else SseAnswer(request)
+        self.r.warmer.arrived(st)
         target = await self.r.first(deadline)
         tries, attempt = attempts(self.r.spec), 0
         reason = "no primary is serving"

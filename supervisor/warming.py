@@ -14,6 +14,12 @@ Each prefill on the heir reads all the weights, as a decode step of the primary 
 on the same device does; one per stream would cost the primary a step every few tokens. So
 when one stream is due, every other stream with half as many tokens not yet sent goes with
 it, at once: the heir prefills them in one step (engine/batcher.py), a few times a second.
+
+A completion whose prompt is token ids has its prompt sent to the heir as it arrives, while
+the primary prefills it, not after its first token: a primary killed in a stream's first
+tokens (its first past would still be on its way) leaves it continuing from its prompt
+kept, not from nothing. A text prompt's ids come with the first chunk, and its past is
+sent then.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import structlog
 
-from supervisor.migration import Stream
+from supervisor.migration import COMPLETIONS, Stream
 from supervisor.routing import UPSTREAM_ERRORS, Target
 
 if TYPE_CHECKING:
@@ -47,6 +53,17 @@ class Warmer:
         self._tasks: set[asyncio.Future[object]] = set()
         # streams under way, by id (weakly: one replaced by a fresh copy leaves by itself)
         self._live: weakref.WeakValueDictionary[int, Stream] = weakref.WeakValueDictionary()
+
+    def arrived(self, st: Stream) -> None:
+        """A stream is about to start: its prompt goes to the heir now, if it is token ids."""
+        heir = self.r.view.heir
+        ids = _prompt_ids(st.request) if st.path == COMPLETIONS else None
+        if not self.every or heir is None or ids is None:
+            return
+        st.warmed_on, st.warmed = heir.name, 0
+        st.warm_key = st.warm_key or uuid.uuid4().hex
+        st.warming = True
+        self._spawn(self._warm(heir, st, ids))
 
     def heard(self, st: Stream) -> None:
         """After a chunk of `st` reached its client: its past goes to the heir when
@@ -120,3 +137,12 @@ class Warmer:
             else:
                 self.failed += 1
         return ok
+
+
+def _prompt_ids(request: dict[str, Any]) -> list[int] | None:
+    """A completion request's prompt, if it is one list of token ids."""
+    for field in ("prompt_token_ids", "prompt"):
+        value = request.get(field)
+        if isinstance(value, list) and value and all(type(t) is int for t in value):
+            return value
+    return None

@@ -8,6 +8,7 @@ Real `supervisor run` and engines on the tiny checkpoint; sizes in tokens."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
@@ -56,6 +57,40 @@ def test_a_killed_primarys_stream_continues_from_what_the_standby_kept(
         line = 'holdfast_supervisor_router_warm_requests_total{outcome="kept"}'
         sent = [float(ln.split()[-1]) for ln in router.splitlines() if ln.startswith(line)]
         assert (sent[0] > 0) == bool(every)
+        assert sup.stop(signal.SIGTERM) == 0, sup.output()
+    finally:
+        if sup.proc.poll() is None:
+            sup.stop(signal.SIGKILL)
+
+
+def test_a_token_id_prompt_is_kept_on_the_standby_before_its_first_token(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """A prompt of token ids goes to the heir as the request arrives: killed in a stream's
+    first tokens (`warm_every` far off), the primary leaves a continuation that computes
+    only what came after the prompt, and the client's stream is the same as without the
+    fault."""
+    sup = boot(tmp_path, tiny_model, router={"warm_every": 1000})
+    try:
+        sup.wait_pair()
+        reference = list(stream(sup.router, prompt_token_ids=PROMPT, max_tokens=TOKENS))
+        standby = get(f"{sup.api}/standby")[1][0]
+        kept = "holdfast_engine_kept_prefixes"
+        deadline = time.monotonic() + 10
+        while engine_metric(standby["port"], kept) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine_metric(standby["port"], kept) == 0
+        events = []
+        for data in stream(sup.router, prompt_token_ids=PROMPT, max_tokens=TOKENS):
+            events.append(data)
+            if len(events) == 1:  # the prompt only: no past was due yet
+                deadline = time.monotonic() + 30
+                while not engine_metric(standby["port"], kept) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                os.kill(get(f"{sup.api}/primary")[1]["pid"], signal.SIGKILL)
+        assert events[-1] == b"[DONE]" and token_ids(events) == token_ids(reference)
+        reused = engine_metric(standby["port"], "holdfast_engine_reused_prompt_tokens_total")
+        assert reused == len(PROMPT)  # the prompt, and not one token more
         assert sup.stop(signal.SIGTERM) == 0, sup.output()
     finally:
         if sup.proc.poll() is None:
