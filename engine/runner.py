@@ -192,10 +192,15 @@ class Runner:
         tokens of prompts continuing a kept prefix (`Seq.cached`), then one token per
         running request. A continued prompt's tokens attend like decode queries (each
         to its request's blocks up to itself: its keys are stored first), so they ride
-        in the decode part of the step, one row each."""
+        in the decode part of the step, one row each. So do whole prompts when the step's
+        tokens fit a captured graph (`_rows_fit`)."""
         bs = self.cache.block_size
         whole = [s for s in plan.prefill if not s.cached]
-        rows = [(s, p) for s in plan.prefill if s.cached for p in range(s.cached, len(s.prompt))]
+        if whole and self._rows_fit(plan):  # then a captured graph runs the whole step
+            whole = []
+        rows = [
+            (s, p) for s in plan.prefill if s not in whole for p in range(s.cached, len(s.prompt))
+        ]
         rows += [(s, s.position) for s in plan.decode]
         ids = [t for s in whole for t in s.prompt]
         ids += [s.prompt[p] if p < len(s.prompt) else s.last_token for s, p in rows]
@@ -217,6 +222,16 @@ class Runner:
                     first = extend[-1][1] if extend else 0
                     extend.append((first, first + s.fresh, len(s.prompt)))
         return self._batch(ids, pos, slots, bounds, tables, triton, last, tuple(extend))
+
+    def _rows_fit(self, plan: Plan) -> bool:
+        """Whether every token of `plan` fits one captured graph as rows: then prompts
+        prefill as rows too (one query each against the request's blocks, as a continued
+        prompt's fresh tokens do), and a small prefill (one stream's prompt, a warm past)
+        is a replay, not an eager pass."""
+        if self.graphs is None or not self.graphs.graphs:
+            return False
+        tokens = sum(s.fresh for s in plan.prefill) + len(plan.decode)
+        return tokens <= max(self.graphs.graphs)
 
     def _batch(
         self,

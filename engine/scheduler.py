@@ -152,13 +152,18 @@ class Scheduler:
 
     def plan(self) -> Plan | None:
         """Every running request decodes; new prompts join as KV blocks and the prefill
-        budget allow, in arrival order."""
+        budget allow, in arrival order. Continuations go first, and alone: a step with a
+        migrated stream's few fresh tokens takes no whole prompt (a request's, a warm
+        past's) beside them, which would make it a long prefill for the streams a client
+        is waiting on; the prompts join the next step."""
         decode = tuple(self.running)
         admitted: list[Seq] = []
         budget = self.prefill_tokens
         self._expire(time.monotonic())
-        while self.waiting and len(self.running) + len(admitted) < self.max_running:
-            head = self.waiting[0]
+        queue = [seq for seq in self.waiting if seq.continues] or list(self.waiting)
+        for head in queue:
+            if len(self.running) + len(admitted) >= self.max_running:
+                break
             kept = self._kept_for(head)
             have = len(kept.blocks) if kept is not None else 0
             need = blocks_for(head.kv_tokens, self.block_size) - have
@@ -169,7 +174,7 @@ class Scheduler:
                 self._evict(need, keep=head.warm_key)
                 if need > self.pool.free:
                     break
-            self.waiting.popleft()
+            self.waiting.remove(head)
             if kept is not None:
                 del self.kept[head.warm_key]
                 head.blocks, head.cached = kept.blocks, kept_len(kept, head)

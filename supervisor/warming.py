@@ -94,8 +94,12 @@ class Warmer:
         return left is None or left > self.every // 2  # else the continuation is short anyway
 
     def key_for(self, st: Stream, target: Target) -> str:
-        """The key a continuation on `target` names: its past is kept there."""
-        return st.warm_key if st.warmed and st.warmed_on == target.name else ""
+        """The key a continuation on `target` names: its past is kept there, or on its way
+        (a prefill of it under way there is taken over when it ends; one still queued
+        gives way to the continuation, engine/scheduler.py)."""
+        if st.warmed_on != target.name or not (st.warmed or st.warming):
+            return ""
+        return st.warm_key
 
     def ended(self, st: Stream) -> None:
         """`st` is over: the engine keeping its past warm may forget it."""

@@ -78,11 +78,12 @@ def test_a_kept_past_that_does_not_begin_the_prompt_is_not_used(
     assert "s3" not in engine.scheduler.kept and engine.stats().kv_blocks_used == 0
 
 
-def test_continuations_and_fresh_prompts_share_a_step(
+def test_continuations_beside_fresh_prompts_and_decodes_get_their_own_tokens(
     engine: BatchEngine, whole: list[int]
 ) -> None:
-    """Several continuations of kept pasts, a fresh prompt and running decodes in the same
-    steps: each request gets the tokens it has alone."""
+    """Several continuations of kept pasts, fresh prompts and running decodes in the steps
+    of one burst (continuations first, then the prompts beside their decodes): each
+    request gets the tokens it has alone."""
     other = (9, 8, 7, 6, 5, 4, 3, 2, 1, 200, 201)
     other_whole = engine.run(Job(other, 40, ignore_eos=True)).tokens
     engine.warm("a", PROMPT + tuple(whole[:16])).result(timeout=60)
@@ -263,3 +264,20 @@ def test_a_continuation_cancels_the_wait_of_a_warm_request_for_its_own_past() ->
     s.add(other)
     s.add(Seq(PROMPT + (1, 2), 5, warm_key="k"))
     assert mine.cancel.is_set() and not other.cancel.is_set()
+
+
+def test_continuations_step_first_and_apart_from_whole_prompts() -> None:
+    """A continuation queued behind a request's prompt and a warm past runs first, in a
+    step of its own (a few fresh tokens, not a long prefill); the prompts join the next
+    step, beside its decode."""
+    s = Scheduler(
+        BlockPool(64), frozenset(), block_size=16, max_running=8, max_waiting=8, prefill_tokens=1024
+    )
+    first, warm = Seq(PROMPT, 4), Seq(PROMPT + (7,), 1, warm_key="j", warming=True)
+    cont = Seq(PROMPT + (1, 2), 5, warm_key="k")
+    for seq in (first, warm, cont):
+        s.add(seq)
+    plan = s.plan()
+    assert plan is not None and plan.prefill == (cont,) and plan.decode == ()
+    plan = s.plan()
+    assert plan is not None and plan.prefill == (first, warm) and plan.decode == (cont,)
