@@ -25,9 +25,7 @@ class Rate(msgspec.Struct, frozen=True):
     drop_pct: float | None = None  # of tokens/s against the baseline (requests/s without tokens)
 
 
-def _rate(
-    label: str, rows: Sequence[RequestRow], windows: Sequence[tuple[float, float]]
-) -> Rate:
+def _rate(label: str, rows: Sequence[RequestRow], windows: Sequence[tuple[float, float]]) -> Rate:
     ok = [r for r in rows if r.ok]
     seconds = sum(b - a for a, b in windows)
     if seconds <= 0:
