@@ -56,8 +56,9 @@ def preflight(
 
 
 def schema_policy(path: Path, overrides: dict[str, Any] | None = None) -> Policy:
-    """A policy (with a stage's overrides) checked for shape and cross-field rules only: its
-    model files are not looked for (model.path is taken as given)."""
+    """A policy (with a stage's overrides) checked for shape and cross-field rules only:
+    nothing of this machine is looked for (model.path is taken as given, vLLM need not be
+    installed)."""
     data = policy_data(path, overrides or {})
     if not isinstance(data, dict):
         raise PolicyError(["$: expected a mapping at the top"], str(path))
@@ -68,7 +69,7 @@ def schema_policy(path: Path, overrides: dict[str, Any] | None = None) -> Policy
     model = policy.model
     if model.path is not None:  # stands in for the checkpoint: its files are not checked
         model = msgspec.structs.replace(model, path=None, preset=model.preset or "tiny")
-    errors = semantic_errors(msgspec.structs.replace(policy, model=model))
+    errors = semantic_errors(msgspec.structs.replace(policy, model=model), schema_only=True)
     if errors:
         raise PolicyError(errors, str(path))
     return policy
