@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,15 @@ def engine_metric(port: int, name: str) -> float:
     raise AssertionError(f"{name} not on engine :{port}/metrics")
 
 
+def until_metric(port: int, name: str, ok: Callable[[float], bool], timeout: float = 60) -> None:
+    """Until the engine's metric `name` satisfies `ok` (another process's state, with
+    nothing to wait on: polled, under a deadline far above any machine's pace)."""
+    deadline = time.monotonic() + timeout
+    while not ok(engine_metric(port, name)):
+        assert time.monotonic() < deadline, f"{name} on :{port} never got there"
+        time.sleep(0.02)
+
+
 @pytest.mark.parametrize("every", [8, 0])
 def test_a_killed_primarys_stream_continues_from_what_the_standby_kept(
     tmp_path: Path, tiny_model: Path, every: int
@@ -36,11 +46,7 @@ def test_a_killed_primarys_stream_continues_from_what_the_standby_kept(
         reference = list(stream(sup.router, prompt_token_ids=PROMPT, max_tokens=TOKENS))
         standby = get(f"{sup.api}/standby")[1][0]
         # the reference stream ended: the standby was told to forget its past
-        name = "holdfast_engine_kept_prefixes"
-        deadline = time.monotonic() + 10
-        while engine_metric(standby["port"], name) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert engine_metric(standby["port"], name) == 0
+        until_metric(standby["port"], "holdfast_engine_kept_prefixes", lambda n: n == 0)
         mark = sup.tap.mark()
         events = cut_stream(sup, prompt_token_ids=PROMPT, max_tokens=TOKENS)
         promoted = sup.wait(lambda e: e.event == "promoted", timeout=10, after=mark)
@@ -76,17 +82,12 @@ def test_a_token_id_prompt_is_kept_on_the_standby_before_its_first_token(
         reference = list(stream(sup.router, prompt_token_ids=PROMPT, max_tokens=TOKENS))
         standby = get(f"{sup.api}/standby")[1][0]
         kept = "holdfast_engine_kept_prefixes"
-        deadline = time.monotonic() + 10
-        while engine_metric(standby["port"], kept) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert engine_metric(standby["port"], kept) == 0
+        until_metric(standby["port"], kept, lambda n: n == 0)  # the reference's past forgotten
         events = []
         for data in stream(sup.router, prompt_token_ids=PROMPT, max_tokens=TOKENS):
             events.append(data)
             if len(events) == 1:  # the prompt only: no past was due yet
-                deadline = time.monotonic() + 30
-                while not engine_metric(standby["port"], kept) and time.monotonic() < deadline:
-                    time.sleep(0.01)
+                until_metric(standby["port"], kept, lambda n: n >= 1)  # this prompt's
                 os.kill(get(f"{sup.api}/primary")[1]["pid"], signal.SIGKILL)
         assert events[-1] == b"[DONE]" and token_ids(events) == token_ids(reference)
         reused = engine_metric(standby["port"], "holdfast_engine_reused_prompt_tokens_total")
