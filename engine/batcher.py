@@ -23,9 +23,11 @@ prefills are all a standby has to run, it gathers them the same way, into one st
 Callbacks for one step's tokens go out together through `post` (the server passes
 `loop.call_soon_threadsafe`), so a step of 128 requests costs the event loop one wakeup.
 They go out once the next step is queued on the device (or the loop has nothing left to
-run): the event loop streams step N's tokens while the GPU computes step N+1, instead of
-taking the GIL from the model thread while it prepares that step. On the CPU, where a step
-computes as it is called, they go out as step N+1 begins (`Runner.step`), not after it.
+run) when that step is a graph replay: the event loop streams step N's tokens while the
+GPU computes step N+1, instead of taking the GIL from the model thread while it prepares
+that step. When step N+1 runs eagerly (a long prefill, whose launches alone take tens of
+ms on a large model), and on the CPU, where a step computes as it is called, they go out
+as step N+1 begins (`Runner.step`), not after its launch.
 """
 
 from __future__ import annotations
@@ -178,7 +180,7 @@ class BatchEngine:
                     return
                 self.scheduler.reap(self._done_now)
                 gather = self._gathering()
-                plan = None if gather else self.scheduler.plan()
+                plan = None if gather else self.scheduler.plan(self.runner.graph_rows)
             if gather:
                 self._flush()
                 self._wake.wait(gather)

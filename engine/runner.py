@@ -91,11 +91,13 @@ class Runner:
     # ---- rank 0 ----
     def step(self, plan: Plan, launched: Callable[[], None] | None = None) -> list[Step]:
         """Run one step of `plan` on every rank; the sampled token of each request.
-        `launched` runs once the step is queued on the device, before waiting for it: on
-        CUDA once its kernels are launched; on the CPU, which computes as it is called,
-        before the step (so the last step's tokens are not held back for this one's)."""
+        `launched` runs once the step is queued on the device, before waiting for it,
+        when queuing it is quick: a graph replay's launch. Otherwise it runs before the
+        step: on the CPU, which computes as it is called, and for an eager CUDA step,
+        whose launches alone take tens of ms on a large model (so the last step's tokens
+        are not held back for this one's)."""
         ids, batch = self._inputs(plan)
-        if launched is not None and self.device.type != "cuda":
+        if launched is not None and not self._replays(ids, batch):
             launched()
             launched = None
         try:
@@ -172,17 +174,17 @@ class Runner:
     # ---- all ranks ----
     @torch.inference_mode()
     def _run(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor:
-        if batch.prefill_tokens == 0 and self.graphs is not None:
-            out = self.graphs.replay(ids, batch)
-            if out is not None:
-                if batch.last.shape[0] == ids.shape[0]:
-                    return out
-                # Kept prefixes continue in this step: their fresh tokens are decode rows
-                # (one each, `_inputs`), so a graph of that many rows computes them; each
-                # request's token is its last row's.
-                self.graphs.continued += 1
-                return out[batch.last]
-        return self._decode_and_sample(ids, batch)
+        if self.graphs is None or not self._replays(ids, batch):
+            return self._decode_and_sample(ids, batch)
+        out = self.graphs.replay(ids, batch)
+        assert out is not None  # a captured size fits: `_replays`
+        if batch.last.shape[0] == ids.shape[0]:
+            return out
+        # Kept prefixes continue in this step: their fresh tokens are decode rows (one
+        # each, `_inputs`), so a graph of that many rows computes them; each request's
+        # token is its last row's.
+        self.graphs.continued += 1
+        return out[batch.last]
 
     def _decode_and_sample(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor:
         return sample(self.model(ids, batch, self.cache))
@@ -223,15 +225,23 @@ class Runner:
                     extend.append((first, first + s.fresh, len(s.prompt)))
         return self._batch(ids, pos, slots, bounds, tables, triton, last, tuple(extend))
 
+    @property
+    def graph_rows(self) -> int:
+        """Rows of the largest captured graph (0 while there is none): the most tokens a
+        step can hold and still be one replay."""
+        return max(self.graphs.graphs, default=0) if self.graphs is not None else 0
+
     def _rows_fit(self, plan: Plan) -> bool:
         """Whether every token of `plan` fits one captured graph as rows: then prompts
         prefill as rows too (one query each against the request's blocks, as a continued
         prompt's fresh tokens do), and a small prefill (one stream's prompt, a warm past)
         is a replay, not an eager pass."""
-        if self.graphs is None or not self.graphs.graphs:
-            return False
         tokens = sum(s.fresh for s in plan.prefill) + len(plan.decode)
-        return tokens <= max(self.graphs.graphs)
+        return 0 < tokens <= self.graph_rows
+
+    def _replays(self, ids: torch.Tensor, batch: Batch) -> bool:
+        """Whether a step of these inputs replays a captured graph (`_run`)."""
+        return batch.prefill_tokens == 0 and 0 < ids.shape[0] <= self.graph_rows
 
     def _batch(
         self,

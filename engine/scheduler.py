@@ -150,15 +150,22 @@ class Scheduler:
         for seq in [s for s in self.running if s.cancel.is_set()]:
             self._finish(seq, "cancelled", on_done)
 
-    def plan(self) -> Plan | None:
+    def plan(self, warm_rows: int = 0) -> Plan | None:
         """Every running request decodes; new prompts join as KV blocks and the prefill
         budget allow, in arrival order. Continuations go first, and alone: a step with a
         migrated stream's few fresh tokens takes no whole prompt (a request's, a warm
         past's) beside them, which would make it a long prefill for the streams a client
-        is waiting on; the prompts join the next step."""
+        is waiting on; the prompts join the next step.
+
+        A warm prefill joins a step only while the step's tokens stay within `warm_rows`
+        (0: no bound but the prefill budget), unless it is the step's first: the runner
+        passes its largest captured graph, so a standby's warm step is one replay, and a
+        continuation arriving while it runs (the standby just promoted) waits for that,
+        not for an eager pass over many pasts."""
         decode = tuple(self.running)
         admitted: list[Seq] = []
         budget = self.prefill_tokens
+        rows = len(decode)
         self._expire(time.monotonic())
         queue = [seq for seq in self.waiting if seq.continues] or list(self.waiting)
         for head in queue:
@@ -169,6 +176,8 @@ class Scheduler:
             need = blocks_for(head.kv_tokens, self.block_size) - have
             fresh = len(head.prompt) - (kept_len(kept, head) if kept is not None else 0)
             if admitted and fresh > budget:
+                break
+            if admitted and head.warming and warm_rows and rows + fresh > warm_rows:
                 break
             if need > self.pool.free:
                 self._evict(need, keep=head.warm_key)
@@ -181,6 +190,7 @@ class Scheduler:
             head.blocks = head.blocks + self.pool.take(need)
             admitted.append(head)
             budget -= head.fresh
+            rows += head.fresh
         self.running.extend(admitted)
         if not admitted and not decode:
             return None

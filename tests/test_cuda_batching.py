@@ -179,3 +179,31 @@ def test_continuations_replay_a_captured_graph_and_give_the_uninterrupted_tokens
         assert graphs.continued > before
     finally:
         e.stop_followers()
+
+
+def test_a_steps_tokens_go_out_before_an_eager_step_and_after_a_replays_launch(
+    tiny_model: Path,
+) -> None:
+    """The last step's tokens (`launched`) wait for the next step's launch only when that
+    is a graph replay; a step run eagerly (a prompt longer than the largest graph) posts
+    them before its first kernel, not after its launches."""
+    from engine.scheduler import Seq
+
+    e = build_engine(tiny_model, device="cuda:0", graphs=True)
+    while e.runner.capture_next():
+        pass
+    assert e.runner.graph_rows == 16
+    order: list[str] = []
+    e.runner.model.register_forward_pre_hook(lambda *_: order.append("forward"))
+    s = e.scheduler
+    s.add(Seq(tuple(range(1, 41)), 2, ignore_eos=True))
+    for want in (["launched", "forward"], ["launched"], []):
+        plan = s.plan(e.runner.graph_rows)
+        if plan is None:
+            assert want == []
+            break
+        order.clear()
+        steps = e.runner.step(plan, launched=lambda: order.append("launched"))
+        assert order == want
+        s.record(plan, steps, lambda seq: None)
+    assert not s.running

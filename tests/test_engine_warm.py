@@ -17,7 +17,7 @@ import pytest
 
 from engine import batcher as engine_batcher
 from engine.batcher import BatchEngine
-from engine.job import Job
+from engine.job import Job, Step
 from engine.kvcache import BlockPool, blocks_for
 from engine.launch import EngineProcess
 from engine.scheduler import Scheduler, Seq
@@ -281,3 +281,37 @@ def test_continuations_step_first_and_apart_from_whole_prompts() -> None:
     assert plan is not None and plan.prefill == (cont,) and plan.decode == ()
     plan = s.plan()
     assert plan is not None and plan.prefill == (first, warm) and plan.decode == (cont,)
+
+
+def test_warm_prefills_fill_a_step_only_up_to_the_rows_of_a_graph() -> None:
+    """A standby's step of warm pasts stops at the rows it is given (the largest captured
+    graph's): the rest wait for the next step, in arrival order. A past longer than that
+    still runs, alone; with no bound the prefill budget alone decides."""
+
+    def fresh_scheduler() -> Scheduler:
+        return Scheduler(
+            BlockPool(64),
+            frozenset(),
+            block_size=16,
+            max_running=8,
+            max_waiting=8,
+            prefill_tokens=1024,
+        )
+
+    def warm(n: int, key: str) -> Seq:
+        return Seq(tuple(range(1, n + 1)), 1, warm_key=key, warming=True)
+
+    s = fresh_scheduler()
+    first, second, third, long = warm(20, "a"), warm(20, "b"), warm(5, "c"), warm(50, "d")
+    for seq in (first, second, third, long):
+        s.add(seq)
+    steps = []
+    while (plan := s.plan(warm_rows=40)) is not None:
+        steps.append(plan.prefill)
+        s.record(plan, [Step(0, 0.0, ())] * len(plan.seqs), lambda seq: None)
+    assert steps == [(first, second), (third,), (long,)]
+    s = fresh_scheduler()
+    for seq in (warm(20, "a"), warm(20, "b"), warm(5, "c"), warm(50, "d")):
+        s.add(seq)
+    plan = s.plan()
+    assert plan is not None and len(plan.prefill) == 4
