@@ -286,7 +286,8 @@ def test_continuations_step_first_and_apart_from_whole_prompts() -> None:
 def test_warm_prefills_fill_a_step_only_up_to_the_rows_of_a_graph() -> None:
     """A standby's step of warm pasts stops at the rows it is given (the largest captured
     graph's): the rest wait for the next step, in arrival order. A past longer than that
-    still runs, alone; with no bound the prefill budget alone decides."""
+    still runs, alone; continuations are bounded the same way; with no bound the prefill
+    budget alone decides."""
 
     def fresh_scheduler() -> Scheduler:
         return Scheduler(
@@ -306,10 +307,22 @@ def test_warm_prefills_fill_a_step_only_up_to_the_rows_of_a_graph() -> None:
     for seq in (first, second, third, long):
         s.add(seq)
     steps = []
-    while (plan := s.plan(warm_rows=40)) is not None:
+    while (plan := s.plan(graph_rows=40)) is not None:
         steps.append(plan.prefill)
         s.record(plan, [Step(0, 0.0, ())] * len(plan.seqs), lambda seq: None)
     assert steps == [(first, second), (third,), (long,)]
+    # continuations of three kept pasts, 15 fresh tokens each: two fit 40 rows, the third
+    # goes in the next step, beside their decodes
+    conts = [Seq(seq.prompt + tuple(range(15)), 4, warm_key=seq.warm_key) for seq in steps[0]]
+    conts.append(Seq(third.prompt + tuple(range(15)), 4, warm_key="c"))
+    for seq in conts:
+        s.add(seq)
+    plan = s.plan(graph_rows=40)
+    assert plan is not None and plan.prefill == tuple(conts[:2]) and not plan.decode
+    assert sum(seq.fresh for seq in plan.prefill) == 30
+    s.record(plan, [Step(0, 0.0, ())] * len(plan.seqs), lambda seq: None)
+    plan = s.plan(graph_rows=40)
+    assert plan is not None and plan.prefill == (conts[2],) and plan.decode == tuple(conts[:2])
     s = fresh_scheduler()
     for seq in (warm(20, "a"), warm(20, "b"), warm(5, "c"), warm(50, "d")):
         s.add(seq)
