@@ -43,7 +43,13 @@ class EngineUnitState(UnitState, frozen=True):
 
 
 # events a person should notice; every other event is logged at info
-LEVELS = {"died": "warning", "fenced": "warning", "dead": "warning", "quarantined": "error"}
+LEVELS = {
+    "died": "warning",
+    "fenced": "warning",
+    "dead": "warning",
+    "quarantined": "error",
+    "migrating": "warning",
+}
 
 
 class EventBus:

@@ -168,8 +168,11 @@ class StreamRelay:
         st.cut_at = st.last_token_at or time.monotonic()
         st.pending = True
         self.r.migrations["attempted"] += 1
-        log.warning("stream_migrating", engine=target.name, tokens=len(st.emitted), why=reason)
-        self._event("migrating", target.epoch, engine=target.name, tokens=len(st.emitted))
+        # its log line is the event's: a failover cuts every stream at once, and each line
+        # logged then delays the continuations
+        self._event(
+            "migrating", target.epoch, engine=target.name, tokens=len(st.emitted), why=reason
+        )
 
     def _resumed(self, st: Stream, tokens: int) -> None:
         """The first token after a cut reached the client: the stall it saw, and how many

@@ -8,14 +8,20 @@ Real `supervisor run` and engines on the tiny checkpoint; sizes in tokens."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from supervisor.migration import COMPLETIONS, Stream
+from supervisor.policy import RouterSpec
+from supervisor.router import Router
+from supervisor.routing import PrimaryView, Target
 from tests.engines.harness import get
 from tests.test_router_streams import PROMPT, TOKENS, boot, cut_stream, get_text, stream, token_ids
 
@@ -96,3 +102,44 @@ def test_a_token_id_prompt_is_kept_on_the_standby_before_its_first_token(
     finally:
         if sup.proc.poll() is None:
             sup.stop(signal.SIGKILL)
+
+
+def test_a_new_heir_gets_no_past_while_a_cut_stream_waits_for_its_first_token() -> None:
+    """After a failover the new heir's first warm is every stream's whole past: it waits
+    until no cut stream is still waiting for its continuation's first token, then all go.
+    (The heirs here are closed ports: the warm requests fail, which is only counted.)"""
+
+    def closed_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+
+    async def main() -> None:
+        view = PrimaryView()
+        router = Router(RouterSpec(warm_every=4), view)
+        streams = [Stream(COMPLETIONS, {}) for _ in range(2)]
+        for st in streams:
+            st.prompt_ids, st.emitted = [1, 2, 3], [5] * 8
+        view.heir = Target("e2", closed_port(), 2)
+        for st in streams:
+            router.warmer.heard(st)
+        assert all(st.warming for st in streams)
+        await asyncio.gather(*router.warmer._tasks)
+        assert router.warmer.failed == 2 and not any(st.warming for st in streams)
+        view.heir = Target("e3", closed_port(), 3)  # e2 promoted; both streams cut
+        first, second = streams
+        for st in streams:
+            st.cut_at = time.monotonic()
+        first.cut_at = 0.0  # its first token after the cut came
+        first.emitted.append(6)
+        router.warmer.heard(first)
+        assert not first.warming and not second.warming
+        second.cut_at = 0.0
+        second.emitted.append(6)
+        router.warmer.heard(second)
+        assert first.warming and second.warming
+        await asyncio.gather(*router.warmer._tasks)
+        assert router.warmer.failed == 4
+        await router.client().close()
+
+    asyncio.run(main())
