@@ -4,7 +4,10 @@ quarantine, operator commands, control hardening; and a clean stop of another on
 
 The tests share one supervisor but not an order: each first waits, on the events it
 publishes, for the cluster to be as it needs it (a ready standby, a daemon with a spare,
-a running batch engine), and none waits a fixed time.
+a running batch engine), and none waits a fixed time. The one exception is the metrics
+test, which counts what all the others put the cluster through, so the file runs on one
+pytest-xdist worker (its own xdist group): split across two, each half has a supervisor
+of its own.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ from tests.engines.harness import (
     write_policy,
 )
 from tests.realtime_probe import realtime_allowed
+
+pytestmark = pytest.mark.xdist_group("supervisor-failover")  # one supervisor: see above
 
 HANG_S = 0.1 * 5
 PREFIX = f"hf-test/{uuid.uuid4().hex[:8]}"
