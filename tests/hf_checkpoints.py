@@ -45,8 +45,11 @@ def train_tokenizer(vocab_size: int = 240, **config: Any) -> Any:
     )
 
 
-def llama_checkpoint(out: Path, *, chat_template: str | None = CHAT_TEMPLATE) -> Path:
-    """save_pretrained of a random float32 LlamaForCausalLM and its tokenizer."""
+def llama_checkpoint(
+    out: Path, *, chat_template: str | None = CHAT_TEMPLATE, context: int = 256
+) -> Path:
+    """save_pretrained of a random float32 LlamaForCausalLM and its tokenizer, with a
+    context of `context` tokens."""
     import torch
     import transformers
 
@@ -59,7 +62,7 @@ def llama_checkpoint(out: Path, *, chat_template: str | None = CHAT_TEMPLATE) ->
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=256,
-        max_position_embeddings=256,
+        max_position_embeddings=context,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )

@@ -35,11 +35,12 @@ CHATS: list[list[dict[str, str]]] = [
     ],
 ]
 N = 12
+LONG = 900  # tokens of the probe a kill -9 cuts: long enough to be in flight at the kill
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return llama_checkpoint(tmp_path_factory.mktemp("llama") / "llama")
+    return llama_checkpoint(tmp_path_factory.mktemp("llama") / "llama", context=1024)
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +263,7 @@ class Traffic:
 
 def long_completion(api: Any) -> tuple[str, int]:
     raw = api.completions.with_raw_response.create(
-        model="llama", prompt=TEXT, max_tokens=200, extra_body={"ignore_eos": True}
+        model="llama", prompt=TEXT, max_tokens=LONG, extra_body={"ignore_eos": True}
     )
     return raw.headers["X-Holdfast-Engine"], len(raw.parse().choices[0].model_extra["token_ids"])
 
@@ -308,7 +309,7 @@ def test_openai_client_through_the_router_survives_kill_9(ckpt: Path, tmp_path: 
         assert traffic.ok >= 10
         # sent to the first primary, answered in full by the next: the router retried it
         [(engine, tokens)] = probe
-        assert (engine, tokens) == (second.name, 200)
+        assert (engine, tokens) == (second.name, LONG)
         reply = api.chat.completions.create(model="llama", messages=CHATS[0], max_tokens=4)
         assert reply.choices[0].message.role == "assistant"
         assert sup.stop(signal.SIGTERM) == 0, sup.output()
