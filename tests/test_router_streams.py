@@ -207,9 +207,9 @@ def test_a_chat_stream_is_continued_at_the_token_level(
     pytest.importorskip("transformers")
     from hf_checkpoints import llama_checkpoint
 
-    ckpt = llama_checkpoint(tmp_path_factory.mktemp("llama") / "llama")
+    ckpt = llama_checkpoint(tmp_path_factory.mktemp("llama") / "llama", context=1024)
     sup = boot(tmp_path, ckpt)
-    n = 200  # the checkpoint's context is 256
+    n = 900  # long enough to be mid-stream at the kill (like TOKENS for the tiny checkpoint)
     messages = [{"role": "user", "content": "When the primary dies, a standby"}]
 
     def chat(cut: bool) -> tuple[list[int], list[str | None], Any]:
