@@ -7,7 +7,8 @@ the text ends just before the stop string, with finish_reason "stop".
 `CompletionReply` shapes /v1/completions, `ChatReply` /v1/chat/completions.
 With `prompt_ids` set (the request's `return_token_ids`), every streamed token's chunk
 carries its id in the choice's `token_ids` (a chat chunk goes out even when its text is
-held back) and the first chunk the prompt's ids in `prompt_token_ids`.
+held back) and the first chunk the prompt's ids in `prompt_token_ids`: a completion's in
+its choice, a chat's beside its choices, where vLLM puts them.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class Reply:
         self.prompt_ids: list[int] | None = None  # sent in the first chunk when set
 
     def first_ids(self) -> dict[str, Any]:
-        """What the first streamed chunk's choice adds: the prompt's ids, once."""
+        """The prompt's ids, once: what the first streamed chunk adds (in its choice, or
+        beside it)."""
         if self.prompt_ids is None:
             return {}
         ids, self.prompt_ids = self.prompt_ids, []
@@ -175,8 +177,8 @@ class ChatReply(Reply):
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
 
     def start(self) -> list[dict[str, Any]]:
-        choice = {**self._delta({"role": "assistant", "content": ""}, None), **self.first_ids()}
-        return [self.envelope([choice], True)]
+        choice = self._delta({"role": "assistant", "content": ""}, None)
+        return [{**self.envelope([choice], True), **self.first_ids()}]  # beside it, as vLLM
 
     def chunk(self, piece: str, token: int | None) -> list[dict[str, Any]]:
         if token is not None and self.prompt_ids is not None:  # ids asked for: every token

@@ -2,7 +2,8 @@
 continues the stream on the next primary when the one answering dies or is fenced.
 
 The router asks the engine for `return_token_ids` (vLLM's extension; engine/api.py): each
-chunk then carries the ids of its tokens and the first one the prompt's ids. After a cut
+chunk then carries the ids of its tokens and the first one the prompt's ids (a completion
+chunk in its choice, a chat chunk beside its choices, as vLLM sends them). After a cut
 the continuation is a `/v1/completions` request of the prompt's ids followed by the ids
 already sent, with `max_tokens` reduced by them and the same sampling fields. A chat
 request is continued the same way, at the token level (the chat template is not rendered
@@ -172,9 +173,9 @@ class Stream:
         if "usage" in event and event.get("usage"):
             self.usage_sent = True
             self.usage = event["usage"]
+        self.prompt_from(event)  # vLLM's chat chunk carries the prompt's ids here
         for choice in event.get("choices") or ():
-            if self.prompt_ids is None and isinstance(choice.get("prompt_token_ids"), list):
-                self.prompt_ids = list(choice["prompt_token_ids"])
+            self.prompt_from(choice)  # a completion chunk's choice carries them
             ids = choice.get("token_ids") or ()
             if ids:
                 self.emitted.extend(ids)
@@ -186,6 +187,12 @@ class Stream:
             if choice.get("finish_reason") is not None:
                 self.finish_reason = choice["finish_reason"]
                 self.held = 0  # the finish chunk carries what was held back
+
+    def prompt_from(self, part: dict[str, Any]) -> None:
+        """The prompt's ids from the first chunk or choice that carries them."""
+        ids = part.get("prompt_token_ids")
+        if self.prompt_ids is None and isinstance(ids, list):
+            self.prompt_ids = list(ids)
 
     def reshape(self, event: dict[str, Any]) -> list[dict[str, Any]]:
         """A continuation's completion chunk as the client's stream carries it."""

@@ -261,25 +261,20 @@ def test_a_continuation_is_the_prompt_and_the_tokens_sent_with_the_rest_of_the_b
     assert isinstance(st, Stream) and st.chat
     assert json.loads(st.first_body())["return_token_ids"] is True
     role = {"id": "chatcmpl-1", "created": 5, "model": "m"}
-    choice = {"delta": {"role": "assistant", "content": ""}, "prompt_token_ids": [1, 2, 3]}
-    st.seen({**role, "choices": [choice]})
+    choice = {"delta": {"role": "assistant", "content": ""}}
+    # a chat chunk carries the prompt's ids beside its choices (vLLM 0.32's shape)
+    st.seen({**role, "choices": [choice], "prompt_token_ids": [1, 2, 3]})
     st.seen({**role, "choices": [{"delta": {"content": "a"}, "token_ids": [40, 41]}]})
-    cont = json.loads(st.continuation())
-    assert (
-        cont
-        == {
-            "model": cont.get("model"),
-            "temperature": 0,
-            "seed": 7,
-            "stop": ["\n\n"],
-            "prompt_token_ids": [1, 2, 3, 40, 41],
-            "max_tokens": 8,
-            "stream": True,
-            "return_token_ids": True,
-            "skip_special_tokens": True,
-        }
-        or cont.pop("model", None) is None
-    )
+    assert json.loads(st.continuation()) == {
+        "temperature": 0,
+        "seed": 7,
+        "stop": ["\n\n"],
+        "prompt": [1, 2, 3, 40, 41],
+        "max_tokens": 8,
+        "stream": True,
+        "return_token_ids": True,
+        "skip_special_tokens": True,
+    }
     # a completion chunk of the continuation, reshaped into the chat stream's chunks
     end = st.reshape({"choices": [{"text": "b", "token_ids": [42], "finish_reason": "length"}]})
     assert [c["choices"][0]["delta"] for c in end] == [{"content": "b"}, {}]
@@ -293,11 +288,26 @@ def test_a_continuation_is_the_prompt_and_the_tokens_sent_with_the_rest_of_the_b
     assert plan("POST", "/v1/completions", b"not json") is None
 
 
+def test_a_completion_chunk_carries_the_prompt_ids_in_its_choice() -> None:
+    """vLLM 0.32's completion chunk, as it streams one: the ids in the first choice."""
+    from supervisor.migration import Stream
+
+    st = Stream("/v1/completions", {"prompt": [3, 14], "max_tokens": 5, "stream": True})
+    first = {"index": 0, "text": "k", "finish_reason": None, "stop_reason": None}
+    st.seen(
+        {"id": "cmpl-8", "choices": [{**first, "prompt_token_ids": [3, 14], "token_ids": [80]}]}
+    )
+    more = {"index": 0, "text": "#", "finish_reason": None, "prompt_token_ids": None}
+    st.seen({"id": "cmpl-8", "choices": [{**more, "token_ids": [8]}]})
+    assert st.can_continue() and st.prompt_ids == [3, 14] and st.emitted == [80, 8]
+    assert json.loads(st.continuation())["prompt"] == [3, 14, 80, 8]
+
+
 def test_a_migrated_chat_stream_gets_usage_over_the_whole_answer() -> None:
     from supervisor.migration import Stream
 
     st = Stream("/v1/chat/completions", {"stream_options": {"include_usage": True}})
-    st.seen({"id": "c", "choices": [{"delta": {}, "prompt_token_ids": [1, 2]}]})
+    st.seen({"id": "c", "choices": [{"delta": {}}], "prompt_token_ids": [1, 2]})
     st.seen({"id": "c", "choices": [{"delta": {"content": "x"}, "token_ids": [9, 9, 9]}]})
     st.finish_reason = "stop"
     [usage] = st.closing()
