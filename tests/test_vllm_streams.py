@@ -1,0 +1,120 @@
+"""Streams through the router survive a kill -9 of a vLLM primary: the router continues each
+cut stream on the promoted vLLM standby by token replay (vLLM's `return_token_ids`), and the
+client sees one stream equal to the same request run without a fault, a completion and a
+chat alike (vLLM puts a chat stream's prompt ids beside its choices, not in them).
+
+Real `supervisor run` with `engines.kind: vllm`, real vLLM API servers from the venv of
+scripts/install-vllm.sh (skipped without it). Answers are sized in tokens: long enough that
+a kill after CUT_AFTER chunks lands mid-stream however fast the machine."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from holdfast_contract.events import Event
+from tests.engines.harness import Supervisor, get
+from tests.test_router_streams import CUT_AFTER, PROMPT, chunks, migrations, stream, token_ids
+from tests.test_supervisor_vllm import HAS_VLLM, START_S, VLLM_PYTHON, vllm_policy
+
+openai = pytest.importorskip("openai")
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        not HAS_VLLM,
+        reason=f"vLLM is not installed ({VLLM_PYTHON} is absent): run bash scripts/install-vllm.sh",
+    ),
+]
+CONTEXT = 2048
+TOKENS = 1900  # a few seconds of answer: the kill after CUT_AFTER chunks is mid-stream
+
+
+@pytest.fixture(scope="module")
+def long_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.vllm_checkpoints import causal_lm_checkpoint
+
+    out = tmp_path_factory.mktemp("vllm-long") / "llama"
+    return causal_lm_checkpoint(out, "llama", context=CONTEXT)
+
+
+def next_pair(sup: Supervisor, promoted: Event, mark: int) -> None:
+    """Until a standby other than the promoted engine is ready again (after `mark`)."""
+    sup.wait(lambda e: e.event == "ready" and e.name != promoted.name, timeout=START_S, after=mark)
+
+
+def kill_primary(sup: Supervisor) -> None:
+    os.kill(get(f"{sup.api}/primary")[1]["pid"], signal.SIGKILL)
+
+
+def chat(sup: Supervisor, cut: bool) -> tuple[list[int], list[str | None], Any]:
+    """One streamed chat through the official client: its token ids, finish reasons and
+    usage; with `cut`, the primary is killed after CUT_AFTER tokens."""
+    client = openai.OpenAI(base_url=sup.router + "/v1", api_key="-", max_retries=0, timeout=120)
+    ids: list[int] = []
+    finish: list[str | None] = []
+    usage = None
+    for chunk in client.chat.completions.create(
+        model=client.models.list().data[0].id,  # vLLM refuses any other name
+        messages=[{"role": "user", "content": "When the primary dies, a standby"}],
+        max_tokens=TOKENS,
+        stream=True,
+        stream_options={"include_usage": True},
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    ):
+        for choice in chunk.choices:
+            ids.extend(getattr(choice, "token_ids", None) or [])
+            if choice.finish_reason is not None:
+                finish.append(choice.finish_reason)
+        usage = chunk.usage or usage
+        if cut and len(ids) == CUT_AFTER:
+            kill_primary(sup)
+    return ids, finish, usage
+
+
+def test_streams_cut_by_kill_9_of_a_vllm_primary_are_continued_on_its_standby(
+    tmp_path: Path, long_checkpoint: Path
+) -> None:
+    sup = Supervisor(vllm_policy(tmp_path, long_checkpoint, standby=1))
+    try:
+        first = sup.wait_pair(timeout=START_S)
+        # a completion of token ids (vLLM reads them from `prompt`)
+        fields = {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0}
+        reference = list(stream(sup.router, **fields))
+        assert reference[-1] == b"[DONE]" and len(token_ids(reference)) == TOKENS
+        mark = sup.tap.mark()
+        events: list[bytes] = []
+        for data in stream(sup.router, **fields):
+            events.append(data)
+            if len(events) == CUT_AFTER:
+                kill_primary(sup)
+        promoted = sup.wait(lambda e: e.event == "promoted", timeout=10, after=mark)
+        assert promoted.name != first.name and promoted.epoch == first.epoch + 1
+        migrated = sup.wait(lambda e: e.topic == "router.main.migrated", timeout=10, after=mark)
+        assert 0 < migrated.data["tokens"] < TOKENS
+        assert events[-1] == b"[DONE]" and events.count(b": migrated") == 1
+        assert token_ids(events) == token_ids(reference)  # none twice, none missing
+        finals = [c["finish_reason"] for k in chunks(events) for c in k["choices"]]
+        assert [f for f in finals if f is not None] == ["length"]
+        assert len({k["id"] for k in chunks(events)}) == 1
+
+        # a chat, continued at the token level: the openai client reads one stream
+        next_pair(sup, promoted, mark)
+        ref_ids, ref_finish, ref_usage = chat(sup, cut=False)
+        assert len(ref_ids) == TOKENS and ref_finish == ["length"]
+        mark = sup.tap.mark()
+        ids, finish, usage = chat(sup, cut=True)
+        sup.wait(lambda e: e.topic == "router.main.migrated", timeout=10, after=mark)
+        again = sup.wait(lambda e: e.event == "promoted", timeout=10, after=mark)
+        assert again.name != promoted.name
+        assert ids == ref_ids and finish == ["length"]
+        assert usage is not None and usage.completion_tokens == TOKENS
+        assert usage.prompt_tokens == ref_usage.prompt_tokens
+        counts = migrations(sup)
+        assert (counts["attempted"], counts["succeeded"], counts["failed"]) == (2, 2, 0)
+    finally:
+        assert sup.stop() == 0, sup.output()
