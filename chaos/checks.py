@@ -50,6 +50,7 @@ RUN_METRICS: dict[str, str] = {
     "broken_streams": "streams that did not end complete, whole run",
     "migrated_streams": "streams continued on the next primary, whole run",
     "twin_mismatches": "complete greedy streams unlike their fault-free twins, whole run",
+    "migrated_twin_mismatches": "of those, streams continued on the next primary, whole run",
 }
 STATS = ("p50", "p95", "p99", "max", "min", "mean", "count", "sum")
 COUNT_METRICS = frozenset(
@@ -62,6 +63,7 @@ COUNT_METRICS = frozenset(
         "broken_streams",
         "migrated_streams",
         "twin_mismatches",
+        "migrated_twin_mismatches",
     }
 )
 _OPS: dict[str, Callable[[float, float], bool]] = {

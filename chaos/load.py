@@ -1,7 +1,7 @@
 """The load generator: a steady stream of completions through the router, every one recorded.
 
 `concurrency` requests in flight, each of `prompt_tokens` prompt tokens asking for
-`max_tokens` (with `ignore_eos`, exactly that many); back to back (closed loop) or, with
+`max_tokens` (with `ignore_eos`, exactly that many), greedily; back to back (closed loop) or, with
 `rate`, at most that many requests/s. Bounded in count and time, loopback only.
 A failed attempt (no answer, or 502/503/504) is retried after a short backoff, up to
 `retries` times; the row keeps the attempt count. A 503 with Retry-After is the engine
@@ -224,6 +224,7 @@ class LoadGenerator:
             self.spec.prompt_key: prompt,
             "max_tokens": self.spec.max_tokens,
             "ignore_eos": self.spec.ignore_eos,
+            "temperature": 0,  # greedy on any engine (vLLM samples at OpenAI's default of 1)
         }
         if streamed:
             body["stream"] = True

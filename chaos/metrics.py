@@ -81,6 +81,7 @@ class RunFigures(msgspec.Struct, frozen=True):
     broken_streams: int = 0
     migrated_streams: int = 0
     twin_mismatches: int = 0
+    migrated_twin_mismatches: int = 0  # of those, streams the router continued
 
 
 class CheckResult(msgspec.Struct, frozen=True):
@@ -214,6 +215,7 @@ def run_figures(
         broken_streams=sum(1 for r in rows if r.broken),
         migrated_streams=sum(1 for r in rows if r.migrated),
         twin_mismatches=sum(1 for r in rows if mismatched(r, twins)),
+        migrated_twin_mismatches=sum(1 for r in rows if r.migrated and mismatched(r, twins)),
     )
 
 

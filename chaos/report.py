@@ -124,7 +124,8 @@ def _streams(run: RunFigures) -> list[str]:
     return [
         f"Streams: {run.streams} streamed, {run.broken_streams} broken (an error event, a cut "
         f"or a short answer; counted as failed), {run.migrated_streams} migrated to the next "
-        f"primary, {run.twin_mismatches} unlike their fault-free twins.",
+        f"primary, {run.twin_mismatches} unlike their fault-free twins "
+        f"({run.migrated_twin_mismatches} of them migrated).",
         "",
     ]
 

@@ -163,3 +163,37 @@ def test_long_answers_count_their_tokens_where_they_came_not_where_they_ended() 
         assert during.tokens_per_s == 409.6
     base = baseline(rows, stages, before=103.0)
     assert base is not None and base.tokens_per_s < 409.6  # clients still starting up
+
+
+def test_streams_unlike_their_fault_free_twins_are_counted_and_the_migrated_set_apart() -> None:
+    """The twin of a prompt is the most common answer of its streams that no fault cut;
+    a stream with other tokens is a mismatch, and a migrated one is counted apart too."""
+
+    def stream(prompt: int, digest: str, migrated: int = 0) -> RequestRow:
+        return RequestRow(
+            0.0,
+            1.0,
+            200,
+            1,
+            "e1",
+            1,
+            streamed=True,
+            migrated=migrated,
+            prompt=prompt,
+            digest=digest,
+        )
+
+    rows = [
+        stream(0, "a"),
+        stream(0, "a"),
+        stream(0, "b"),  # never cut, yet unlike its twins (the batch it shared)
+        stream(0, "a", migrated=1),
+        stream(0, "c", migrated=1),
+        stream(1, "z", migrated=1),  # no fault-free twin to compare with
+        stream(1, ""),  # incomplete: no digest
+    ]
+    run = run_figures(rows, [], None)
+    assert (run.streams, run.migrated_streams) == (7, 3)
+    assert (run.twin_mismatches, run.migrated_twin_mismatches) == (2, 1)
+    text = " ".join(markdown(Results(META, run, [], [], rows, [])).split())
+    assert "2 unlike their fault-free twins (1 of them migrated)" in text
