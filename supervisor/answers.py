@@ -139,7 +139,9 @@ Answer = SseAnswer | JsonAnswer
 
 def body(st: Stream) -> dict[str, Any]:
     """A collected stream as the engine answers the same request not streamed: one choice
-    with the whole text (and, for a completion, its token ids), usage over every token."""
+    with the whole text (and, for a completion, its token ids), usage over every token; the
+    finishing choice's extra fields (vLLM's `stop_reason`) and `system_fingerprint` where
+    the engine sent them."""
     text = "".join(st.text)
     choice: dict[str, Any]
     if st.chat:
@@ -149,11 +151,14 @@ def body(st: Stream) -> dict[str, Any]:
     else:
         choice = {"index": 0, "text": text, "token_ids": list(st.emitted)}
         choice.update(finish_reason=st.finish_reason, logprobs=None)
-    return {
+    out = {
         "id": st.chunk_id,
         "object": "chat.completion" if st.chat else "text_completion",
         "created": st.created,
         "model": st.model,
-        "choices": [choice],
+        "choices": [{**choice, **st.finish_extra}],
         "usage": st.total_usage(),
     }
+    if st.fingerprint is not None:
+        out["system_fingerprint"] = st.fingerprint
+    return out

@@ -59,6 +59,9 @@ COLLECTABLE = frozenset(KEEP).union(
     ("prompt", "prompt_token_ids", "messages", "max_tokens", "max_completion_tokens"),
     ("stream", "logprobs"),
 )
+# what an engine adds to a finishing choice beyond OpenAI's fields, kept for the client
+# (vLLM's `stop_reason`: the stop string or token id that ended the answer)
+FINISH_EXTRA = ("stop_reason",)
 # upper bounds (s) of the stream stall histogram's buckets
 STALL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -80,6 +83,8 @@ class Stream:
     created: int = 0
     model: str = ""
     finish_reason: str | None = None
+    finish_extra: dict[str, Any] = field(default_factory=dict)  # FINISH_EXTRA, as the engine sent
+    fingerprint: str | None = None  # the engine's `system_fingerprint`, if it sent one
     usage_sent: bool = False
     usage: dict[str, Any] | None = None  # the engine's usage chunk, if it sent one
     text: list[str] = field(default_factory=list)  # the text of the tokens, chunk by chunk
@@ -173,6 +178,8 @@ class Stream:
         if "usage" in event and event.get("usage"):
             self.usage_sent = True
             self.usage = event["usage"]
+        if isinstance(event.get("system_fingerprint"), str):
+            self.fingerprint = event["system_fingerprint"]
         self.prompt_from(event)  # vLLM's chat chunk carries the prompt's ids here
         for choice in event.get("choices") or ():
             self.prompt_from(choice)  # a completion chunk's choice carries them
@@ -186,6 +193,7 @@ class Stream:
             self.held = 0 if text else self.held + len(ids)
             if choice.get("finish_reason") is not None:
                 self.finish_reason = choice["finish_reason"]
+                self.finish_extra = extra(choice)
                 self.held = 0  # the finish chunk carries what was held back
 
     def prompt_from(self, part: dict[str, Any]) -> None:
@@ -203,14 +211,16 @@ class Stream:
             finish = choice.get("finish_reason")
             if not self.chat:
                 c = {"index": 0, "text": text, "token_ids": ids, "finish_reason": finish}
-                out.append(self.envelope([c]))
+                out.append(self.envelope([{**c, **extra(choice)} if finish is not None else c]))
                 continue
             if ids or text:
                 delta = {"index": 0, "delta": {"content": text}, "logprobs": None}
                 out.append(self.envelope([{**delta, "finish_reason": None, "token_ids": ids}]))
             if finish is not None:
                 end = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}
-                out.append(self.envelope([end]))
+                out.append(self.envelope([{**end, **extra(choice)}]))
+        if out and isinstance(event.get("system_fingerprint"), str):
+            out[-1]["system_fingerprint"] = event["system_fingerprint"]
         return out
 
     def envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -288,6 +298,11 @@ def collectable(request: dict[str, Any]) -> bool:
 def off(value: Any) -> bool:
     """Whether a flag is left out, null or false (not 0: the engine refuses that)."""
     return value is None or value is False
+
+
+def extra(choice: dict[str, Any]) -> dict[str, Any]:
+    """The FINISH_EXTRA fields a finishing choice carries."""
+    return {k: choice[k] for k in FINISH_EXTRA if k in choice}
 
 
 def text_of(choice: dict[str, Any]) -> str:

@@ -317,3 +317,26 @@ def test_a_migrated_chat_stream_gets_usage_over_the_whole_answer() -> None:
         "total_tokens": 5,
     }
     assert st.closing() == []  # once
+
+
+def test_what_vllm_adds_to_a_finish_reaches_the_client_migrated_or_collected() -> None:
+    """vLLM's `stop_reason` (the stop string that ended the answer) and its
+    `system_fingerprint` stay in a continuation's reshaped chunks and a collected body."""
+    from supervisor.answers import body
+    from supervisor.migration import Stream
+
+    st = Stream("/v1/completions", {"prompt": [3], "max_tokens": 9, "stop": ["o"]}, collect=True)
+    st.seen({"id": "cmpl-1", "choices": [{"text": "a", "prompt_token_ids": [3], "token_ids": [5]}]})
+    end = {"text": "b", "token_ids": [6], "finish_reason": "stop", "stop_reason": "o"}
+    [chunk] = st.reshape({"choices": [end], "system_fingerprint": "vllm-0.32.0"})
+    assert chunk["choices"][0]["stop_reason"] == "o"
+    assert chunk["system_fingerprint"] == "vllm-0.32.0"
+    st.seen(chunk)
+    answer = body(st)
+    assert answer["choices"][0]["text"] == "ab" and answer["choices"][0]["stop_reason"] == "o"
+    assert answer["system_fingerprint"] == "vllm-0.32.0"
+    # the reference engine sends neither: the body has neither
+    plain = Stream("/v1/completions", {"prompt": [3]}, collect=True)
+    plain.seen({"id": "c", "choices": [{"text": "a", "token_ids": [5], "finish_reason": "length"}]})
+    assert "stop_reason" not in body(plain)["choices"][0]
+    assert "system_fingerprint" not in body(plain)

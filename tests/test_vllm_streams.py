@@ -1,7 +1,8 @@
 """Streams through the router survive a kill -9 of a vLLM primary: the router continues each
 cut stream on the promoted vLLM standby by token replay (vLLM's `return_token_ids`), and the
 client sees one stream equal to the same request run without a fault, a completion and a
-chat alike (vLLM puts a chat stream's prompt ids beside its choices, not in them).
+chat alike (vLLM puts a chat stream's prompt ids beside its choices, not in them); and a
+non-streamed completion cut mid-generation is answered as vLLM itself answers it.
 
 Real `supervisor run` with `engines.kind: vllm`, real vLLM API servers from the venv of
 scripts/install-vllm.sh (skipped without it). Answers are sized in tokens: long enough that
@@ -11,14 +12,26 @@ from __future__ import annotations
 
 import os
 import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from holdfast_contract.events import Event
 from tests.engines.harness import Supervisor, get
-from tests.test_router_streams import CUT_AFTER, PROMPT, chunks, migrations, stream, token_ids
+from tests.test_router_collect import post
+from tests.test_router_streams import (
+    CUT_AFTER,
+    PROMPT,
+    chunks,
+    get_text,
+    migrations,
+    stream,
+    token_ids,
+)
 from tests.test_supervisor_vllm import HAS_VLLM, START_S, VLLM_PYTHON, vllm_policy
 
 openai = pytest.importorskip("openai")
@@ -76,6 +89,35 @@ def chat(sup: Supervisor, cut: bool) -> tuple[list[int], list[str | None], Any]:
     return ids, finish, usage
 
 
+def generated(port: int) -> float:
+    """Tokens the vLLM engine on `port` has generated (its /metrics)."""
+    text = get_text(f"http://127.0.0.1:{port}/metrics")
+    for family in text_string_to_metric_families(text):
+        if family.name == "vllm:generation_tokens":
+            return sum(s.value for s in family.samples if s.name.endswith("_total"))
+    raise AssertionError("vLLM's /metrics has no vllm:generation_tokens_total")
+
+
+def collected_cut(sup: Supervisor, fields: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """A non-streamed completion through the router, its vLLM primary killed with SIGKILL
+    once it has generated CUT_AFTER tokens of it (it runs nothing else), before its last."""
+    for _ in range(3):  # a machine too busy to look in time: the request ran whole, again
+        primary = get(f"{sup.api}/primary")[1]
+        start = generated(primary["port"])
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(post, sup.router, "/v1/completions", fields)
+            deadline = time.monotonic() + 60
+            while (made := generated(primary["port"]) - start) < CUT_AFTER:
+                assert time.monotonic() < deadline and not answer.done(), "it never ran"
+                time.sleep(0.005)
+            if made < TOKENS:
+                os.kill(primary["pid"], signal.SIGKILL)
+                status, _, body = answer.result(timeout=120)
+                return status, body
+            assert answer.result(timeout=120)[0] == 200
+    raise AssertionError("the request was done before the kill 3 times")
+
+
 def test_streams_cut_by_kill_9_of_a_vllm_primary_are_continued_on_its_standby(
     tmp_path: Path, long_checkpoint: Path
 ) -> None:
@@ -83,7 +125,7 @@ def test_streams_cut_by_kill_9_of_a_vllm_primary_are_continued_on_its_standby(
     try:
         first = sup.wait_pair(timeout=START_S)
         # a completion of token ids (vLLM reads them from `prompt`)
-        fields = {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0}
+        fields = {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
         reference = list(stream(sup.router, **fields))
         assert reference[-1] == b"[DONE]" and len(token_ids(reference)) == TOKENS
         mark = sup.tap.mark()
@@ -114,7 +156,26 @@ def test_streams_cut_by_kill_9_of_a_vllm_primary_are_continued_on_its_standby(
         assert ids == ref_ids and finish == ["length"]
         assert usage is not None and usage.completion_tokens == TOKENS
         assert usage.prompt_tokens == ref_usage.prompt_tokens
+
+        # not streamed: collected from a stream, continued, and answered as vLLM answers
+        next_pair(sup, again, mark)
+        own = post(
+            f"http://127.0.0.1:{get(f'{sup.api}/primary')[1]['port']}", "/v1/completions", fields
+        )
+        assert own[0] == 200, own[2]
+        mark = sup.tap.mark()
+        status, body = collected_cut(sup, fields)
+        assert status == 200, body
+        sup.wait(lambda e: e.topic == "router.main.migrated", timeout=10, after=mark)
+        want = own[2]
+        assert body["choices"][0]["text"] == want["choices"][0]["text"]
+        for key in ("finish_reason", "stop_reason", "logprobs"):
+            assert body["choices"][0][key] == want["choices"][0][key], key
+        assert body["choices"][0]["token_ids"] == token_ids(reference)
+        assert body["usage"] == {k: want["usage"][k] for k in body["usage"]}
+        for key in ("object", "model", "system_fingerprint"):
+            assert body[key] == want[key], key
         counts = migrations(sup)
-        assert (counts["attempted"], counts["succeeded"], counts["failed"]) == (2, 2, 0)
+        assert (counts["attempted"], counts["succeeded"], counts["failed"]) == (3, 3, 0)
     finally:
         assert sup.stop() == 0, sup.output()
