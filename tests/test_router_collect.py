@@ -18,6 +18,7 @@ import signal
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -68,16 +69,23 @@ def engine_steps(port: int) -> float:
     raise AssertionError("the engine's /metrics has no holdfast_engine_steps")
 
 
-def cut(sup: Supervisor, path: str, fields: dict[str, Any], tokens: int) -> Reply:
+def cut(
+    sup: Supervisor,
+    path: str,
+    fields: dict[str, Any],
+    tokens: int,
+    progress: Callable[[int], float] = engine_steps,
+) -> Reply:
     """The request through the router, its primary killed with SIGKILL once the primary
-    has run CUT_AFTER steps of it (it runs nothing else), before its last token."""
+    has run CUT_AFTER steps of it (it runs nothing else), before its last token.
+    `progress`: the steps (or tokens) the engine on a port has run so far."""
     for _ in range(ATTEMPTS):
         primary = get(f"{sup.api}/primary")[1]
-        start = engine_steps(primary["port"])
+        start = progress(primary["port"])
         with ThreadPoolExecutor(1) as pool:
             answer = pool.submit(post, sup.router, path, fields)
             deadline = time.monotonic() + 60
-            while (steps := engine_steps(primary["port"]) - start) < CUT_AFTER:
+            while (steps := progress(primary["port"]) - start) < CUT_AFTER:
                 assert time.monotonic() < deadline and not answer.done(), "the request never ran"
                 time.sleep(0.005)
             if steps < tokens:

@@ -109,6 +109,34 @@ def get_text(url: str) -> str:
         return str(r.read().decode())
 
 
+def chat(
+    sup: Supervisor, model: str, tokens: int, cut: bool, **fields: Any
+) -> tuple[list[int], list[str | None], Any]:
+    """One streamed chat through the official `openai` client: its token ids, finish
+    reasons and usage; with `cut`, the primary is killed with SIGKILL after CUT_AFTER tokens."""
+    client = openai.OpenAI(base_url=sup.router + "/v1", api_key="-", max_retries=0, timeout=120)
+    ids: list[int] = []
+    finish: list[str | None] = []
+    usage = None
+    for chunk in client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "When the primary dies, a standby"}],
+        max_tokens=tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+        **fields,
+    ):
+        for choice in chunk.choices:
+            ids.extend(getattr(choice, "token_ids", None) or [])
+            if choice.finish_reason is not None:
+                finish.append(choice.finish_reason)
+        usage = chunk.usage or usage
+        if cut and len(ids) == CUT_AFTER:
+            os.kill(get(f"{sup.api}/primary")[1]["pid"], signal.SIGKILL)
+    return ids, finish, usage
+
+
 def test_a_stream_cut_by_kill_9_is_continued_on_the_standby(
     tmp_path: Path, tiny_model: Path
 ) -> None:
@@ -210,36 +238,12 @@ def test_a_chat_stream_is_continued_at_the_token_level(
     ckpt = llama_checkpoint(tmp_path_factory.mktemp("llama") / "llama", context=1024)
     sup = boot(tmp_path, ckpt)
     n = 900  # long enough to be mid-stream at the kill (like TOKENS for the tiny checkpoint)
-    messages = [{"role": "user", "content": "When the primary dies, a standby"}]
-
-    def chat(cut: bool) -> tuple[list[int], list[str | None], Any]:
-        client = openai.OpenAI(base_url=sup.router + "/v1", api_key="-", max_retries=0)
-        ids: list[int] = []
-        finish: list[str | None] = []
-        usage = None
-        for chunk in client.chat.completions.create(
-            model="llama",
-            messages=messages,
-            max_tokens=n,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        ):
-            for choice in chunk.choices:
-                ids.extend(getattr(choice, "token_ids", None) or [])
-                if choice.finish_reason is not None:
-                    finish.append(choice.finish_reason)
-            usage = chunk.usage or usage
-            if cut and len(ids) == CUT_AFTER:
-                os.kill(get(f"{sup.api}/primary")[1]["pid"], signal.SIGKILL)
-        return ids, finish, usage
-
     try:
         first = sup.wait_pair()
-        reference = chat(cut=False)
+        reference = chat(sup, "llama", n, cut=False)
         assert len(reference[0]) == n and reference[1] == ["length"]
         mark = sup.tap.mark()
-        ids, finish, usage = chat(cut=True)
+        ids, finish, usage = chat(sup, "llama", n, cut=True)
         sup.wait(lambda e: e.topic == "router.main.migrated", timeout=10, after=mark)
         promoted = sup.wait(lambda e: e.event == "promoted", timeout=10, after=mark)
         assert promoted.name != first.name

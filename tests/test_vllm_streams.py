@@ -12,36 +12,28 @@ from __future__ import annotations
 
 import os
 import signal
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from holdfast_contract.events import Event
 from tests.engines.harness import Supervisor, get
-from tests.test_router_collect import post
+from tests.test_router_collect import cut, post
 from tests.test_router_streams import (
     CUT_AFTER,
     PROMPT,
+    chat,
     chunks,
     get_text,
     migrations,
     stream,
     token_ids,
 )
-from tests.test_supervisor_vllm import HAS_VLLM, START_S, VLLM_PYTHON, vllm_policy
+from tests.test_supervisor_vllm import START_S, needs_vllm, vllm_policy
 
-openai = pytest.importorskip("openai")
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        not HAS_VLLM,
-        reason=f"vLLM is not installed ({VLLM_PYTHON} is absent): run bash scripts/install-vllm.sh",
-    ),
-]
+pytest.importorskip("openai")
+pytestmark = [pytest.mark.vllm, needs_vllm]
 CONTEXT = 2048
 TOKENS = 1900  # a few seconds of answer: the kill after CUT_AFTER chunks is mid-stream
 
@@ -63,59 +55,14 @@ def kill_primary(sup: Supervisor) -> None:
     os.kill(get(f"{sup.api}/primary")[1]["pid"], signal.SIGKILL)
 
 
-def chat(sup: Supervisor, cut: bool) -> tuple[list[int], list[str | None], Any]:
-    """One streamed chat through the official client: its token ids, finish reasons and
-    usage; with `cut`, the primary is killed after CUT_AFTER tokens."""
-    client = openai.OpenAI(base_url=sup.router + "/v1", api_key="-", max_retries=0, timeout=120)
-    ids: list[int] = []
-    finish: list[str | None] = []
-    usage = None
-    for chunk in client.chat.completions.create(
-        model=client.models.list().data[0].id,  # vLLM refuses any other name
-        messages=[{"role": "user", "content": "When the primary dies, a standby"}],
-        max_tokens=TOKENS,
-        stream=True,
-        stream_options={"include_usage": True},
-        temperature=0,
-        extra_body={"ignore_eos": True},
-    ):
-        for choice in chunk.choices:
-            ids.extend(getattr(choice, "token_ids", None) or [])
-            if choice.finish_reason is not None:
-                finish.append(choice.finish_reason)
-        usage = chunk.usage or usage
-        if cut and len(ids) == CUT_AFTER:
-            kill_primary(sup)
-    return ids, finish, usage
-
-
 def generated(port: int) -> float:
-    """Tokens the vLLM engine on `port` has generated (its /metrics)."""
+    """Tokens the vLLM engine on `port` has generated (its /metrics): one a step for one
+    request, like the reference engine's steps."""
     text = get_text(f"http://127.0.0.1:{port}/metrics")
     for family in text_string_to_metric_families(text):
         if family.name == "vllm:generation_tokens":
             return sum(s.value for s in family.samples if s.name.endswith("_total"))
     raise AssertionError("vLLM's /metrics has no vllm:generation_tokens_total")
-
-
-def collected_cut(sup: Supervisor, fields: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    """A non-streamed completion through the router, its vLLM primary killed with SIGKILL
-    once it has generated CUT_AFTER tokens of it (it runs nothing else), before its last."""
-    for _ in range(3):  # a machine too busy to look in time: the request ran whole, again
-        primary = get(f"{sup.api}/primary")[1]
-        start = generated(primary["port"])
-        with ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(post, sup.router, "/v1/completions", fields)
-            deadline = time.monotonic() + 60
-            while (made := generated(primary["port"]) - start) < CUT_AFTER:
-                assert time.monotonic() < deadline and not answer.done(), "it never ran"
-                time.sleep(0.005)
-            if made < TOKENS:
-                os.kill(primary["pid"], signal.SIGKILL)
-                status, _, body = answer.result(timeout=120)
-                return status, body
-            assert answer.result(timeout=120)[0] == 200
-    raise AssertionError("the request was done before the kill 3 times")
 
 
 def test_streams_cut_by_kill_9_of_a_vllm_primary_are_continued_on_its_standby(
@@ -146,10 +93,11 @@ def test_streams_cut_by_kill_9_of_a_vllm_primary_are_continued_on_its_standby(
 
         # a chat, continued at the token level: the openai client reads one stream
         next_pair(sup, promoted, mark)
-        ref_ids, ref_finish, ref_usage = chat(sup, cut=False)
+        model = get(f"{sup.router}/v1/models")[1]["data"][0]["id"]  # vLLM takes no other name
+        ref_ids, ref_finish, ref_usage = chat(sup, model, TOKENS, cut=False, temperature=0)
         assert len(ref_ids) == TOKENS and ref_finish == ["length"]
         mark = sup.tap.mark()
-        ids, finish, usage = chat(sup, cut=True)
+        ids, finish, usage = chat(sup, model, TOKENS, cut=True, temperature=0)
         sup.wait(lambda e: e.topic == "router.main.migrated", timeout=10, after=mark)
         again = sup.wait(lambda e: e.event == "promoted", timeout=10, after=mark)
         assert again.name != promoted.name
@@ -164,7 +112,7 @@ def test_streams_cut_by_kill_9_of_a_vllm_primary_are_continued_on_its_standby(
         )
         assert own[0] == 200, own[2]
         mark = sup.tap.mark()
-        status, body = collected_cut(sup, fields)
+        status, _, body = cut(sup, "/v1/completions", fields, TOKENS, progress=generated)
         assert status == 200, body
         sup.wait(lambda e: e.topic == "router.main.migrated", timeout=10, after=mark)
         want = own[2]
