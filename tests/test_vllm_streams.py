@@ -6,12 +6,10 @@ non-streamed completion cut mid-generation is answered as vLLM itself answers it
 
 Real `supervisor run` with `engines.kind: vllm`, real vLLM API servers from the venv of
 scripts/install-vllm.sh (skipped without it). Answers are sized in tokens: long enough that
-a kill after CUT_AFTER chunks lands mid-stream however fast the machine."""
+a kill after 20 chunks (CUT_AFTER) lands mid-stream however fast the machine."""
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -21,10 +19,10 @@ from holdfast_contract.events import Event
 from tests.engines.harness import Supervisor, get
 from tests.test_router_collect import cut, post
 from tests.test_router_streams import (
-    CUT_AFTER,
     PROMPT,
     chat,
     chunks,
+    cut_stream,
     get_text,
     migrations,
     stream,
@@ -35,7 +33,7 @@ from tests.test_supervisor_vllm import START_S, needs_vllm, vllm_policy
 pytest.importorskip("openai")
 pytestmark = [pytest.mark.vllm, needs_vllm]
 CONTEXT = 2048
-TOKENS = 1900  # a few seconds of answer: the kill after CUT_AFTER chunks is mid-stream
+TOKENS = 1900  # a few seconds of answer: the kill after 20 chunks is mid-stream
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +47,6 @@ def long_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def next_pair(sup: Supervisor, promoted: Event, mark: int) -> None:
     """Until a standby other than the promoted engine is ready again (after `mark`)."""
     sup.wait(lambda e: e.event == "ready" and e.name != promoted.name, timeout=START_S, after=mark)
-
-
-def kill_primary(sup: Supervisor) -> None:
-    os.kill(get(f"{sup.api}/primary")[1]["pid"], signal.SIGKILL)
 
 
 def generated(port: int) -> float:
@@ -76,11 +70,7 @@ def test_streams_cut_by_kill_9_of_a_vllm_primary_are_continued_on_its_standby(
         reference = list(stream(sup.router, **fields))
         assert reference[-1] == b"[DONE]" and len(token_ids(reference)) == TOKENS
         mark = sup.tap.mark()
-        events: list[bytes] = []
-        for data in stream(sup.router, **fields):
-            events.append(data)
-            if len(events) == CUT_AFTER:
-                kill_primary(sup)
+        events = cut_stream(sup, **fields)
         promoted = sup.wait(lambda e: e.event == "promoted", timeout=10, after=mark)
         assert promoted.name != first.name and promoted.epoch == first.epoch + 1
         migrated = sup.wait(lambda e: e.topic == "router.main.migrated", timeout=10, after=mark)
