@@ -26,7 +26,7 @@ from supervisor import decisions
 from supervisor.engine_kinds import kind_of
 from supervisor.errors import ControlError, StartupError
 from supervisor.events import EngineUnitState, EventBus
-from supervisor.exitwatch import ExitWatch, is_exiting
+from supervisor.exitwatch import Death, ExitWatch, Sight, first_death, is_exiting
 from supervisor.pace import LoopPace, thread_runs
 from supervisor.policy import Policy
 from supervisor.priority import renice
@@ -240,9 +240,10 @@ class Cluster:
         self.wake.set()
 
     # ---- failures ----
-    def _exiting(self, name: str, pid: int) -> None:
-        """The primary's process `pid` has begun to exit (it runs no more user code): kill
-        the rest of its group without waiting for the exits, and promote now.
+    def _exiting(self, name: str, sights: list[Sight]) -> None:
+        """Processes of the primary have begun to exit (they run no more user code): kill
+        the rest of its group without waiting for the exits, and promote now. The rank
+        named is the one whose death brought the group down (`first_death`).
 
         Rank 0 serves HTTP: once it is exiting nothing of the group can answer a client,
         so the standby is routed to first and the group killed after. Another rank
@@ -252,14 +253,22 @@ class Cluster:
         if e is None or inc is None or inc.handled or e is not self.primary:
             return
         t_detect = time.monotonic()
-        rank = next((i for i, p in enumerate(inc.procs) if p.pid == pid), 0)
+        codes = {s.pid: s.code for s in sights}
+        first = first_death(
+            [
+                Death(rank, p.returncode if codes[p.pid] is None else codes[p.pid], p.signalled)
+                for rank, p in enumerate(inc.procs)
+                if p.pid in codes
+            ]
+            or [Death(0, None, False)]
+        )
         # (the exit watch looked inside the real-time section: `promote` leaves it once
         # routed and told, the watch after this returns)
-        if rank != 0:
+        if first.rank != 0:
             for p in inc.procs:
                 p.kill_group()
-        self.down(e, inc, cause="exit", detail=f"rank {rank} is exiting", t_detect=t_detect)
-        if rank == 0:
+        self.down(e, inc, cause="exit", detail=first.detail(), t_detect=t_detect)
+        if first.rank == 0:
             for p in inc.procs:
                 p.kill_group()
 

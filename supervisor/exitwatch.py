@@ -6,8 +6,13 @@ SIGKILLed primary was promoted away from 107-156 ms after its last heartbeat, al
 spent waiting for the exit. It runs no user code from the first step of that exit: the
 kernel marks the thread PF_EXITING before anything else, and /proc/<pid>/stat shows that
 flag (and, before the process has even been on a CPU again, the SIGKILL pending). `ExitWatch`
-reads the stat of a few processes (the primary's ranks) every few milliseconds and reports
-the first one that is killed, exiting, a zombie, or gone.
+reads the stat of a few processes (the primary's ranks) every few milliseconds and reports,
+at the first look that sees any, every one that is killed, exiting, a zombie, or gone, with
+how it ends where the kernel says so already (the exit code it sets before the teardown).
+
+Several ranks of a group can be done at that look: one died, and the others went because
+of it (the supervisor killed their group, or a rank left its broken group with
+`EXIT_PEER_LOST`). `first_death` picks the one that brought the group down.
 
 The stat file is opened once per process and read with pread: a file opened on a process
 keeps naming that process, so a reused pid is never mistaken for it.
@@ -19,12 +24,54 @@ import asyncio
 import contextlib
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from supervisor.realtime import RealtimeSection
 
 PF_EXITING = 0x4  # include/linux/sched.h: getting shut down
 SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
+# the status a rank of the reference engine exits with once its group lost a peer
+# (engine.peerwatch.EXIT_BROKEN): it goes because another rank went
+EXIT_PEER_LOST = 3
+
+
+@dataclass(frozen=True)
+class Sight:
+    """One watched process seen done; `code` says how it ends as a wait status would
+    (-N: killed by signal N, else its exit status), None while the kernel does not say."""
+
+    pid: int
+    code: int | None = None
+
+
+@dataclass(frozen=True)
+class Death:
+    """One rank of a group seen done: how it ends (as `Sight.code`), and whether the
+    supervisor itself had signalled its process group (then it goes because another went)."""
+
+    rank: int
+    code: int | None
+    signalled: bool
+
+    def detail(self) -> str:
+        how = (
+            ""
+            if self.code is None
+            else f" (killed by signal {-self.code})"
+            if self.code < 0
+            else f" (exit status {self.code})"
+        )
+        return f"rank {self.rank} is exiting{how}"
+
+
+def first_death(deaths: Sequence[Death]) -> Death:
+    """Of the ranks of one group seen done at one look, the one whose death brought the
+    group down: never one the supervisor signalled itself, nor one that leaves because a
+    peer is gone (`EXIT_PEER_LOST`), while another is there; then the lowest rank."""
+    if not deaths:
+        raise ValueError("first_death needs at least one rank seen done")
+    return min(deaths, key=lambda d: (d.signalled, d.code == EXIT_PEER_LOST, d.rank))
 
 
 def stat_says_exiting(stat: bytes) -> bool:
@@ -33,6 +80,20 @@ def stat_says_exiting(stat: bytes) -> bool:
     fields = stat[stat.rindex(b")") + 2 :].split()  # the name may hold spaces and ')'
     state, flags = fields[0], int(fields[6])
     return state in (b"Z", b"X", b"x") or bool(flags & PF_EXITING)
+
+
+def stat_exit_code(stat: bytes) -> int | None:
+    """How a process that exits ends, from its /proc/<pid>/stat (field 52, the wait status
+    the kernel sets as the exit begins, before the teardown): -N for signal N, else the
+    exit status; None while it is 0 (not set yet, or a plain exit 0)."""
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    raw = int(fields[49]) if len(fields) > 49 else 0
+    if raw == 0:
+        return None
+    try:
+        return os.waitstatus_to_exitcode(raw)
+    except ValueError:
+        return None
 
 
 def status_says_killed(status: bytes) -> bool:
@@ -44,6 +105,13 @@ def status_says_killed(status: bytes) -> bool:
         if at >= 0 and int(status[at + len(key) :].split(None, 1)[0], 16) & SIGKILL_BIT:
             return True
     return False
+
+
+def shared_kill(status: bytes) -> bool:
+    """SIGKILL pending for the whole process (ShdPnd): sent to it, not a thread's share of
+    an exit_group() that one of its own threads made."""
+    at = status.find(b"\nShdPnd:")
+    return at >= 0 and bool(int(status[at + 8 :].split(None, 1)[0], 16) & SIGKILL_BIT)
 
 
 class Look:
@@ -61,13 +129,24 @@ class Look:
 
     def done(self) -> bool:
         """Killed (SIGKILL pending), exiting, a zombie, or gone."""
+        return self.see() is not None
+
+    def see(self) -> Sight | None:
+        """None while it runs; once killed, exiting, a zombie or gone, how it ends as far
+        as the kernel says: the exit code it set, or SIGKILL sent to the whole process
+        (pending in ShdPnd; a process that exits by itself leaves it only per thread)."""
         if len(self.fds) < 2:
-            return True
+            return Sight(self.pid)
         try:
             stat, status = (os.pread(fd, 4096, 0) for fd in self.fds)
         except ProcessLookupError:  # reaped: the files name a process that no longer is
-            return True
-        return stat_says_exiting(stat) or status_says_killed(status)
+            return Sight(self.pid)
+        if not (stat_says_exiting(stat) or status_says_killed(status)):
+            return None
+        code = stat_exit_code(stat)
+        if code is None and shared_kill(status):
+            code = -signal.SIGKILL
+        return Sight(self.pid, code)
 
     def close(self) -> None:
         for fd in self.fds:
@@ -85,8 +164,9 @@ def is_exiting(pid: int) -> bool:
 
 
 class ExitWatch:
-    """Polls the stat of one group of processes every `interval_s`; `on_exiting(key, pid)`
-    is called once, for the first that is exiting, then the group is dropped.
+    """Polls the stat of one group of processes every `interval_s`; `on_exiting(key,
+    sights)` is called once, with every process of the group that the first look to see
+    any found done (in the order given to `watch`), then the group is dropped.
 
     With `realtime`, each look runs inside that real-time section, and so does
     `on_exiting` until it leaves the section itself (a promotion does, once routed and
@@ -97,7 +177,7 @@ class ExitWatch:
     def __init__(
         self,
         interval_s: float,
-        on_exiting: Callable[[str, int], None],
+        on_exiting: Callable[[str, list[Sight]], None],
         realtime: RealtimeSection | None = None,
     ) -> None:
         if interval_s <= 0:
@@ -122,9 +202,9 @@ class ExitWatch:
             look.close()
         self._looks, self._key = [], ""
 
-    def poll(self) -> int | None:
-        """The pid of the first watched process that is exiting, or None."""
-        return next((look.pid for look in self._looks if look.done()), None)
+    def poll(self) -> list[Sight]:
+        """Every watched process that is done now (killed, exiting, a zombie or gone)."""
+        return [s for s in (look.see() for look in self._looks) if s is not None]
 
     async def _run(self) -> None:
         rt = self._realtime
@@ -132,11 +212,11 @@ class ExitWatch:
             if rt is not None:
                 rt.enter()
             try:
-                pid = self.poll()
-                if pid is not None:
+                sights = self.poll()
+                if sights:
                     key = self._key
                     self.clear()
-                    self._on_exiting(key, pid)  # may watch() the next group: the loop goes on
+                    self._on_exiting(key, sights)  # may watch() the next group: loop goes on
                     continue
             finally:
                 if rt is not None:

@@ -70,6 +70,7 @@ class Proc:
         self.log = log
         self.log_start = log_start  # where this process's output begins in `log`
         self.started = time.monotonic()
+        self.signalled = False  # the supervisor has signalled its group (kill_group)
         self._exit = asyncio.ensure_future(exited)
 
     @classmethod
@@ -126,6 +127,7 @@ class Proc:
         return await asyncio.shield(self._exit)
 
     def kill_group(self, sig: int = signal.SIGKILL) -> None:
+        self.signalled = True
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, sig)
 

@@ -83,17 +83,25 @@ class Watcher:
 
 async def first_exit(procs: Sequence[Handle]) -> tuple[int, int | None]:
     """The first of `procs` to exit (its rank, its code), once every process group of them
-    is killed and the others' exits confirmed (or 2 s passed)."""
+    is killed and the others' exits confirmed (or 2 s passed). First in the order the
+    exits were reported, also when several were before this task ran again."""
     waits = [asyncio.ensure_future(p.wait()) for p in procs]
-    done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    first = next(iter(done))
+    order: list[int] = []  # ranks, as their exits came (before asyncio.wait's own callback)
+
+    def noted(rank: int) -> Callable[[object], None]:
+        return lambda _: order.append(rank)
+
+    for rank, w in enumerate(waits):
+        w.add_done_callback(noted(rank))
+    _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    first = waits[order[0]]
     for p in procs:  # one_for_all: the rest of the group goes too, confirmed
         p.kill_group()
     if pending:
         await asyncio.wait(pending, timeout=2.0)
     for w in pending:
         w.cancel()
-    return waits.index(first), first.result()
+    return order[0], first.result()
 
 
 async def until_ready(

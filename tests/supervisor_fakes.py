@@ -50,6 +50,14 @@ class FakeProc:
     def alive(self) -> bool:
         return not self._exited.is_set()
 
+    @property
+    def returncode(self) -> int | None:
+        return None if self.alive else self.code
+
+    @property
+    def signalled(self) -> bool:
+        return bool(self.signals)
+
     def exit(self, code: int) -> None:
         self.code = code
         self._exited.set()
