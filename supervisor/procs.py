@@ -70,7 +70,9 @@ class Proc:
         self.log = log
         self.log_start = log_start  # where this process's output begins in `log`
         self.started = time.monotonic()
-        self.signalled = False  # the supervisor has signalled its group (kill_group)
+        # the supervisor signalled its group while it still ran (kill_group): it then goes
+        # because of that, not of its own accord
+        self.signalled = False
         self._exit = asyncio.ensure_future(exited)
 
     @classmethod
@@ -127,7 +129,8 @@ class Proc:
         return await asyncio.shield(self._exit)
 
     def kill_group(self, sig: int = signal.SIGKILL) -> None:
-        self.signalled = True
+        if self.alive:  # a rank already seen exiting went of its own accord
+            self.signalled = True
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, sig)
 

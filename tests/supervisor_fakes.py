@@ -40,6 +40,7 @@ class FakeProc:
     def __init__(self) -> None:
         self.pid = next(_pids)
         self.signals: list[int] = []
+        self.signalled_alive = False  # signalled while it still ran
         self.code: int | None = None
         self.hold = False
         self._exited = asyncio.Event()
@@ -56,7 +57,7 @@ class FakeProc:
 
     @property
     def signalled(self) -> bool:
-        return bool(self.signals)
+        return self.signalled_alive
 
     def exit(self, code: int) -> None:
         self.code = code
@@ -67,6 +68,7 @@ class FakeProc:
         return self.code
 
     def kill_group(self, sig: int = signal.SIGKILL) -> None:
+        self.signalled_alive = self.signalled_alive or self.alive
         self.signals.append(sig)
         if sig == signal.SIGKILL:
             self.exit(-sig)
