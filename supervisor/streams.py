@@ -121,6 +121,7 @@ class StreamRelay:
                     # as seen here, or it said so, or it did not take the continuation:
                     # the same term again a moment later (it may resume it), or the next
                     target = await self.r.view.again(target, deadline, NOT_LEADER_WAIT_S)
+                    reason = self._gave_up(reason) if target is None and st.pending else reason
                     continue
                 if st.collect and (not st.can_continue() or ended and st.complete()):
                     # no ids: asked again, whole; or all of it came, but its term ended
@@ -150,11 +151,14 @@ class StreamRelay:
                 deadline = time.monotonic() + self.r.spec.retry_deadline_s
                 target = await self._next(target, deadline)
                 if target is None:
-                    reason = (
-                        f"{reason}; no primary took over within router.retry_deadline_s "
-                        f"({self.r.spec.retry_deadline_s:g} s)"
-                    )
+                    reason = self._gave_up(reason)
         return await self._end_with_error(request, st, out, reason)
+
+    def _gave_up(self, reason: str) -> str:
+        return (
+            f"{reason}; no primary took over within router.retry_deadline_s "
+            f"({self.r.spec.retry_deadline_s:g} s)"
+        )
 
     async def _next(self, cut: Target, deadline: float) -> Target | None:
         """Where a cut stream goes on: after another node's router, that node again once
