@@ -9,6 +9,8 @@ cut short that looks whole."""
 from __future__ import annotations
 
 import contextlib
+import json
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -16,7 +18,14 @@ from aiohttp import web
 
 from supervisor import migration
 from supervisor.migration import Stream
-from supervisor.routing import HOP_BY_HOP, UPSTREAM_ERRORS, Target, answered_by
+from supervisor.routing import (
+    HOP_BY_HOP,
+    UPSTREAM_ERRORS,
+    LeadershipEnded,
+    Released,
+    Target,
+    answered_by,
+)
 
 HOLDFAST = "x-holdfast-"  # the router's own response headers
 
@@ -40,9 +49,10 @@ def stamp(headers: Any, target: Target) -> None:
         answered_by(headers, target)
 
 
-def as_it_came(up: aiohttp.ClientResponse, target: Target) -> web.StreamResponse:
-    """A response with the upstream's status and headers, and the router's."""
-    resp = web.StreamResponse(status=up.status, reason=up.reason)
+def as_it_came(up: aiohttp.ClientResponse, target: Target, holds: Callable[[], bool]) -> Released:
+    """A response with the upstream's status and headers, and the router's, whose bytes
+    leave only while `holds()` (routing.Released)."""
+    resp = Released(holds, status=up.status, reason=up.reason)
     for k, v in up.headers.items():
         if k.lower() not in HOP_BY_HOP and k.lower() != "content-encoding":
             resp.headers.add(k, v)
@@ -50,19 +60,39 @@ def as_it_came(up: aiohttp.ClientResponse, target: Target) -> web.StreamResponse
     return resp
 
 
-class SseAnswer:
-    """A streamed request's client: every chunk as it comes."""
+Holds = Callable[[Target], bool]  # whether an answer from a target may leave now
 
-    def __init__(self, request: web.Request) -> None:
+
+class SseAnswer:
+    """A streamed request's client: every chunk as it comes, while the term of the
+    primary answering now holds (routing.Released)."""
+
+    def __init__(self, request: web.Request, holds: Holds) -> None:
         self.request = request
-        self.resp: web.StreamResponse | None = None
+        self.holds = holds
+        self.resp: Released | None = None
+        self.target: Target | None = None  # answering now
 
     @property
     def opened(self) -> bool:
         return self.resp is not None
 
+    @property
+    def sent(self) -> bool:
+        """Whether bytes of the answer went to the client."""
+        return self.resp is not None
+
+    @property
+    def cut(self) -> bool:
+        """Aborted: bytes had gone out under a term that ended before the rest could."""
+        return self.resp is not None and self.resp.cut
+
+    def _holds(self) -> bool:
+        return self.target is not None and self.holds(self.target)
+
     async def open(self, up: aiohttp.ClientResponse, target: Target) -> None:
-        resp = as_it_came(up, target)
+        self.target = target
+        resp = as_it_came(up, target, self._holds)
         await resp.prepare(self.request)
         self.resp = resp
 
@@ -76,6 +106,7 @@ class SseAnswer:
 
     async def resumed(self, up: aiohttp.ClientResponse, target: Target) -> None:
         """A continuation begins: an SSE comment (clients skip it) marks where."""
+        self.target = target
         await write(self._resp(), migration.MIGRATED)
 
     async def done(self, st: Stream) -> web.StreamResponse:
@@ -97,19 +128,27 @@ class SseAnswer:
     async def failed(self, reason: str) -> web.StreamResponse:
         """An error event and no `[DONE]`: the client's reader raises."""
         resp = self._resp()
-        with contextlib.suppress(ClientGone, *UPSTREAM_ERRORS):
+        with contextlib.suppress(ClientGone, LeadershipEnded, *UPSTREAM_ERRORS):
             await write(resp, migration.error_event(reason))
             await resp.write_eof()
         return resp
 
 
 class JsonAnswer:
-    """A non-streamed request's client: nothing until the end, then one JSON body."""
+    """A non-streamed request's client: nothing until the end, then one JSON body. A
+    chunk is taken into it only while the term of the primary that sent it holds, and
+    the body leaves only while that of the primary answering last does."""
 
-    def __init__(self, request: web.Request) -> None:
+    def __init__(self, request: web.Request, holds: Holds) -> None:
         self.request = request
+        self.holds = holds
         self.opened = False
+        self.sent = self.cut = False  # nothing leaves before the end, and then all at once
         self.headers: dict[str, str] = {}
+        self.target: Target | None = None
+
+    def _holds(self) -> bool:
+        return self.target is not None and self.holds(self.target)
 
     async def open(self, up: aiohttp.ClientResponse, target: Target) -> None:
         self.opened = True
@@ -117,21 +156,39 @@ class JsonAnswer:
 
     def _headers(self, up: aiohttp.ClientResponse, target: Target) -> None:
         """The router's headers of the primary answering now (it finishes the answer)."""
+        self.target = target
         self.headers = {k: v for k, v in up.headers.items() if k.lower().startswith(HOLDFAST)}
         stamp(self.headers, target)
 
     async def event(self, data: bytes) -> None:
-        """Nothing to write: the stream's `Stream.seen` keeps what the answer needs."""
+        """Nothing to write (the stream's `Stream.seen` keeps what the answer needs), but
+        a chunk made after its term is not taken."""
+        if not self._holds():
+            raise LeadershipEnded("the term ended before the chunk was taken")
 
     async def resumed(self, up: aiohttp.ClientResponse, target: Target) -> None:
         self._headers(up, target)
 
     async def done(self, st: Stream) -> web.StreamResponse:
         st.closing()  # a finish_reason when every owed token came without one
-        return web.json_response(body(st), headers=self.headers)
+        return await self._send(200, body(st))
 
     async def engine_error(self, raw: bytes, error: Any) -> web.StreamResponse:
-        return web.json_response({"error": error}, status=502, headers=self.headers)
+        return await self._send(502, {"error": error})
+
+    async def _send(self, status: int, content: Any) -> web.StreamResponse:
+        resp = Released(self._holds, status=status)
+        resp.headers.update(self.headers)
+        resp.content_type = "application/json"
+        data = json.dumps(content).encode()
+        resp.content_length = len(data)
+        await resp.prepare(self.request)
+        self.sent = True
+        try:
+            await resp.write_eof(data)
+        finally:
+            self.cut = resp.cut
+        return resp
 
 
 Answer = SseAnswer | JsonAnswer

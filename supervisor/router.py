@@ -30,7 +30,7 @@ import structlog
 from aiohttp import web
 
 from supervisor import migration
-from supervisor.answers import stamp
+from supervisor.answers import as_it_came
 from supervisor.migration import Stalls
 from supervisor.policy import RouterSpec
 from supervisor.routing import (
@@ -106,6 +106,8 @@ class Router:
         return self._session
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        if self.stopping and FORWARDED_BY in request.headers:
+            return not_leader()  # the router that sent it retries on the next leader
         if self.stopping:
             resp = error(503, "the supervisor is stopping; retry on the next one", "unavailable")
             resp.headers["Retry-After"] = str(STOPPING_RETRY_AFTER_S)
@@ -167,6 +169,8 @@ class Router:
                     target = await self.next_primary(target.epoch, deadline)
         self.failed += 1
         log.warning("route_failed", path=request.path, error=reason)
+        if FORWARDED_BY in request.headers and (self.stopping or self.view.misdirected()):
+            return not_leader()  # before any byte: the router that sent it goes on elsewhere
         return error(502, reason, "upstream_error")
 
     async def _forward(
@@ -197,13 +201,9 @@ class Router:
         ) as up:
             if target.remote and up.status == 421 and NOT_LEADER in up.headers:
                 raise NotLeader(f"{target.name} answered that it does not lead")
-            resp = web.StreamResponse(status=up.status, reason=up.reason)
-            for k, v in up.headers.items():
-                if k.lower() not in HOP_BY_HOP and k.lower() != "content-encoding":
-                    resp.headers.add(k, v)
+            resp = as_it_came(up, target, lambda: self.view.valid(target))
             if "Content-Encoding" in up.headers:
                 resp.headers["Content-Encoding"] = up.headers["Content-Encoding"]
-            stamp(resp.headers, target)
             first = await up.content.readany()  # upstream failures up to here are retried
             await resp.prepare(request)
             sent.append(resp)

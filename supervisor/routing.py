@@ -9,6 +9,7 @@ import contextlib
 import time
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -74,6 +75,47 @@ def answered_by(headers: MutableMapping[str, str], target: Target) -> None:
     if target.node:
         headers["X-Holdfast-Node"] = target.node
         headers["X-Holdfast-Cluster-Epoch"] = str(target.cluster_epoch)
+
+
+class Released(web.StreamResponse):
+    """An answer whose bytes leave only while `holds()` is true at that moment: its status
+    line and headers (`prepare`), each chunk (`write`) and its end (`write_eof`) are the
+    only ways out, and each asks first. A cluster leader's router passes its hold on the
+    term (`PrimaryView.valid`, by its own monotonic clock), so nothing its engine answered
+    reaches the client once the term is over, however long this process was stopped with
+    the answer in its buffers. The first false raises LeadershipEnded; once a byte went
+    out it also aborts the connection, so the client sees a cut, never a short answer."""
+
+    def __init__(self, holds: Callable[[], bool], *, status: int = 200, reason: Any = None):
+        super().__init__(status=status, reason=reason)
+        self.holds = holds
+        self.cut = False  # aborted: bytes had gone out under a term that has ended since
+        self._client: web.BaseRequest | None = None
+        self._ended = False
+
+    def _release(self) -> None:
+        if self.cut or self.holds():
+            return
+        if self._client is not None and self._client.transport is not None:
+            self.cut = True
+            self._client.transport.abort()
+        raise LeadershipEnded("the term ended before the answer left")
+
+    async def prepare(self, request: web.BaseRequest) -> Any:
+        if not self.prepared:
+            self._release()
+            self._client = request
+        return await super().prepare(request)
+
+    async def write(self, data: Any) -> None:
+        self._release()
+        await super().write(data)
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        if not self._ended:  # (aiohttp calls it again once the handler returns)
+            self._release()
+        await super().write_eof(data)
+        self._ended = True
 
 
 def not_leader() -> web.Response:

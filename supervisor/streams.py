@@ -83,7 +83,8 @@ class StreamRelay:
             self.r.warmer.ended(st)
 
     async def _relay(self, request: web.Request, st: Stream, deadline: float) -> web.StreamResponse:
-        out: Answer = JsonAnswer(request) if st.collect else SseAnswer(request)
+        holds = self.r.view.valid
+        out: Answer = JsonAnswer(request, holds) if st.collect else SseAnswer(request, holds)
         self.r.warmer.arrived(st)
         target = await self.r.first(deadline)
         tries, attempt = attempts(self.r.spec), 0
@@ -109,14 +110,23 @@ class StreamRelay:
                 reason = f"the continuation on {target.name} was refused: {e}"
                 break
             except CUT as e:
-                if isinstance(e, NotLeader) and FORWARDED_BY in request.headers and not out.opened:
-                    return not_leader()
+                if out.cut:  # bytes went out under a term that then ended: aborted
+                    return self._aborted(request, out)
+                ended = isinstance(e, (NotLeader, LeadershipEnded))  # the term, not the engine
+                if ended and FORWARDED_BY in request.headers and not out.sent:
+                    return not_leader()  # the router that sent it goes on on the next leader
                 reason = f"primary {target.name} failed: {type(e).__name__}"
-                if isinstance(e, NotLeader) and target.remote and not out.opened:
+                if target.remote and (ended and not out.opened or st.pending and st.cut_at):
+                    # nothing of this try reached the client, and that node's term is over
+                    # as seen here, or it said so, or it did not take the continuation:
+                    # the same term again a moment later (it may resume it), or the next
                     target = await self.r.view.again(target, deadline, NOT_LEADER_WAIT_S)
+                    reason = self._gave_up(reason) if target is None and st.pending else reason
                     continue
-                if st.collect and not st.can_continue():  # no ids: asked again, whole
-                    st, out = st.fresh(), JsonAnswer(request)
+                if st.collect and (not st.can_continue() or ended and st.complete()):
+                    # no ids: asked again, whole; or all of it came, but its term ended
+                    # before it left: nothing reached the client, so it is made again
+                    st, out = st.fresh(), JsonAnswer(request, holds)
                 if not out.opened or not st.wrote:  # nothing came through: a plain retry
                     attempt += 1
                     if attempt >= tries:
@@ -127,8 +137,11 @@ class StreamRelay:
                 if st.collect:
                     st.rewind()  # its client has seen nothing: held-back text is made again
                 if st.complete():  # the cut came after the last token
-                    return await self._finish(out, st)
-                if self.r.stopping and FORWARDED_BY in request.headers:
+                    try:
+                        return await self._finish(out, st)
+                    except LeadershipEnded:
+                        return self._aborted(request, out)
+                if (self.r.stopping or ended) and FORWARDED_BY in request.headers:
                     return self._hand_back(request, st, out)
                 why = self._unmigratable(st)
                 if why:
@@ -136,17 +149,36 @@ class StreamRelay:
                     break
                 self._migrating(st, target, reason)
                 deadline = time.monotonic() + self.r.spec.retry_deadline_s
-                failed_epoch = target.epoch
-                target = await self.r.next_primary(failed_epoch, deadline)
+                target = await self._next(target, deadline)
                 if target is None:
-                    reason = (
-                        f"{reason}; no primary took over within router.retry_deadline_s "
-                        f"({self.r.spec.retry_deadline_s:g} s)"
-                    )
+                    reason = self._gave_up(reason)
         return await self._end_with_error(request, st, out, reason)
 
+    def _gave_up(self, reason: str) -> str:
+        return (
+            f"{reason}; no primary took over within router.retry_deadline_s "
+            f"({self.r.spec.retry_deadline_s:g} s)"
+        )
+
+    async def _next(self, cut: Target, deadline: float) -> Target | None:
+        """Where a cut stream goes on: after another node's router, that node again once
+        it leads (it may resume the same term: its router continued or handed the stream
+        back), or the next leader; after this node's primary, a later epoch."""
+        if cut.remote:
+            return await self.r.view.again(cut, deadline, NOT_LEADER_WAIT_S)
+        return await self.r.next_primary(cut.epoch, deadline)
+
+    def _aborted(self, request: web.Request, out: Answer) -> web.StreamResponse:
+        """An answer cut because its term ended as it was leaving: the client (or the
+        router that forwarded it) sees the connection aborted, and retries."""
+        self.r.broken += 1
+        log.warning("answer_cut", why="term ended", path=request.path)
+        if request.transport is not None:
+            request.transport.abort()
+        return out.resp if isinstance(out, SseAnswer) and out.resp else web.Response()
+
     def _hand_back(self, request: web.Request, st: Stream, out: Answer) -> web.StreamResponse:
-        """A forwarded stream cut while this node stops: the router that forwarded it
+        """A forwarded stream cut while this node stops or its term ends: the router that forwarded it
         continues it on the next leader from what its own client has seen, so it gets a
         cut (the connection aborted), not an error event it would pass on as the end."""
         log.info("stream_handed_back", by=request.headers[FORWARDED_BY], tokens=len(st.emitted))
@@ -257,7 +289,7 @@ class StreamRelay:
             if not streaming and st.collect:
                 raise NotAStream(f"{target.name} answered {up.status} {up.content_type}")
             if not streaming:  # an error answer, or not a stream after all: as it is
-                resp = as_it_came(up, target)
+                resp = as_it_came(up, target, lambda: self.r.view.valid(target))
                 first = await up.read()
                 await resp.prepare(request)
                 await resp.write(first)
@@ -303,8 +335,8 @@ class StreamRelay:
                     return await out.engine_error(raw, obj["error"])
                 for body in st.reshape(obj) if cont else [obj]:
                     tokens = len(st.emitted)
-                    st.seen(body)
                     await out.event(raw if not cont else migration.sse(body))
+                    st.seen(body)  # once it went out: a cut continues from what did
                     st.wrote += 1
                     if st.cut_at and len(st.emitted) > tokens:
                         self._resumed(st, tokens)

@@ -251,7 +251,9 @@ class Elector:
                 if self.role == Role.LEADER:
                     self._step_down(Why.SESSION_LOST)
                 if self.role == Role.FOLLOWER:
-                    self.view.load([])  # stale: a new session reads the keys afresh
+                    # the view stays until the next session reads the keys afresh: the
+                    # leader last seen is where requests go meanwhile (its router checks
+                    # its own term), so a node woken from a pause forwards at once
                     self._set(Event.SESSION_LOST)
                 log.warning(
                     "fleet.etcd_failed", node=self.spec.node, error=str(exc), retry_in_s=delay
@@ -459,13 +461,21 @@ class Elector:
             self._wake.set()
 
     async def _decide(self) -> None:
+        """Decide at each change seen, every renew_s, and at the term's deadline: a leader
+        whose hold ran out (a stalled renewal, or this process stopped past it) steps down
+        by its clock at once, whatever its renewal still waits for."""
         while self._live:
+            wait = self.spec.renew_s
+            if self.role == Role.LEADER and self.term is not None:
+                wait = min(wait, max(0.0, self.term.deadline - self.clock()))
             try:
-                async with asyncio.timeout(self.spec.renew_s):
+                async with asyncio.timeout(wait):
                     await self._wake.wait()
             except TimeoutError:
                 pass
             self._wake.clear()
+            if self.role == Role.LEADER and self.term and not self.term.holds(self.clock()):
+                self._step_down(Why.RENEWAL_STALE)
             try:
                 await self._decide_once()
             except EtcdUnavailable as exc:  # the renewals decide whether the session lives

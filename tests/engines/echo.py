@@ -1,7 +1,8 @@
 """A small torch-free engine for supervisor tests: aiohttp + the agent SDK.
 
 POST /v1/completions answers `{"engine", "epoch", "role", "text"}`; `"sleep_s"` holds the
-request that long (load), `"stream": true` sends the text in chunks, `"warn"` is printed as
+request that long (load), `"hold": true` holds it until `POST /release` (from then on
+nothing is held), `"stream": true` sends the text in chunks, `"warn"` is printed as
 a WARNING line on stderr. Each start and each request prints a line with the engine's pid.
 GET /health answers 200.
 `--no-agent` serves without the agent (the supervisor then checks GET /health).
@@ -31,6 +32,7 @@ class Echo:
         self.epoch = ENV.epoch or 0
         self.role = ENV.role or "standby"
         self.in_flight = 0
+        self.released = asyncio.Event()
 
     def promoted(self, epoch: int) -> None:
         self.epoch, self.role = epoch, "primary"
@@ -43,6 +45,8 @@ class Echo:
         self.in_flight += 1
         try:
             await asyncio.sleep(float(body.get("sleep_s", 0)))
+            if body.get("hold"):
+                await self.released.wait()
             text = f"echo:{body.get('prompt', '')}"
             if not body.get("stream"):
                 return web.json_response(
@@ -57,6 +61,11 @@ class Echo:
             return resp
         finally:
             self.in_flight -= 1
+
+    async def release(self, _: web.Request) -> web.Response:
+        """Held requests answer now, and none is held from here on."""
+        self.released.set()
+        return web.json_response({"in_flight": self.in_flight})
 
     async def health(self, _: web.Request) -> web.Response:
         return web.json_response({"ok": True, "engine": self.name, "role": self.role})
@@ -82,6 +91,7 @@ async def serve(args: argparse.Namespace) -> None:
     app = web.Application()
     app.router.add_post("/v1/completions", echo.complete)
     app.router.add_get("/health", echo.health)
+    app.router.add_post("/release", echo.release)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", args.port).start()
