@@ -3,9 +3,12 @@
 Order (`run`, then `_start`): runtime dir (lock) -> events (MQTT: refused if another live
 supervisor holds the prefix) -> model (generated from a preset when model.path is unset)
 -> agents + control sockets, router + health API (a busy port fails here, before anything
-loads) -> fork server (imports while the daemons load) -> keeper and daemons (ready) ->
-MQTT's birth and retained states, READY=1 -> engines via the reconcile loop (`_loop`).
-SIGINT/SIGTERM or `supervisor stop` stop everything: engines, daemons, keeper, sockets.
+loads) -> MQTT's connection (events queued until then) -> fork server (imports while the
+daemons load) -> keeper and daemons (ready) -> MQTT's birth and retained states, READY=1
+-> engines via the reconcile loop (`_loop`). SIGINT/SIGTERM or `supervisor stop` stop
+what was started, and only that: engines, daemons, keeper, sockets. A start that fails
+before the broker connection leaves the broker untouched, and its log ends with
+`supervisor.main.stopped`.
 """
 
 from __future__ import annotations
@@ -151,7 +154,6 @@ class Service:
             await bus.close()
             rd.release()
             raise
-        bus.start()
         try:
             if await self._until_stopped(self._start(bus, rd)) and self.cluster is not None:
                 await self._loop(self.cluster)
@@ -207,7 +209,7 @@ class Service:
         if forks is not None:
             env = {**os.environ, **self.policy.engines.env}
             self.forks = ForkServer(rd.path, env, forks)
-        self.daemons = daemons = DaemonPool(
+        daemons = DaemonPool(
             self.policy, rd.path, model_dir, bus, kick=inbox.kick, epoch=inbox.epoch
         )
         self.launcher = launcher = EngineLauncher(
@@ -228,9 +230,11 @@ class Service:
         if self.policy.cluster is not None and isinstance(self.view, FleetView):
             self.node = Node(self.policy.cluster, self.policy.api.listen, bus, c, self.view)
         await self._listen(c, rd, hub)
+        bus.start()  # the broker hears from a supervisor that could listen
         if self.forks is not None:
             await self.forks.start()  # imports while the daemons load
         t0 = time.monotonic()
+        self.daemons = daemons  # from now on there are daemons to stop
         await daemons.start()
         bus.emit(
             "supervisor",
