@@ -56,7 +56,7 @@ def test_cross_field_rules_name_the_key(tmp_path: Path) -> None:
         tmp_path,
     )
     text = "\n".join(errors)
-    assert "$.model.path: /nonexistent/model holds no config.json" in text
+    assert "$.model.path: /nonexistent/model does not exist" in text
     assert "$.engines.primary: got 2, must be 1" in text
     assert "$.engines.command[0]: unknown placeholder {pyhton}" in text
     assert "$.devices.ids: 2 devices for tp_size 1" in text
@@ -116,7 +116,7 @@ def test_schema_only_validate_passes_every_shipped_policy_and_still_finds_errors
     assert f"{elsewhere}: ok, schema only" in cp.stdout
     full = supervisor_cli("validate", str(elsewhere))
     assert full.returncode == 2
-    assert "$.model.path: /no/such/model holds no config.json" in full.stderr
+    assert "$.model.path: /no/such/model does not exist" in full.stderr
 
 
 def test_a_source_key_is_accepted_and_the_file_name_wins(tmp_path: Path) -> None:
