@@ -1,10 +1,11 @@
-"""A start that fails on a busy port logs what happened, in the order it happened: the
-supervisor starts, stops and is stopped; no daemon it never started is reported stopped,
-and no broker connection is made after it says it stopped."""
+"""The supervisor's log says what happened, in the order it happened: a start that fails on a
+busy port starts, stops and is stopped (no daemon it never started is reported stopped, no
+broker connection is made after it says it stopped); a stop names each part it waited on."""
 
 from __future__ import annotations
 
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.engines.harness import env, mqtt_broker, write_policy
+from tests.engines.harness import Supervisor, env, mqtt_broker, topic, write_policy
 
 EVENT = re.compile(r"\[\w+\s*\] (\S+)")
 
@@ -47,3 +48,20 @@ def test_a_busy_port_logs_only_what_happened_in_order(tmp_path: Path, tiny_model
         "supervisor.main.stopping",
         "supervisor.main.stopped",
     ], cp.stderr
+
+
+def test_a_stop_names_each_part_it_waited_on(tmp_path: Path, tiny_model: Path) -> None:
+    """Between the engines' `stopped` and the supervisor's, the log says which part the
+    stop waited on and how long (the fork server and the daemons may each use their SIGTERM
+    grace): no stretch of silence before the process exits."""
+    sup = Supervisor(write_policy(tmp_path / "p.yaml", tiny_model, tmp_path / "run"))
+    try:
+        sup.wait(topic("supervisor.main.started"), timeout=120)
+    finally:
+        assert sup.stop(signal.SIGINT) == 0
+    logged = [m.group(1) for line in sup.output().splitlines() if (m := EVENT.search(line))]
+    tail = logged[logged.index("supervisor.main.stopping") :]
+    assert tail[-1] == "supervisor.main.stopped", tail
+    assert "part_stopped" in tail, tail
+    parts = [line for line in sup.output().splitlines() if "part_stopped" in line]
+    assert len(parts) == 1 and "part=daemons" in parts[0] and "ms=" in parts[0], parts
