@@ -45,7 +45,9 @@ def test_recovery_plots_the_figures_the_report_tabulates() -> None:
 
 
 def test_timeline_title_clears_the_faults_and_rates_have_their_own_panels() -> None:
-    rows = [RequestRow(100 + i / 10, 100.05 + i / 10, 200, 1, "e1", 1, tokens=16) for i in range(120)]
+    rows = [
+        RequestRow(100 + i / 10, 100.05 + i / 10, 200, 1, "e1", 1, tokens=16) for i in range(120)
+    ]
     fig = timeline_figure(rows, TRIALS[:3])
     try:
         fig.canvas.draw()
@@ -59,7 +61,7 @@ def test_timeline_title_clears_the_faults_and_rates_have_their_own_panels() -> N
                 shown = c.get_offset_transform().transform(c.get_offsets())
                 radius = max(c.get_sizes()) ** 0.5 / 2 * fig.dpi / 72
                 assert max(y for _, y in shown) + radius < title_box.y0, axis.get_ylabel()
-        requests_axes = [a for a in fig.axes if any("ok" == ln.get_label() for ln in a.lines)]
+        requests_axes = [a for a in fig.axes if any(ln.get_label() == "ok" for ln in a.lines)]
         tokens_axes = [a for a in fig.axes if a.get_ylabel() == "output tokens/s"]
         assert len(requests_axes) == len(tokens_axes) == 1
         req, tok = requests_axes[0], tokens_axes[0]

@@ -38,7 +38,9 @@ def schema_keys(struct: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
 def table() -> dict[str, str]:
     text = (REPO / "docs" / "supervisor.md").read_text()
     section = text[text.index("## Policy") : text.index("Command templates may use")]
-    return {m.group(1): m.group(2).strip() for line in section.splitlines() if (m := ROW.match(line))}
+    return {
+        m.group(1): m.group(2).strip() for line in section.splitlines() if (m := ROW.match(line))
+    }
 
 
 def shown(default: Any) -> str | None:

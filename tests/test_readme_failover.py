@@ -8,8 +8,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import shlex
+import signal
 import subprocess
 import threading
 import uuid
@@ -113,9 +113,11 @@ def test_the_readme_failover_recipe_runs(tmp_path: Path, tiny_model: Path) -> No
         assert promoted.data["previous"] == first.name  # the primary was the one killed
         seen = json.loads(
             events.wait(
-                lambda line: line.startswith(f"{prefix}/events ")
-                and '"event":"promoted"' in line
-                and f'"name":"{promoted.name}"' in line,
+                lambda line: (
+                    line.startswith(f"{prefix}/events ")
+                    and '"event":"promoted"' in line
+                    and f'"name":"{promoted.name}"' in line
+                ),
                 timeout=30,
             ).partition(" ")[2]
         )
