@@ -1,5 +1,5 @@
 """PNG plots of a run (matplotlib, Agg): load and errors over time with the faults marked,
-and the recovery-time distribution per fault."""
+and the recovery-time distribution per fault, of the same figures as the report's tables."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 from chaos.load import RequestRow  # noqa: E402
-from chaos.metrics import StageSpan, TrialRow, expected  # noqa: E402
+from chaos.metrics import StageSpan, TrialRow, values  # noqa: E402
 
 MANY_FAULTS = 40  # more than this: markers only, no line across the panel per fault
 TARGET_BINS = 300  # a run of any length gets about this many bins
@@ -36,22 +37,50 @@ def timeline(
     trials: Sequence[TrialRow],
     stages: Sequence[StageSpan] = (),
 ) -> None:
-    """Requests/s and output tokens/s per bin (gaps between stages left blank), every
-    request's latency, stages as shaded spans, faults as markers by kind with a legend."""
+    """The timeline figure (`timeline_figure`) as a PNG at `path`."""
+    fig = timeline_figure(rows, trials, stages)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def timeline_figure(
+    rows: Sequence[RequestRow], trials: Sequence[TrialRow], stages: Sequence[StageSpan] = ()
+) -> Figure:
+    """Panels over one time axis: the faults (a row per kind), requests/s (ok and failed),
+    output tokens/s, and every request's latency; bins between stages left blank, stages
+    shaded."""
     t0 = min([r.start for r in rows] + [s.start for s in stages], default=0.0)
     span = max((r.end for r in rows), default=t0) - t0
     step = bin_seconds(span)
     xs, ok, failed, tokens = _rates(rows, stages, t0, span, step)
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(14, 6.5), sharex=True, height_ratios=[2, 1])
-    top.plot(xs, ok, color="tab:blue", lw=1, label="ok requests/s")
-    top.plot(xs, failed, color="tab:red", lw=1.2, label="failed requests/s")
-    if any(v > 0 for v in tokens if not math.isnan(v)):
-        right = top.twinx()
-        right.plot(xs, tokens, color="tab:green", lw=0.8, alpha=0.7, label="output tokens/s")
-        right.set_ylabel("output tokens/s")
-        right.set_ylim(bottom=0)
-        right.legend(loc="lower left", bbox_to_anchor=(1.05, 0.0), fontsize=7)
-    bottom.scatter(
+    kinds = sorted({t.fault for t in trials if t.outcome == "injected"})
+    fig, (faults, reqs, toks, lat) = plt.subplots(
+        4,
+        1,
+        figsize=(14, 8.5 + 0.12 * len(kinds)),
+        sharex=True,
+        height_ratios=[0.4 + 0.12 * len(kinds), 1.6, 1.0, 1.0],
+    )
+    fig.suptitle("load and errors; stages shaded, faults marked by kind")
+    reqs.plot(xs, ok, color="tab:blue", lw=1, label="ok")
+    reqs.plot(xs, failed, color="tab:red", lw=1.2, label="failed")
+    reqs.set_ylabel("requests/s")
+    reqs.set_ylim(bottom=0)
+    reqs.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7)
+    toks.plot(xs, tokens, color="tab:green", lw=0.8)
+    toks.set_ylabel("output tokens/s")
+    toks.set_ylim(bottom=0)
+    _latency(lat, rows, t0)
+    lat.set_xlabel(f"seconds since the first request ({step:g} s bins)")
+    _shade_stages((faults, reqs, toks, lat), stages, t0)
+    _mark_faults(faults, (reqs, toks, lat), trials, kinds, t0)
+    fig.tight_layout()
+    return fig
+
+
+def _latency(axis: Axes, rows: Sequence[RequestRow], t0: float) -> None:
+    """Every request at its start: ok blue, shed orange, failed red; log scale."""
+    axis.scatter(
         [r.start - t0 for r in rows],
         [max(r.latency_ms, 0.1) for r in rows],
         s=3,
@@ -59,18 +88,8 @@ def timeline(
         alpha=0.6,
         linewidths=0,
     )
-    bottom.set_yscale("log")
-    bottom.set_ylabel("latency ms")
-    bottom.set_xlabel(f"seconds since the first request ({step:g} s bins)")
-    _shade_stages((top, bottom), stages, t0)
-    _mark_faults(top, trials, t0)
-    top.set_ylabel("requests/s")
-    top.set_ylim(bottom=0)
-    top.set_title("load and errors; stages shaded, faults marked by kind")
-    top.legend(loc="upper left", bbox_to_anchor=(1.05, 1.0), fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    axis.set_yscale("log")
+    axis.set_ylabel("latency ms")
 
 
 def _rates(
@@ -111,33 +130,48 @@ def _shade_stages(axes: Sequence[Axes], stages: Sequence[StageSpan], t0: float) 
         )
 
 
-def _mark_faults(top: Axes, trials: Sequence[TrialRow], t0: float) -> None:
-    """Each injected fault as a marker along the top of the load panel: one colour and
-    marker shape per kind, in the legend once; up to MANY_FAULTS also a thin line."""
-    kinds = sorted({t.fault for t in trials if t.outcome == "injected"})
+def _mark_faults(
+    strip: Axes, panels: Sequence[Axes], trials: Sequence[TrialRow], kinds: list[str], t0: float
+) -> None:
+    """Each injected fault as a marker in the fault strip, one row (colour, shape) per kind,
+    named with its count; up to MANY_FAULTS also a thin line down the other panels."""
     palette = plt.get_cmap("tab20")
+    labels = []
     for i, kind in enumerate(kinds):
         mine = [t.injected - t0 for t in trials if t.fault == kind and t.outcome == "injected"]
         color, marker = palette(i % 20), MARKERS[i % len(MARKERS)]
-        top.scatter(
+        strip.scatter(
             mine,
-            [1.02] * len(mine),
-            transform=top.get_xaxis_transform(),
+            [i] * len(mine),
             marker=marker,
             color=color,
             edgecolors="black",
             linewidths=0.4,
             s=28,
-            clip_on=False,
             zorder=4,
-            label=f"{kind} ({len(mine)})",
         )
+        labels.append(f"{kind} ({len(mine)})")
         if len(trials) <= MANY_FAULTS:
             for x in mine:
-                top.axvline(x, ls=":", color=color, lw=0.7, zorder=1)
+                for panel in panels:
+                    panel.axvline(x, ls=":", color=color, lw=0.7, zorder=1)
+    strip.set_yticks(range(len(kinds)), labels, fontsize=7)
+    strip.set_ylim(-0.7, len(kinds) - 0.3)
+    strip.invert_yaxis()
+    strip.grid(axis="y", alpha=0.3)
+    strip.set_ylabel("faults")
 
 
 def recovery(path: Path, trials: Sequence[TrialRow]) -> None:
+    """The recovery figure (`recovery_figure`) as a PNG at `path`."""
+    fig = recovery_figure(trials)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def recovery_figure(trials: Sequence[TrialRow]) -> Figure:
+    """Per fault (a row each), the distribution of recovery_ms, detection_ms and
+    promotion_ms, one panel each."""
     faults = sorted({t.fault for t in trials})
     metrics = ("recovery_ms", "detection_ms", "promotion_ms")
     fig, axes = plt.subplots(
@@ -146,9 +180,11 @@ def recovery(path: Path, trials: Sequence[TrialRow]) -> None:
     rng = random.Random(0)
     for axis, metric in zip(axes, metrics, strict=True):
         for y, fault in enumerate(faults):
-            _distribution(axis, y, [getattr(t, metric) for t in trials if t.fault == fault], rng)
-            missing = sum(1 for t in trials if t.fault == fault and getattr(t, metric) is None)
-            if missing and expected(metric, fault):
+            # the report's figures (`values`): no skipped trial, no kill-supervisor detection
+            data = values([t for t in trials if t.fault == fault], metric)
+            _distribution(axis, y, [v for v in data if not math.isinf(v)], rng)
+            missing = sum(1 for v in data if math.isinf(v))
+            if missing:
                 axis.annotate(
                     f"{missing} timeout",
                     (1.0, y),
@@ -168,13 +204,12 @@ def recovery(path: Path, trials: Sequence[TrialRow]) -> None:
         axis.grid(axis="x", which="both", alpha=0.3)
     axes[0].set_title("recovery time per fault", loc="left")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
-def _distribution(axis: Axes, y: int, data: list[float | None], rng: random.Random) -> None:
+def _distribution(axis: Axes, y: int, data: list[float], rng: random.Random) -> None:
     """A box and the jittered points of one fault's measurements, on row `y`."""
-    points = [max(v, 0.01) for v in data if v is not None]
+    points = [max(v, 0.01) for v in data]
     if not points:
         return
     axis.boxplot(points, positions=[y], orientation="horizontal", widths=0.5, showfliers=False)

@@ -8,8 +8,14 @@
 # (`source .venv/bin/activate`) to run holdfast's commands from that shell.
 #
 #   scripts/install.sh            install (into the venv when one is needed)
-#   scripts/install.sh --python   print the interpreter holdfast is installed in (the
-#                                 venv's, made when needed, or $PYTHON); installs nothing
+#   scripts/install.sh --python   print the path of the interpreter holdfast is installed
+#                                 in (the venv's, made when needed, or $PYTHON's);
+#                                 installs nothing
+#
+# The install is editable (`pip install -e`): the interpreter imports holdfast from this
+# checkout, so a `git pull` here is what runs next. Moving or deleting the checkout breaks
+# `python3 -m supervisor` (and every holdfast command) for that interpreter, wherever it is
+# started: run install.sh again from the new place, or `pip uninstall holdfast`.
 #
 # PYTHON: the interpreter to start from (default python3).
 set -euo pipefail
@@ -43,7 +49,7 @@ choose_python() {  # sets PY to the interpreter to install into
 
 choose_python
 if [ "${1:-}" = --python ]; then
-  echo "$PY"
+  "$PY" -c 'import sys; print(sys.executable)'
   exit 0
 fi
 [ $# = 0 ] || die "usage: scripts/install.sh [--python]"
@@ -51,6 +57,11 @@ if ! $PY -c 'import torch, sys; v = tuple(int(x) for x in torch.__version__.spli
   $PY -m pip install -q torch==2.13.0
 fi
 $PY -m pip install -q -e '.[dev,hf]'
+cat >&2 <<EOF
+install.sh: holdfast is installed editable into $("$PY" -c 'import sys; print(sys.executable)'):
+it runs the code of this checkout, $PWD, so moving or deleting the checkout breaks
+holdfast's commands for that Python; run install.sh again from the new place.
+EOF
 if [ -n "$USED_VENV" ]; then
   cat >&2 <<EOF
 install.sh: ${PYTHON:-python3} is externally managed (PEP 668), so holdfast is installed in

@@ -130,7 +130,32 @@ def _endpoint(args: argparse.Namespace) -> str:
             else f"set cache.runtime_dir in {args.policy or 'the policy'} to a directory"
         )
         raise ControlError(f"runtime dir {run} is not a directory; {fix}")
+    if os.path.exists(os.path.join(run, "control")) and not _lock_held(run):
+        raise ControlError(
+            f"no supervisor runs on {run}: none holds its lock (supervisor.lock), and the "
+            "sockets there are a killed one's; start one with `supervisor run` (it clears "
+            "them), or pass the right --policy/--runtime-dir"
+        )
     return f"ipc://{run}/control"
+
+
+def _lock_held(run: str) -> bool:
+    """Whether a live process holds the flock on `<run>/supervisor.lock`, as /proc/locks
+    lists it (the kernel drops it when its holder dies, however it dies). Asked without
+    taking the lock, so a supervisor starting at this moment is never refused; True when
+    it cannot be told."""
+    try:
+        st = os.stat(os.path.join(run, "supervisor.lock"))
+        with open("/proc/locks") as f:
+            table = f.read()
+    except OSError:
+        return True
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    return any(
+        fields[1] == "FLOCK" and inode in fields
+        for fields in (line.split() for line in table.splitlines())
+        if len(fields) > 5
+    )
 
 
 def _print_status(st: ClusterStatus, as_json: bool) -> None:

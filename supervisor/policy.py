@@ -273,6 +273,20 @@ def semantic_errors(p: Policy, *, schema_only: bool = False) -> list[str]:
     return errors
 
 
+def _checkpoint_errors(path: Path) -> list[str]:
+    """What keeps model.path from being a checkpoint dir on this machine, if anything."""
+    fix = "point it at a Hugging Face checkpoint dir (config.json + *.safetensors)"
+    if not path.exists():
+        return [f"$.model.path: {path} does not exist; {fix}"]
+    if not path.is_dir():
+        return [f"$.model.path: {path} is not a directory; {fix}"]
+    if not (path / "config.json").is_file():
+        return [f"$.model.path: {path} holds no config.json; {fix}"]
+    if not any(path.glob("*.safetensors")):
+        return [f"$.model.path: {path} holds no *.safetensors; {fix} with its weights"]
+    return []
+
+
 def _model_errors(p: Policy, schema_only: bool) -> list[str]:
     m = p.model
     errors: list[str] = []
@@ -280,16 +294,8 @@ def _model_errors(p: Policy, schema_only: bool) -> list[str]:
         errors.append(
             "$.model: set model.path to a checkpoint dir, or model.preset to generate one"
         )
-    if m.path is not None and not schema_only and not (Path(m.path) / "config.json").is_file():
-        errors.append(
-            f"$.model.path: {m.path} holds no config.json; point it at a Hugging Face "
-            "checkpoint dir (config.json + *.safetensors)"
-        )
-    elif m.path is not None and not schema_only and not any(Path(m.path).glob("*.safetensors")):
-        errors.append(
-            f"$.model.path: {m.path} holds no *.safetensors; point it at a Hugging Face "
-            "checkpoint dir with its weights (config.json + *.safetensors)"
-        )
+    if m.path is not None and not schema_only:
+        errors += _checkpoint_errors(Path(m.path))
     if m.tp_size < 1:
         errors.append("$.model.tp_size: must be at least 1")
     elif len(p.devices.ids) != m.tp_size:

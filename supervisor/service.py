@@ -3,9 +3,13 @@
 Order (`run`, then `_start`): runtime dir (lock) -> events (MQTT: refused if another live
 supervisor holds the prefix) -> model (generated from a preset when model.path is unset)
 -> agents + control sockets, router + health API (a busy port fails here, before anything
-loads) -> fork server (imports while the daemons load) -> keeper and daemons (ready) ->
-MQTT's birth and retained states, READY=1 -> engines via the reconcile loop (`_loop`).
-SIGINT/SIGTERM or `supervisor stop` stop everything: engines, daemons, keeper, sockets.
+loads) -> MQTT's connection (events queued until then) -> fork server (imports while the
+daemons load) -> keeper and daemons (ready) -> MQTT's birth and retained states, READY=1
+-> engines via the reconcile loop (`_loop`). SIGINT/SIGTERM or `supervisor stop` stop
+what was started, and only that: engines, then the fork server and the daemons side by
+side (each logged as `part_stopped` with how long it took), keeper, sockets. A start
+that fails before the broker connection leaves the broker untouched, and its log ends
+with `supervisor.main.stopped`.
 """
 
 from __future__ import annotations
@@ -151,7 +155,6 @@ class Service:
             await bus.close()
             rd.release()
             raise
-        bus.start()
         try:
             if await self._until_stopped(self._start(bus, rd)) and self.cluster is not None:
                 await self._loop(self.cluster)
@@ -207,7 +210,7 @@ class Service:
         if forks is not None:
             env = {**os.environ, **self.policy.engines.env}
             self.forks = ForkServer(rd.path, env, forks)
-        self.daemons = daemons = DaemonPool(
+        daemons = DaemonPool(
             self.policy, rd.path, model_dir, bus, kick=inbox.kick, epoch=inbox.epoch
         )
         self.launcher = launcher = EngineLauncher(
@@ -228,9 +231,11 @@ class Service:
         if self.policy.cluster is not None and isinstance(self.view, FleetView):
             self.node = Node(self.policy.cluster, self.policy.api.listen, bus, c, self.view)
         await self._listen(c, rd, hub)
+        bus.start()  # the broker hears from a supervisor that could listen
         if self.forks is not None:
             await self.forks.start()  # imports while the daemons load
         t0 = time.monotonic()
+        self.daemons = daemons  # from now on there are daemons to stop
         await daemons.start()
         bus.emit(
             "supervisor",
@@ -328,6 +333,14 @@ class Service:
                     raise t.exception()  # type: ignore[misc]  # the refusal, as it was worded
                 raise StartupError(f"supervisor task {t.get_name()} failed") from t.exception()
 
+    def _parts_to_stop(self) -> list[tuple[str, Callable[[], Coroutine[Any, Any, None]]]]:
+        parts: list[tuple[str, Callable[[], Coroutine[Any, Any, None]]]] = []
+        if self.forks is not None and self.forks.proc is not None:
+            parts.append(("forkserver", self.forks.stop))
+        if self.daemons is not None:
+            parts.append(("daemons", self.daemons.stop))
+        return parts
+
     async def _teardown(self) -> None:
         if self.router is not None:  # new requests: 503 now; those under way go on
             self.router.stop()
@@ -337,10 +350,9 @@ class Service:
             await self.cluster.stop_all()
         if self.launcher is not None:
             await self.launcher.stop()
-        if self.forks is not None:
-            await self.forks.stop()
-        if self.daemons is not None:
-            await self.daemons.stop()
+        # the fork server and the daemons go down side by side (each may use its SIGTERM
+        # grace), each logged as it is down, so a slow one is named
+        await asyncio.gather(*[_stopped(part, stop) for part, stop in self._parts_to_stop()])
         for runner in self._runners:
             await runner.cleanup()
         await cancel_all(self._tasks)
@@ -348,3 +360,10 @@ class Service:
             self.hub.close()
         if self._control_server is not None:
             self._control_server.close()
+
+
+async def _stopped(part: str, stop: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Run `stop`, then log how long `part` took to stop."""
+    t0 = time.monotonic()
+    await stop()
+    log.info("part_stopped", part=part, ms=round((time.monotonic() - t0) * 1000, 1))

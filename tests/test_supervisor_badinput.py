@@ -30,7 +30,7 @@ def test_missing_model_path_is_a_policy_error(tmp_path: Path) -> None:
     policy = write_policy(tmp_path / "p.yaml", tmp_path / "no-such-model", tmp_path / "run")
     cp = run(policy)
     assert cp.returncode == 2
-    assert f"$.model.path: {tmp_path / 'no-such-model'} holds no config.json" in cp.stderr
+    assert f"$.model.path: {tmp_path / 'no-such-model'} does not exist" in cp.stderr
     assert not (tmp_path / "run").exists()
 
 
