@@ -83,7 +83,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 SHARD_BYTES = 4 << 30
-WITH_TOKENIZER = frozenset({"tiny"})  # the presets whose vocab_size the built-in BPE fills
+WITH_TOKENIZER = frozenset({"tiny", "llama-8b"})  # presets that get the built-in tokenizer
 
 
 def tensor_shapes(cfg: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...]]]:

@@ -3,7 +3,10 @@
 A byte-level BPE (GPT-2's byte-to-character map) trained on a built-in English text: its
 alphabet is the printable ASCII bytes plus tab and newline, so any ASCII text round-trips
 (other bytes become `<unk>`); merges fill the vocabulary up to the preset's `vocab_size`
-exactly, so every id the model can produce decodes. BOS is added by the post-processor
+where the text has that many, and a larger vocabulary (llama-8b's 128,256) is filled up
+with tokens `<|fill_N|>` that no merge makes: text never encodes to them, but every id the
+model can produce decodes (to its fill token), so vLLM and any other engine that needs a
+tokenizer can serve the preset. BOS is added by the post-processor
 (as Llama's tokenizer does), and tokenizer_config.json carries a chat template. The same
 files come out on every machine: training is deterministic for a fixed text and size.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from cachedaemon.errors import CacheError
 
@@ -73,10 +77,11 @@ def write_tokenizer(out: Path, vocab_size: int, max_length: int) -> None:
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer)
+    if tok.get_vocab_size() < vocab_size:
+        tok = _filled(tok, vocab_size)
     if tok.get_vocab_size() != vocab_size:
         raise CacheError(
-            f"the built-in text gives a vocabulary of {tok.get_vocab_size()}, not {vocab_size}; "
-            "a preset with a larger vocab_size gets no tokenizer"
+            f"the tokenizer has {tok.get_vocab_size()} ids, not the preset's vocab_size {vocab_size}"
         )
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))]
@@ -93,3 +98,15 @@ def write_tokenizer(out: Path, vocab_size: int, max_length: int) -> None:
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2))
+
+
+def _filled(tok: Any, vocab_size: int) -> Any:
+    """`tok` with its BPE vocabulary filled up to `vocab_size` ids by `<|fill_N|>` tokens:
+    no merge makes them, so no text encodes to them; each decodes to its own name."""
+    from tokenizers import Tokenizer
+
+    spec = json.loads(tok.to_str())
+    vocab: dict[str, int] = spec["model"]["vocab"]
+    for i in range(len(vocab), vocab_size):
+        vocab[f"<|fill_{i}|>"] = i
+    return Tokenizer.from_str(json.dumps(spec))

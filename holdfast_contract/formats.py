@@ -20,4 +20,4 @@ QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 # generation of what it writes (config, weights, tokenizer): a cached one of an older
 # generation, or one cut short, is made again rather than served.
 GENERATED_MARK = "holdfast-generated.json"
-GENERATION = 2  # 2: the tiny preset has a tokenizer and a chat template
+GENERATION = 3  # 2: the tiny preset has a tokenizer and a chat template; 3: llama-8b too
