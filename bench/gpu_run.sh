@@ -6,9 +6,13 @@
 #   batching (the batching GPU tests, then bench/engine_throughput.py with the transformers baseline),
 #   checkpoint (write the llama-8b checkpoint to /tmp/models/llama-8b),
 #   chaos / chaos-tp2 (chaos/scenarios/gpu.yaml / gpu-tp2.yaml; results in $OUT/chaos-gpu*),
-#   scenario=FILE (any chaos scenario file; results in $OUT/chaos-NAME)
+#   scenario=FILE (any chaos scenario file; results in $OUT/chaos-NAME),
+#   vllm-part (keep the carried part of vLLM, .vllm/part-NN, in /tmp/holdfast-vllm/parts),
+#   vllm (once every part is kept: reassemble and check it; the stages after it run with
+#     vLLM importable and HOLDFAST_VLLM_VENV set, so engines.kind vllm policies find it)
 # Wheels for packages the GPU image lacks travel in .whl/ (scripts/carry-wheels.sh; carry
-# it), the MQTT broker in .mqtt/ (scripts/carry-mosquitto.sh; carry it for the chaos stages).
+# it), the MQTT broker in .mqtt/ (scripts/carry-mosquitto.sh; carry it for the chaos stages),
+# vLLM for CUDA in parts in .vllm/ (scripts/carry-vllm.sh; docs/gpu.md says in what order).
 set -uo pipefail
 OUT=${OUT:-/tmp/holdfast-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -43,6 +47,37 @@ chaos_run() {  # NAME [FILE]: a carried broker on a free port, the chaos run, re
   echo "chaos $name: exit $rc"
   sed -n '1,/^## Per fault/p' "$out/report.md" 2>/dev/null
 }
+VLLM_HOME=/tmp/holdfast-vllm  # outside the checkout: kept between calls while the machine is in use
+
+vllm_part() {  # keep each carried part; say which of how many are here
+  ls .vllm/part-*/COUNT >/dev/null 2>&1 ||
+    { echo "no .vllm/part-NN: run scripts/carry-vllm.sh here and carry .vllm/part-NN"; return 2; }
+  mkdir -p "$VLLM_HOME/parts"
+  cp .vllm/part-*/* "$VLLM_HOME/parts/"
+  echo "vLLM parts kept: $(ls "$VLLM_HOME/parts" | grep -c '^part\.') of $(cat "$VLLM_HOME/parts/COUNT")"
+}
+
+vllm_tree() {  # reassemble once; then vLLM is importable from $VLLM_HOME/site
+  local parts=$VLLM_HOME/parts
+  if [ ! -f "$VLLM_HOME/site/.complete" ]; then
+    [ "$(ls "$parts" 2>/dev/null | grep -c '^part\.')" = "$(cat "$parts/COUNT" 2>/dev/null)" ] ||
+      { echo "vLLM: $(ls "$parts" 2>/dev/null | grep -c '^part\.') parts kept, $(cat "$parts/COUNT" 2>/dev/null || echo '?') needed: send the rest with vllm-part"; return 2; }
+    cat "$parts"/part.* > "$VLLM_HOME/vllm-tree.tar.xz"
+    (cd "$VLLM_HOME" && sha256sum -c "$parts/SHA256SUMS") || { echo "vLLM: the parts do not make the archive (sha256)"; return 2; }
+    rm -rf "$VLLM_HOME/site"; mkdir -p "$VLLM_HOME/site"
+    xz -d -T0 < "$VLLM_HOME/vllm-tree.tar.xz" | tar -C "$VLLM_HOME/site" -xf - || return 2
+    rm -f "$VLLM_HOME/vllm-tree.tar.xz"; touch "$VLLM_HOME/site/.complete"
+  fi
+  # a "venv" whose python sees the carried tree: what engines.kind vllm runs (vllm_spec.py)
+  mkdir -p "$VLLM_HOME/venv/bin"
+  printf '#!/bin/sh\nexport PYTHONPATH="%s"\nexec python3 "$@"\n' "$PWD:$VLLM_HOME/site" > "$VLLM_HOME/venv/bin/python"
+  chmod +x "$VLLM_HOME/venv/bin/python"
+  export HOLDFAST_VLLM_VENV=$VLLM_HOME/venv PYTHONPATH=$PYTHONPATH:$VLLM_HOME/site
+  # flashinfer is not carried: vLLM's sampler must not ask for it
+  export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+  "$HOLDFAST_VLLM_VENV/bin/python" -c 'import vllm, holdfast_vllm, importlib.metadata as m; print("vLLM", vllm.__version__, "plugin:", [e.value for e in m.entry_points(group="vllm.general_plugins")])'
+}
+
 for stage in $stages; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case $stage in
@@ -108,6 +143,8 @@ for stage in $stages; do
       timeout 200 python3 -m pytest -q -p no:cacheprovider -rA tests/test_cuda_engine.py \
         -k nccl_group 2>&1 | tee "$OUT/nccl_tests.txt" ;;
     checkpoint) checkpoint ;;
+    vllm-part) vllm_part ;;
+    vllm) vllm_tree || exit 2 ;;
     chaos) chaos_run gpu ;;
     chaos-tp2) chaos_run gpu-tp2 ;;
     scenario=*) f=${stage#scenario=}; chaos_run "$(basename "$f" .yaml)" "$f" ;;
