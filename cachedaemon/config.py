@@ -177,15 +177,15 @@ def config_for(model_dir: str | Path, opts: LoadOptions, *, backend: str = "auto
         )
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise CacheError(f"--tp-rank {tp_rank} must be in [0, --tp-size {tp_size})")
-    try:
-        layout = layouts.stamp(opts.layout)
-    except ValueError as e:
-        raise CacheError(str(e)) from None
     if opts.layout == "vllm" and (quantization != "none" or opts.shard_rules):
         raise CacheError(
             "--layout vllm holds vLLM's own unquantized parameters, sharded by vLLM's "
             "loaders: drop --quantization and --shard-rule, or use --layout reference"
         )
+    try:
+        layout = layouts.stamp(opts.layout)
+    except ValueError as e:
+        raise CacheError(str(e)) from None
     if backend == "auto":
         backend = default_backend(device)
     if backend not in BACKENDS:
