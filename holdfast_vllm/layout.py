@@ -82,20 +82,26 @@ def build_pool(
             raise
     for c in chunks:
         c.seal()
-    entries = [
-        TensorEntry(s.name, chunk, offset, s.dtype, s.shape, contiguous_stride(s.shape), n, sum_)
-        for s, (chunk, offset, n), sum_ in zip(specs, places, sums, strict=True)
-    ]
     manifest = Manifest(
         fingerprint=fingerprint,
         backend=backend.name,
         device=opts.device,
         checksum_algo=backend.checksum_algo,
         chunks=tuple(ChunkEntry(c.size, u) for c, u in zip(chunks, used, strict=True)),
-        tensors=tuple(entries),
+        tensors=entries(specs, places, sums),
     )
-    log.info("vllm layout built", parameters=len(entries), pool_bytes=manifest.pool_bytes)
+    log.info("vllm layout built", parameters=len(specs), pool_bytes=manifest.pool_bytes)
     return Pool(manifest, chunks, [c.fd for c in chunks]), bytes_read
+
+
+def entries(
+    specs: list[OutSpec], places: list[tuple[int, int, int]], sums: list[str]
+) -> tuple[TensorEntry, ...]:
+    """The manifest's entry of each parameter: its place, dtype, shape and checksum."""
+    return tuple(
+        TensorEntry(s.name, chunk, offset, s.dtype, s.shape, contiguous_stride(s.shape), n, sum_)
+        for s, (chunk, offset, n), sum_ in zip(specs, places, sums, strict=True)
+    )
 
 
 def vllm_config(model_dir: str | Path, opts: LoadOptions) -> VllmConfig:
