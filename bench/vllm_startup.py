@@ -100,7 +100,12 @@ def server_argv(model: Path, port: int, loader: str, sock: Path) -> list[str]:
     argv += ["--host", "127.0.0.1", "--enforce-eager", "--max-model-len", "256"]
     argv += ["--max-num-seqs", "4", "--distributed-executor-backend", "uni"]
     if loader == "holdfast":
-        extra = {"sockets": [str(sock)], "fallback": False, "mode": "zero_copy"}
+        extra = {
+            "sockets": [str(sock)],
+            "fallback": False,
+            "mode": "zero_copy",
+            "layout": "reference",
+        }
         argv += ["--load-format", "holdfast", "--model-loader-extra-config", json.dumps(extra)]
     return argv
 

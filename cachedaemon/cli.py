@@ -12,11 +12,15 @@ import msgspec
 
 from cachedaemon import protocol
 from cachedaemon.config import BACKENDS, DTYPES, QUANTIZATIONS, LoadOptions
+from cachedaemon.layouts import LAYOUTS
 from holdfast_contract import logs
 from holdfast_contract.errors import HoldfastError
 
 EXAMPLES = {
-    "serve": "example:\n  cachedaemon serve --model /models/tiny --device cpu --runtime-dir /tmp/hf-run",
+    "serve": "example:\n  cachedaemon serve --model /models/tiny --device cpu --runtime-dir /tmp/hf-run\n"
+    "example, a pool in vLLM's layout (the python of the vLLM venv):\n"
+    "  /opt/holdfast/vllm-venv/bin/python -m cachedaemon serve --layout vllm \\\n"
+    "      --model /models/llama --dtype float32 --runtime-dir /tmp/hf-run",
     "status": "example:\n  cachedaemon status --socket /tmp/hf-run/daemon-0.sock --json",
     "keeper": "example:\n  cachedaemon keeper --socket /tmp/hf-run/keeper.sock",
     "make-checkpoint": "example:\n  cachedaemon make-checkpoint /tmp/models/tiny --preset tiny --seed 0",
@@ -119,6 +123,15 @@ def add_load_flags(p: argparse.ArgumentParser) -> None:
         metavar="REGEX=DIM",
         help="override the TP plan: split tensors matching REGEX on DIM (or =replicate)",
     )
+    p.add_argument(
+        "--layout",
+        default=d.layout,
+        choices=LAYOUTS,
+        help="reference: the checkpoint's tensors (the reference engine, attach_model); "
+        "vllm: the parameters as a vLLM model holds them (fused qkv_proj, gate_up_proj), "
+        "made by vLLM's own loaders: run the daemon with the python of the vLLM venv "
+        f"(default: {d.layout})",
+    )
 
 
 def load_options(args: argparse.Namespace) -> LoadOptions:
@@ -132,6 +145,7 @@ def load_options(args: argparse.Namespace) -> LoadOptions:
         quantization=args.quantization,
         device=args.device,
         shard_rules=tuple(parse_rule(r) for r in args.shard_rule),
+        layout=args.layout,
     )
 
 
@@ -194,7 +208,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         table.add_row(key, str(data[key]))
     cfg = reply.config
     table.add_row(
-        "model", f"{cfg.architecture} {cfg.dtype} tp {cfg.tp_rank}/{cfg.tp_size} {cfg.quantization}"
+        "model",
+        f"{cfg.architecture} {cfg.dtype} tp {cfg.tp_rank}/{cfg.tp_size} {cfg.quantization} "
+        f"layout {cfg.layout}",
     )
     Console().print(table)
     return 0

@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from cachedaemon import layouts
 from cachedaemon.sharding import Rule
 from holdfast_contract.formats import DTYPES as DTYPES
 from holdfast_contract.formats import QUANTIZATIONS as QUANTIZATIONS
@@ -32,12 +33,20 @@ class LoadOptions(msgspec.Struct, frozen=True):
     quantization: str = "none"
     device: str = "cpu"
     shard_rules: tuple[Rule, ...] = ()
+    layout: str = "reference"  # cachedaemon/layouts.py: reference, or vllm
 
     @classmethod
     def of(cls, config: CacheConfig) -> LoadOptions:
         """The options a pool of `config` was made with (the default shard plan: a
         config keeps only the hash of its rules)."""
-        return cls(config.dtype, config.tp_size, config.tp_rank, config.quantization, config.device)
+        return cls(
+            config.dtype,
+            config.tp_size,
+            config.tp_rank,
+            config.quantization,
+            config.device,
+            layout=layouts.kind(config.layout),
+        )
 
 
 class FileIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -65,6 +74,7 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     backend: str
     device: str
     env: EnvStamp
+    layout: str = "reference"  # or "vllm <version>" (cachedaemon/layouts.py)
 
     def fingerprint(self) -> str:
         return hashlib.sha256(msgspec.json.encode(self)).hexdigest()[:32]
@@ -141,10 +151,11 @@ def make_config(
     device: str = "cpu",
     backend: str = "auto",
     shard_rules: tuple[Rule, ...] = (),
+    layout: str = "reference",
 ) -> CacheConfig:
     """`config_for` with LoadOptions' fields as keywords, for a caller that has no
     LoadOptions at hand (`make_config(ckpt, dtype="float32")`)."""
-    opts = LoadOptions(dtype, tp_size, tp_rank, quantization, device, shard_rules)
+    opts = LoadOptions(dtype, tp_size, tp_rank, quantization, device, shard_rules, layout)
     return config_for(model_dir, opts, backend=backend)
 
 
@@ -166,6 +177,15 @@ def config_for(model_dir: str | Path, opts: LoadOptions, *, backend: str = "auto
         )
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise CacheError(f"--tp-rank {tp_rank} must be in [0, --tp-size {tp_size})")
+    if opts.layout == "vllm" and (quantization != "none" or opts.shard_rules):
+        raise CacheError(
+            "--layout vllm holds vLLM's own unquantized parameters, sharded by vLLM's "
+            "loaders: drop --quantization and --shard-rule, or use --layout reference"
+        )
+    try:
+        layout = layouts.stamp(opts.layout)
+    except ValueError as e:
+        raise CacheError(str(e)) from None
     if backend == "auto":
         backend = default_backend(device)
     if backend not in BACKENDS:
@@ -187,4 +207,5 @@ def config_for(model_dir: str | Path, opts: LoadOptions, *, backend: str = "auto
         backend=backend,
         device=device,
         env=env_stamp(device),
+        layout=layout,
     )

@@ -7,6 +7,7 @@ import select
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -85,6 +86,16 @@ def deposit(keeper: str, pool: Pool) -> None:
         log.warning("deposit failed; this pool dies with the daemon", error=str(exc))
 
 
+def builder(layout: str) -> Callable[..., tuple[Pool, int]]:
+    """What builds a pool of `layout`: holdfast's loader, or vLLM's model and loaders
+    (imported only here: a reclaimed pool of either layout needs no vLLM)."""
+    if layout != "vllm":
+        return build_pool
+    from holdfast_vllm.layout import build_pool as build_vllm_pool
+
+    return build_vllm_pool
+
+
 class CacheServer:
     """One cache daemon's serving side: its pool, its socket, its clients (the
     supervisor's record of a daemon is `supervisor.units.Daemon`)."""
@@ -148,8 +159,9 @@ class CacheServer:
         if self.pool is None:
             from cachedaemon.progress import ByteProgress
 
+            build = builder(self.opts.load.layout)
             with ByteProgress(f"loading {Path(self.opts.model).name}") as progress:
-                self.pool, self.bytes_read = build_pool(
+                self.pool, self.bytes_read = build(
                     self.opts.model, self.opts.load, self.backend, self.fingerprint, progress
                 )
             if self.opts.keeper:

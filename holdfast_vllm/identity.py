@@ -34,9 +34,15 @@ def device_name(device: torch.device) -> str:
 
 
 def cache_config(
-    model: str | Path, dtype: torch.dtype, rank: int, world_size: int, device: torch.device
+    model: str | Path,
+    dtype: torch.dtype,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    layout: str = "reference",
 ) -> CacheConfig:
-    """The fingerprint this rank's daemon must match: checkpoint, dtype, TP rank, device."""
+    """The fingerprint this rank's daemon must match: checkpoint, dtype, TP rank, device,
+    layout (cachedaemon/layouts.py)."""
     model_dir = Path(model)
     if not (model_dir / "config.json").is_file():
         raise PluginError(
@@ -49,4 +55,5 @@ def cache_config(
         tp_size=world_size,
         tp_rank=rank,
         device=device_name(device),
+        layout=layout,
     )

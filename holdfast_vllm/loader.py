@@ -10,6 +10,7 @@ or the fingerprints differ, `fallback: true` loads from disk with vLLM's default
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -27,7 +28,7 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 
 from cachedaemon.client import Attached, attach
 from cachedaemon.errors import CacheError, CacheMismatch, DaemonUnavailable
-from holdfast_vllm import identity, placement
+from holdfast_vllm import identity, layout, placement
 from holdfast_vllm.errors import PluginError
 from holdfast_vllm.options import LoaderOptions, parse
 
@@ -78,15 +79,22 @@ class HoldfastModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM is unt
             rest = [(n, attached.tensors[n]) for n in placed.rest]
             loaded = _model_loader(model)(iter(rest)) if rest else set()
             placement.check_loaded(placed, _with_shared(loaded, placed), model)
-            process_weights_after_loading(model, model_config, device)
+            with layout.shared_gemm() if zero_copy else contextlib.nullcontext():
+                process_weights_after_loading(model, model_config, device)
         self._attached = attached
+        private = placement.outside(
+            model, [(m.tensor.data_ptr(), m.size) for m in attached.mappings]
+        )
         log.info(
             "weights attached",
             mode=self.options.mode,
+            layout=self.options.layout,
             shared=len(placed.shared),
             shared_mb=round(placed.shared_bytes / 2**20, 1),
             loaded_from_pool=len(placed.private),
-            private_mb=round(placed.private_bytes / 2**20, 1),
+            private_mb=round(sum(private.values()) / 2**20, 1),
+            private_bytes=sum(private.values()),
+            private_weights=sorted(private)[:3],
             ms=round((time.perf_counter() - t0) * 1e3, 1),
             engine_core=engine_core_start(),
         )
@@ -96,12 +104,21 @@ class HoldfastModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM is unt
         rank = get_tensor_model_parallel_rank()
         world = get_tensor_model_parallel_world_size()
         sock = self.options.socket_for(rank, world)
-        config = identity.cache_config(model_config.model, model_config.dtype, rank, world, device)
+        config = identity.cache_config(
+            model_config.model,
+            model_config.dtype,
+            rank,
+            world,
+            device,
+            layout=self.options.layout,
+        )
         try:
             return attach(sock, config, timeout=self.options.timeout_s)
         except CacheMismatch as e:
             if self.options.fallback:
                 raise
+            if "layout" in e.fields:
+                raise PluginError(layout.mismatch(sock, config.layout)) from e
             raise PluginError(
                 f"the daemon on {sock} serves a pool built for another config (fields: "
                 f"{', '.join(e.fields)}); serve --model {model_config.model} with --dtype "

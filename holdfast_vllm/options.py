@@ -1,7 +1,7 @@
 """--model-loader-extra-config of `--load-format holdfast`: one frozen struct, checked once.
 
     {"sockets": ["/run/h/daemon-0.sock", "/run/h/daemon-1.sock"],   # TP rank -> socket
-     "fallback": true, "mode": "zero_copy", "timeout_s": 10}
+     "fallback": true, "mode": "zero_copy", "timeout_s": 10, "layout": "vllm"}
 
 `sockets` defaults to HOLDFAST_DAEMONS (comma-separated, as the supervisor sets it).
 Imports neither torch nor vLLM.
@@ -19,6 +19,7 @@ from holdfast_contract.env import var
 from holdfast_vllm.errors import PluginError
 
 Mode = Literal["zero_copy", "copy"]
+Layout = Literal["vllm", "reference"]
 DAEMONS = var("daemons")  # HOLDFAST_DAEMONS
 MODES = ("zero_copy", "copy")
 
@@ -28,6 +29,9 @@ class LoaderOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     fallback: bool = False  # load from disk with vLLM's default loader instead of failing
     mode: Mode = "zero_copy"  # zero_copy: parameters are views of the pool; copy: private
     timeout_s: float = 10.0  # seconds to wait for a daemon's answer
+    # vllm: the pool holds vLLM's own parameters (`cachedaemon serve --layout vllm`), all
+    # shared; reference: the checkpoint's tensors, vLLM's fused parameters private copies
+    layout: Layout = "vllm"
 
     def socket_for(self, rank: int, world_size: int) -> str:
         """The daemon socket of tensor-parallel rank `rank`."""
@@ -55,7 +59,7 @@ def parse(
         raise PluginError(
             f"--model-loader-extra-config for --load-format holdfast: {e}; keys: "
             f"sockets (list of paths, one per TP rank), fallback (bool), mode "
-            f"({' or '.join(MODES)}), timeout_s (seconds)"
+            f"({' or '.join(MODES)}), timeout_s (seconds), layout (vllm or reference)"
         ) from e
     if not opts.sockets:
         raise PluginError(

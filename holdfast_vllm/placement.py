@@ -108,6 +108,17 @@ def _fits(src: torch.Tensor, param: torch.Tensor, device: torch.device) -> bool:
     return src.shape == param.shape and src.dtype == param.dtype and src.device == device
 
 
+def outside(model: torch.nn.Module, spans: Iterable[tuple[int, int]]) -> dict[str, int]:
+    """The bytes of each parameter of `model` whose data lies outside every (address,
+    size) span of the pool's mappings: the engine's private weight memory."""
+    ranges = list(spans)
+    return {
+        name: p.nbytes
+        for name, p in model.named_parameters()
+        if p.nbytes and not any(a <= p.data_ptr() < a + n for a, n in ranges)
+    }
+
+
 def left_on_meta(model: torch.nn.Module) -> list[str]:
     return [
         n

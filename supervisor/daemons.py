@@ -13,7 +13,6 @@ import asyncio
 import functools
 import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +22,7 @@ import structlog
 
 from holdfast_contract.errors import ProtocolError
 from holdfast_contract.ready import DaemonReady, daemon_ready_path, read_daemon_ready
-from supervisor import decisions, pace
+from supervisor import decisions, pace, vllm_kind
 from supervisor.backoff import RestartBook
 from supervisor.errors import StartupError
 from supervisor.events import EventBus, UnitState
@@ -135,8 +134,9 @@ class DaemonPool:
 
     def argv(self, d: Daemon) -> list[str]:
         m = self.policy.model
+        python, layout = vllm_kind.daemon_runtime(self.policy)
         argv = [
-            sys.executable,
+            python,
             "-m",
             "cachedaemon",
             "--log-format",
@@ -156,6 +156,8 @@ class DaemonPool:
             m.dtype,
             "--quantization",
             m.quantization,
+            "--layout",
+            layout,
         ]
         argv += ["--backend", self.policy.cache.backend]
         if self.keeper is not None:

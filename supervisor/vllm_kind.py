@@ -19,6 +19,7 @@ import asyncio
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -65,10 +66,20 @@ def command(p: Policy) -> list[str]:
     if v.loader == "holdfast":
         # no "sockets": the plugin reads HOLDFAST_DAEMONS, which each engine is given, so
         # the command holds nothing of the runtime dir (a policy written out reads back)
-        extra = {"fallback": v.fallback, "mode": v.mode}
+        extra = {"fallback": v.fallback, "mode": v.mode, "layout": v.layout}
         argv += ["--load-format", "holdfast", "--model-loader-extra-config"]
         argv.append(_escaped(json.dumps(extra)))
     return argv + list(v.args)
+
+
+def daemon_runtime(p: Policy) -> tuple[str, str]:
+    """The python and `--layout` of `p`'s cache daemons: for vLLM engines that attach a
+    pool in vLLM's layout, the vLLM venv's python (it builds the pool with vLLM's own
+    model) and `vllm`; else the supervisor's python and `reference`."""
+    e = p.engines
+    if e.kind == "vllm" and e.vllm.loader == "holdfast" and e.vllm.layout == "vllm":
+        return python_of(e.vllm), "vllm"
+    return sys.executable, "reference"
 
 
 def forkserver(p: Policy) -> tuple[list[str], list[str]]:

@@ -23,6 +23,10 @@ class VllmSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # auto: vLLM reads the checkpoint itself, as without holdfast
     loader: Literal["holdfast", "auto"] = "holdfast"
     mode: Literal["zero_copy", "copy"] = "zero_copy"  # the plugin's: views of the pool or copies
+    # with loader holdfast: vllm, the daemons build the pool in vLLM's layout (fused
+    # qkv_proj, gate_up_proj) with this python, and every weight of an engine is a view of
+    # it; reference, the checkpoint's tensors, vLLM's fused parameters private copies
+    layout: Literal["vllm", "reference"] = "vllm"
     fallback: bool = True  # the plugin loads from disk when no daemon answers or it mismatches
     kv_cache_gb: int = 1  # VLLM_CPU_KVCACHE_SPACE on a CPU device (GiB, at least 1)
     max_model_len: int = 0  # 0: the checkpoint's max_position_embeddings

@@ -39,6 +39,7 @@ CHANGES = {
     "backend": "cuda-vmm",
     "device": "cuda:0",
     "env": EnvStamp("2.13.0", "12.8", "", "0.1.0"),
+    "layout": "vllm 0.32.0",
 }
 
 

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from holdfast_contract.wire import free_port
-from supervisor import engine_kinds
+from supervisor import engine_kinds, vllm_kind
 from supervisor.policy import load_policy
 from supervisor.vllm_kind import MODULE, Sample, load_of, parse_metrics, python_of
 from supervisor.vllm_spec import VllmSpec
@@ -38,7 +38,7 @@ START_S = 900.0  # four vLLM imports on a shared 2-core machine; the deadline is
 def vllm_policy(tmp_path: Path, checkpoint: Path, **engines: Any) -> Path:
     policy = {
         "model": {"path": str(checkpoint), "dtype": "float32"},
-        "cache": {"runtime_dir": str(tmp_path / "run")},
+        "cache": {"runtime_dir": str(tmp_path / "run"), "ready_timeout_s": START_S},
         "engines": {"kind": "vllm", "ready_timeout_s": START_S, "stop_grace_s": 2.0, **engines},
         "heartbeat": {"interval_ms": 100, "miss_limit": 10},
         "router": {"listen": f"127.0.0.1:{free_port()}"},
@@ -76,7 +76,11 @@ def test_kind_vllm_expands_to_the_api_server_with_the_plugin(tmp_path: Path) -> 
     assert cmd[cmd.index("--port") + 1] == "{port}" and cmd[cmd.index("--model") + 1] == "{model}"
     assert cmd[cmd.index("--load-format") + 1] == "holdfast"
     config = cmd[cmd.index("--model-loader-extra-config") + 1]
-    assert config == '{{"fallback": true, "mode": "zero_copy"}}'  # rendered: plain JSON
+    assert config == '{{"fallback": true, "mode": "zero_copy", "layout": "vllm"}}'  # plain JSON
+    # its daemons build the pool in vLLM's layout, with the python that has vLLM
+    assert vllm_kind.daemon_runtime(policy) == (VLLM_PYTHON, "vllm")
+    reference = vllm_policy(tmp_path, tmp_path / "m", vllm={"layout": "reference"})
+    assert vllm_kind.daemon_runtime(load_policy(reference, schema_only=True))[1] == "reference"
     assert policy.engines.health == "http"
     assert policy.engines.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     # forked from the vLLM fork server, which serves exactly this command's head, and the
@@ -180,6 +184,10 @@ def test_router_serves_and_killing_the_primary_promotes_the_standby(
         assert _ppid(primary["pid"]) == server
         log = (tmp_path / "run" / "logs" / f"{first.name}.0.log").read_text()
         assert '"engine_core": "forked", "event": "weights attached"' in log
+        # every weight a view of the pool the daemon built in vLLM's layout
+        assert '"layout": "vllm"' in log and '"private_bytes": 0,' in log, log[-3000:]
+        daemon_log = (tmp_path / "run" / "logs" / "daemon-0.log").read_text()
+        assert '"event": "vllm layout built"' in daemon_log
         (core,) = _children(primary["pid"])  # holds none of the API server's listeners
         http = _listening_inodes(primary["pid"])
         assert http and not http & _listening_inodes(core)

@@ -258,7 +258,8 @@ def test_greedy_tokens_equal_transformers(
     prompts = prompt_ids(model_dir)
     want = transformers_tokens(model_dir, prompts)
     assert len({tuple(t) for t in want}) == len(PROMPTS), "prompts that all give one answer"
-    cp = run_vllm(model_dir, {"sockets": [ckpts.socket(arch)], "mode": mode}, prompts, tmp_path)
+    extra = {"sockets": [ckpts.socket(arch)], "mode": mode, "layout": "reference"}
+    cp = run_vllm(model_dir, extra, prompts, tmp_path)
     assert tokens_of(cp) == want
     out = cp.stdout + cp.stderr
     assert "weights attached" in out and f"mode={mode}" in out
@@ -272,7 +273,7 @@ def test_another_checkpoints_daemon_falls_back_with_the_diff(
 ) -> None:
     model_dir = ckpts.dirs["llama"]
     prompts = prompt_ids(model_dir)
-    extra = {"sockets": [ckpts.socket("other")], "fallback": True}
+    extra = {"sockets": [ckpts.socket("other")], "fallback": True, "layout": "reference"}
     cp = run_vllm(model_dir, extra, prompts, tmp_path)
     assert tokens_of(cp) == transformers_tokens(model_dir, prompts)
     out = cp.stdout + cp.stderr
@@ -286,7 +287,8 @@ def test_another_checkpoints_daemon_without_fallback_is_refused(
     ckpts: Checkpoints, tmp_path: Path
 ) -> None:
     model_dir = ckpts.dirs["llama"]
-    cp = run_vllm(model_dir, {"sockets": [ckpts.socket("other")]}, [[1, 2]], tmp_path)
+    extra = {"sockets": [ckpts.socket("other")], "layout": "reference"}
+    cp = run_vllm(model_dir, extra, [[1, 2]], tmp_path)
     assert cp.returncode != 0
     out = cp.stdout + cp.stderr
     assert "serves a pool built for another config (fields: checkpoint" in out
