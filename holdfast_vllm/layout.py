@@ -47,8 +47,8 @@ from cachedaemon.manifest import ChunkEntry, Manifest, TensorEntry
 from cachedaemon.pool import Pool, layout
 from cachedaemon.progress import ByteProgress
 from cachedaemon.strides import contiguous_stride
-from holdfast_vllm import placement
-from holdfast_vllm.errors import LayoutError
+from holdfast_vllm import check_version, placement
+from holdfast_vllm.errors import LayoutError, PluginError
 
 log = structlog.get_logger("holdfast_vllm.layout")
 
@@ -62,6 +62,10 @@ def build_pool(
 ) -> tuple[Pool, int]:
     """A sealed pool of the parameters vLLM's model holds for this rank, and the bytes read
     from the checkpoint (cachedaemon.pool.build_pool's contract, in vLLM's layout)."""
+    try:
+        check_version()
+    except PluginError as e:
+        raise LayoutError(str(e)) from e
     config = vllm_config(model_dir, opts)
     device = torch.device(opts.device)
     with set_current_vllm_config(config), tensor_parallel(opts.tp_size, opts.tp_rank):

@@ -28,7 +28,7 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 
 from cachedaemon.client import Attached, attach
 from cachedaemon.errors import CacheError, CacheMismatch, DaemonUnavailable
-from holdfast_vllm import identity, layout, placement
+from holdfast_vllm import check_version, identity, layout, placement
 from holdfast_vllm.errors import PluginError
 from holdfast_vllm.options import LoaderOptions, parse
 
@@ -48,6 +48,7 @@ class HoldfastModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM is unt
     """Attaches the weights a holdfast cache daemon holds; see the module's docstring."""
 
     def __init__(self, load_config: LoadConfig) -> None:
+        check_version()
         super().__init__(load_config)
         self.options: LoaderOptions = parse(load_config.model_loader_extra_config)
         self._attached: Attached | None = None  # keeps the pool mapped while the model lives

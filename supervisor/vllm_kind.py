@@ -63,6 +63,9 @@ def command(p: Policy) -> list[str]:
         argv += ["--max-model-len", str(v.max_model_len)]
     if v.enforce_eager:
         argv.append("--enforce-eager")
+    if _device(p).startswith("cuda"):
+        argv += ["--kv-cache-memory-bytes", str(v.kv_cache_gb * 2**30)]
+        argv += ["--gpu-memory-utilization", str(v.gpu_memory_utilization)]
     if v.loader == "holdfast":
         # no "sockets": the plugin reads HOLDFAST_DAEMONS, which each engine is given, so
         # the command holds nothing of the runtime dir (a policy written out reads back)
@@ -89,6 +92,10 @@ def forkserver(p: Policy) -> tuple[list[str], list[str]]:
     return [py, "-m", FORKSERVER], [py, "-m", MODULE]
 
 
+def _device(p: Policy) -> str:
+    return p.devices.ids[0] if p.devices.ids else "cpu"
+
+
 def environment(p: Policy) -> dict[str, str]:
     """What every vLLM process gets, under the policy's own engines.env (which wins)."""
     env = {
@@ -103,7 +110,7 @@ def environment(p: Policy) -> dict[str, str]:
     }
     if p.engines.vllm.fork_engine_core:
         env[FORK_ENV] = "1"
-    device = p.devices.ids[0] if p.devices.ids else "cpu"
+    device = _device(p)
     if device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(p.engines.vllm.kv_cache_gb)
         # several engines share the cores: vLLM's own binding would pin them all to one
@@ -154,7 +161,54 @@ def errors(p: Policy, *, schema_only: bool) -> list[str]:
         )
     if not 0 < v.kv_evict_above <= 1:
         out.append("$.engines.vllm.kv_evict_above: must be in (0, 1]")
-    return out if schema_only else out + installed_errors(v)
+    if not 0 < v.gpu_memory_utilization <= 1:
+        out.append("$.engines.vllm.gpu_memory_utilization: must be in (0, 1]")
+    out += kv_errors(p)
+    if schema_only:
+        return out
+    return out + installed_errors(v) + pool_room_errors(p)
+
+
+def kv_errors(p: Policy) -> list[str]:
+    """Whether each engine's KV cache fits the memory the policy gives that engine."""
+    kv_mb = p.engines.vllm.kv_cache_gb * 1024
+    budgets = [("$.engines.memory_mb", p.engines.memory_mb)]
+    budgets += [
+        (f"$.engines.batch[{i}].memory_mb", b.memory_mb) for i, b in enumerate(p.engines.batch)
+    ]
+    return [
+        f"{path}: {mb} MB per engine cannot hold engines.vllm.kv_cache_gb "
+        f"{p.engines.vllm.kv_cache_gb} GiB ({kv_mb} MB) of KV cache and vLLM's activations; "
+        f"raise {path.removeprefix('$.')} above {kv_mb} or lower engines.vllm.kv_cache_gb"
+        for path, mb in budgets
+        if 0 < mb <= kv_mb
+    ]
+
+
+def pool_room_errors(p: Policy) -> list[str]:
+    """On a device with devices.memory_mb: whether the weights (once) and the primary's and
+    standbys' memory fit it (batch engines are admitted against what is left)."""
+    cap = p.devices.memory_mb
+    if cap <= 0 or p.engines.memory_mb <= 0 or p.model.path is None:
+        return []
+    from cachedaemon.checkpoint import safetensors_files  # light: no torch
+    from cachedaemon.errors import CacheError
+
+    try:
+        files = safetensors_files(Path(p.model.path))
+    except (OSError, CacheError):
+        return []  # the policy's own checks name a missing or broken checkpoint
+    weights_mb = sum(f.stat().st_size for f in files) // 2**20
+    engines = 1 + p.engines.standby
+    need = weights_mb + engines * p.engines.memory_mb
+    if need <= cap:
+        return []
+    return [
+        f"$.devices.memory_mb: {cap} MB cannot hold the weights ({weights_mb} MB, once) and "
+        f"{engines} engines of engines.memory_mb {p.engines.memory_mb} MB ({need} MB in all); "
+        "lower engines.vllm.kv_cache_gb and engines.memory_mb, engines.standby, or raise "
+        "devices.memory_mb to what the device has free"
+    ]
 
 
 def installed_errors(v: VllmSpec) -> list[str]:
@@ -178,7 +232,21 @@ def installed_errors(v: VllmSpec) -> list[str]:
             f"$.engines.vllm.loader: holdfast, but {py} has no holdfast_vllm plugin; install "
             f"it with `{INSTALL}`, or set engines.vllm.loader: auto (vLLM reads the checkpoint)"
         ]
-    return []
+    untested = _untested(py) if v.loader == "holdfast" else ""
+    return [f"$.engines.vllm.python: {untested}"] if untested else []
+
+
+def _untested(python: str) -> str:
+    """The plugin's refusal of `python`'s vLLM version, "" when it is one tested."""
+    probe = (
+        "from holdfast_vllm import check_version; from holdfast_vllm.errors import PluginError\n"
+        "try:\n    check_version()\nexcept PluginError as e:\n    print(e)"
+    )
+    try:
+        done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""  # the other checks say what is wrong with this python
+    return done.stdout.strip() if done.returncode == 0 else ""
 
 
 def _missing_modules(python: str, names: list[str]) -> list[str]:

@@ -28,7 +28,13 @@ class VllmSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # it; reference, the checkpoint's tensors, vLLM's fused parameters private copies
     layout: Literal["vllm", "reference"] = "vllm"
     fallback: bool = True  # the plugin loads from disk when no daemon answers or it mismatches
-    kv_cache_gb: int = 1  # VLLM_CPU_KVCACHE_SPACE on a CPU device (GiB, at least 1)
+    # each engine's KV cache (GiB, at least 1): VLLM_CPU_KVCACHE_SPACE on CPU; on a GPU
+    # --kv-cache-memory-bytes, so vLLM does not size it by profiling the free memory that
+    # the pool and the other engines' starts are changing
+    kv_cache_gb: int = 1
+    # on a GPU: only vLLM's start-up check reads it (the card's free memory must be at
+    # least this share of its total), since kv_cache_gb sizes the KV cache
+    gpu_memory_utilization: float = 0.05
     max_model_len: int = 0  # 0: the checkpoint's max_position_embeddings
     enforce_eager: bool = True  # no torch.compile: ready in seconds, not after a compile
     # the API server forks its EngineCore (imports done) instead of spawning it, as vLLM's
