@@ -124,6 +124,14 @@ class Server:
         self.program = program
         self.sel = selectors.DefaultSelector()
         self.sel.register(listener, selectors.EVENT_READ)
+        # a signal (SIGTERM: stop) may be delivered to any thread of the process, and an
+        # imported library (vLLM) starts some: its byte on this socket wakes the select, so
+        # the main thread runs the handler at once, not at the next request
+        self.wake_r, self.wake_w = socket.socketpair()
+        self.wake_w.setblocking(False)
+        self.wake_r.setblocking(False)
+        signal.set_wakeup_fd(self.wake_w.fileno(), warn_on_full_buffer=False)
+        self.sel.register(self.wake_r, selectors.EVENT_READ)
         self.children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, conn)
         self.requests: dict[int, _Request] = {}  # conn fd -> its request, still arriving
         self.spare_mode = spares
@@ -137,6 +145,9 @@ class Server:
             for key, _ in self.sel.select(wait):
                 if key.fileobj is self.listener:
                     self._accept()
+                elif key.fileobj is self.wake_r:
+                    with contextlib.suppress(BlockingIOError):
+                        self.wake_r.recv(512)  # the handler runs once select has returned
                 elif key.fd in self.children:
                     self._reap(key.fd)
                 elif key.fd in self.spare_fds:
@@ -364,8 +375,11 @@ class Server:
         os.setsid()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
+        signal.set_wakeup_fd(-1)
         self.sel.close()
         self.listener.close()
+        self.wake_r.close()
+        self.wake_w.close()
         for pidfd, (_, conn) in self.children.items():
             os.close(pidfd)
             conn.close()
