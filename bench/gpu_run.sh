@@ -7,7 +7,7 @@
 #   checkpoint (write the llama-8b checkpoint to /tmp/models/llama-8b),
 #   chaos / chaos-tp2 (chaos/scenarios/gpu.yaml / gpu-tp2.yaml; results in $OUT/chaos-gpu*),
 #   scenario=FILE (any chaos scenario file; results in $OUT/chaos-NAME),
-#   vllm-part (keep the carried part of vLLM, .vllm/part-NN, in /tmp/holdfast-vllm/parts),
+#   vllm-part (keep the carried part of vLLM, .vllm/part-NN, in /tmp/holdfast-vllm-cuda/parts),
 #   vllm (once every part is kept: reassemble and check it; the stages after it run with
 #     vLLM importable and HOLDFAST_VLLM_VENV set, so engines.kind vllm policies find it)
 # Wheels for packages the GPU image lacks travel in .whl/ (scripts/carry-wheels.sh; carry
@@ -47,7 +47,7 @@ chaos_run() {  # NAME [FILE]: a carried broker on a free port, the chaos run, re
   echo "chaos $name: exit $rc"
   sed -n '1,/^## Per fault/p' "$out/report.md" 2>/dev/null
 }
-VLLM_HOME=/tmp/holdfast-vllm  # outside the checkout: kept between calls while the machine is in use
+VLLM_HOME=/tmp/holdfast-vllm-cuda  # outside the checkout: kept between calls while the machine is in use
 
 vllm_part() {  # keep each carried part; say which of how many are here
   ls .vllm/part-*/COUNT >/dev/null 2>&1 ||

@@ -3,7 +3,7 @@
 # parts small enough to travel beside the working tree, one part a call:
 #   scripts/carry-vllm.sh [--part-mb N]      -> .vllm/part-00/ .. part-NN/ (a part, its sha256, the count)
 # On the GPU machine, `bench/gpu_run.sh vllm-part` keeps each part it is sent (in
-# /tmp/holdfast-vllm/parts, which lasts while the machine stays in use), and any stage
+# /tmp/holdfast-vllm-cuda/parts, which lasts while the machine stays in use), and any stage
 # after `vllm` (which reassembles the tree once every part is there) runs with it.
 # See docs/gpu.md ("vLLM on the GPU").
 #
@@ -41,6 +41,12 @@ for req in $reqs; do  # exactly one wheel of each, at the pinned version
   [ "$found" = 1 ] || { echo "carry-vllm.sh: $found wheels of $req in $wheels" >&2; exit 1; }
 done
 
+# what the packed tree is made of: a second run with the same packs nothing again
+key=$(cat scripts/carry-vllm.sh scripts/vllm-gpu-wheels.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+if [ -f "$cache/vllm-tree.tar.xz" ] && [ "$(cat "$cache/vllm-tree.key" 2>/dev/null)" = "$key" ]; then
+  echo "== tree: packed already ($cache/vllm-tree.tar.xz)"
+else
+rm -f "$cache/vllm-tree.key"
 echo "== tree ($tree)"
 rm -rf "$tree"; mkdir -p "$tree"
 files=()
@@ -64,10 +70,13 @@ plugin=$tree/holdfast_vllm_plugin-0.dist-info
 mkdir -p "$plugin"
 printf 'Metadata-Version: 2.1\nName: holdfast-vllm-plugin\nVersion: 0\n' > "$plugin/METADATA"
 sed -n '/^\[project.entry-points."vllm.general_plugins"\]/,/^$/p' pyproject.toml \
-  | sed '1s/.*/[vllm.general_plugins]/' > "$plugin/entry_points.txt"
+  | sed '1s/.*/[vllm.general_plugins]/; s/"//g' > "$plugin/entry_points.txt"
 grep -q '^holdfast = ' "$plugin/entry_points.txt" ||
   { echo "carry-vllm.sh: pyproject.toml names no vllm.general_plugins entry" >&2; exit 1; }
 echo "tree: $(du -sh "$tree" | cut -f1)"
+tar -C "$tree" -cf - . | xz -9 -T0 > "$cache/vllm-tree.tar.xz"
+echo "$key" > "$cache/vllm-tree.key"
+fi
 
 echo "== parts ($out)"
 if [ -z "$part_mb" ]; then  # what travels besides a part: the working tree, which counts too
@@ -76,8 +85,7 @@ if [ -z "$part_mb" ]; then  # what travels besides a part: the working tree, whi
   part_mb=$(( 62 - tree_bytes / 1048576 ))
 fi
 [ "$part_mb" -ge 4 ] || { echo "carry-vllm.sh: only ${part_mb} MiB would be left a part beside the working tree; pass --part-mb" >&2; exit 1; }
-rm -rf "$out"; mkdir -p "$out"
-tar -C "$tree" -cf - . | xz -9 -T0 > "$cache/vllm-tree.tar.xz"
+rm -rf "$out" "$cache"/part.*; mkdir -p "$out"
 split -b "${part_mb}M" -d "$cache/vllm-tree.tar.xz" "$cache/part."
 count=$(ls "$cache"/part.* | wc -l)
 for part in "$cache"/part.*; do  # one folder a part, each with the checksum and the count
