@@ -25,6 +25,7 @@ from holdfast_contract.errors import ProtocolError
 from holdfast_contract.ready import DaemonReady, daemon_ready_path, read_daemon_ready
 from supervisor import decisions, pace
 from supervisor.backoff import RestartBook
+from supervisor.ckptwatch import CheckpointWatch
 from supervisor.errors import StartupError
 from supervisor.events import EventBus, UnitState
 from supervisor.policy import Policy
@@ -84,6 +85,7 @@ class DaemonPool:
         ]
         self.watcher = Watcher()  # every daemon's and spare's exit watch, readiness, pings
         self._changed = asyncio.Event()
+        self.checkpoint = CheckpointWatch(Path(model_dir), self._checkpoint_changed)
 
     def all_serving(self) -> bool:
         return all(d.state == DaemonState.SERVING for d in self.daemons)
@@ -100,6 +102,7 @@ class DaemonPool:
     async def start(self) -> None:
         """Start every daemon and wait until all serve (cache.ready_timeout_s)."""
         self.start_keeper()
+        self.watcher.own(self.checkpoint.run(self.daemons))
         for d in self.daemons:
             await self.spawn(d)
         deadline = time.monotonic() + self.policy.cache.ready_timeout_s
@@ -201,6 +204,7 @@ class DaemonPool:
         if inc.handled or d.inc is not inc:
             return  # it died while it was asked for its status
         self.served(d, info, int(getattr(status, "pool_bytes", 0)), time.monotonic())
+        self.checkpoint.loaded(d, status)
         self.watcher.own(self._probe(d, inc))
         if self.keeper is not None and self.policy.cache.spare and d.spare is None:
             await self.spawn_spare(d)
@@ -221,6 +225,35 @@ class DaemonPool:
             down_ms=ms,
         )
         self._kick()
+
+    def _checkpoint_changed(self, d: Daemon, files: list[str]) -> None:
+        log.warning(
+            "the checkpoint changed on disk since this pool was loaded; engines started "
+            "now refuse it or load from disk, until the daemon restarts and loads it again",
+            rank=d.rank,
+            files=files,
+        )
+        self.bus.emit("daemon", str(d.rank), "checkpoint_changed", self._epoch(), files=files)
+
+    def before_handout(self, engine: str) -> None:
+        """Say so when `engine` is about to start against a pool whose checkpoint changed."""
+        for d in self.daemons:
+            if d.state == DaemonState.SERVING and d.checkpoint_changed:
+                files = list(d.checkpoint_changed)
+                log.warning(
+                    "engine starts against a pool whose checkpoint changed on disk",
+                    engine=engine,
+                    rank=d.rank,
+                    files=files,
+                )
+                self.bus.emit(
+                    "daemon",
+                    str(d.rank),
+                    "stale_handout",
+                    self._epoch(),
+                    engine=engine,
+                    files=files,
+                )
 
     async def _probe(self, d: Daemon, inc: Incarnation) -> None:
         """Ping a serving daemon every heartbeat interval; one that leaves its pings
