@@ -1,11 +1,13 @@
 """`--load-format holdfast`: vLLM's model, its weights attached from this rank's cache daemon.
 
 The model is built with its weights on meta (`placement.WeightsOnMeta`); the daemon's pool
-is mapped (`cachedaemon.client.attach`, checked against the CacheConfig fingerprint of the
-checkpoint, dtype, TP rank and device); `placement.place` hands each parameter its tensor;
-then `process_weights_after_loading` runs as in vLLM's own loaders. When no daemon answers
-or the fingerprints differ, `fallback: true` loads from disk with vLLM's default loader
-(the differing fields are logged), `fallback: false` stops with an error that says so.
+is mapped (`cachedaemon.client.attach`, checked against the CacheConfig of --model's files
+as stat sees them, dtype, TP rank and device: no tensor data is read; `verify: content`
+also accepts a byte-identical copy after digesting it); `placement.place` hands each
+parameter its tensor; then `process_weights_after_loading` runs as in vLLM's own loaders.
+When no daemon answers or the configs differ, `fallback: true` loads from disk with vLLM's
+default loader (the differing fields and files are logged), `fallback: false` stops with
+an error that names them, logged last so that it is not lost in vLLM's traceback.
 """
 
 from __future__ import annotations
@@ -98,15 +100,17 @@ class HoldfastModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM is unt
         sock = self.options.socket_for(rank, world)
         config = identity.cache_config(model_config.model, model_config.dtype, rank, world, device)
         try:
-            return attach(sock, config, timeout=self.options.timeout_s)
+            return attach(
+                sock,
+                config,
+                timeout=self.options.timeout_s,
+                model_dir=model_config.model,
+                verify=self.options.verify,
+            )
         except CacheMismatch as e:
             if self.options.fallback:
                 raise
-            raise PluginError(
-                f"the daemon on {sock} serves a pool built for another config (fields: "
-                f"{', '.join(e.fields)}); serve --model {model_config.model} with --dtype "
-                f'{identity.dtype_name(model_config.dtype)}, or set "fallback": true'
-            ) from e
+            raise refusal(f"{e}; {_hint(e, model_config)}") from e
         except DaemonUnavailable as e:
             if self.options.fallback:
                 raise
@@ -132,6 +136,25 @@ class HoldfastModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM is unt
             self.load_config, load_format="auto", model_loader_extra_config={}
         )
         return DefaultModelLoader(plain)
+
+
+def _hint(e: CacheMismatch, model_config: ModelConfig) -> str:
+    """What to change, in vLLM's and this plugin's terms."""
+    if set(e.fields) - {"checkpoint"}:
+        return (
+            f"serve --model {model_config.model} with --dtype "
+            f'{identity.dtype_name(model_config.dtype)}, or set "fallback": true'
+        )
+    if e.stat_only:
+        return 'if verify finds the same content, set "verify": "content"; or "fallback": true'
+    return f'serve --model {model_config.model} on that daemon, or set "fallback": true'
+
+
+def refusal(message: str) -> PluginError:
+    """The error that ends the load, logged first: vLLM prints its own traceback of the
+    engine core's failure after it, and this line is the one that says what to change."""
+    log.error("holdfast refused the attach", reason=message)
+    return PluginError(message)
 
 
 def _model_loader(model: torch.nn.Module) -> Any:

@@ -1,9 +1,10 @@
 """--model-loader-extra-config of `--load-format holdfast`: one frozen struct, checked once.
 
     {"sockets": ["/run/h/daemon-0.sock", "/run/h/daemon-1.sock"],   # TP rank -> socket
-     "fallback": true, "mode": "zero_copy", "timeout_s": 10}
+     "fallback": true, "mode": "zero_copy", "timeout_s": 10, "verify": "stat"}
 
-`sockets` defaults to HOLDFAST_DAEMONS (comma-separated, as the supervisor sets it).
+`sockets` defaults to HOLDFAST_DAEMONS (comma-separated, as the supervisor sets it),
+`verify` to HOLDFAST_VERIFY.
 Imports neither torch nor vLLM.
 """
 
@@ -19,7 +20,9 @@ from holdfast_contract.env import var
 from holdfast_vllm.errors import PluginError
 
 Mode = Literal["zero_copy", "copy"]
+Verify = Literal["stat", "content"]
 DAEMONS = var("daemons")  # HOLDFAST_DAEMONS
+VERIFY = var("verify")  # HOLDFAST_VERIFY
 MODES = ("zero_copy", "copy")
 
 
@@ -28,6 +31,10 @@ class LoaderOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     fallback: bool = False  # load from disk with vLLM's default loader instead of failing
     mode: Mode = "zero_copy"  # zero_copy: parameters are views of the pool; copy: private
     timeout_s: float = 10.0  # seconds to wait for a daemon's answer
+    # stat: attach a pool loaded from --model's very files (stat facts equal; no tensor
+    # data read); content: also one loaded from a byte-identical copy, after digesting
+    # --model's files (every byte read once)
+    verify: Verify = "stat"
 
     def socket_for(self, rank: int, world_size: int) -> str:
         """The daemon socket of tensor-parallel rank `rank`."""
@@ -47,6 +54,8 @@ def parse(
     raw = dict(extra or {})
     if "sockets" not in raw and environ.get(DAEMONS):
         raw["sockets"] = [s for s in environ[DAEMONS].split(",") if s]
+    if "verify" not in raw and environ.get(VERIFY):
+        raw["verify"] = environ[VERIFY]
     if isinstance(raw.get("sockets"), str):
         raw["sockets"] = [raw["sockets"]]
     try:
@@ -55,7 +64,8 @@ def parse(
         raise PluginError(
             f"--model-loader-extra-config for --load-format holdfast: {e}; keys: "
             f"sockets (list of paths, one per TP rank), fallback (bool), mode "
-            f"({' or '.join(MODES)}), timeout_s (seconds)"
+            f"({' or '.join(MODES)}), timeout_s (seconds), verify (stat or content; "
+            f"default {VERIFY})"
         ) from e
     if not opts.sockets:
         raise PluginError(

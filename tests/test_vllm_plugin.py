@@ -24,6 +24,7 @@ from cachedaemon.config import default_backend
 from holdfast_vllm import identity, placement
 from holdfast_vllm.errors import PluginError
 from holdfast_vllm.options import LoaderOptions, parse
+from tests.identity_checkpoints import changed_copy
 
 VENV = Path(os.environ.get("HOLDFAST_VLLM_VENV", "/opt/holdfast/vllm-venv"))
 VLLM_PYTHON = VENV / "bin" / "python"
@@ -289,5 +290,19 @@ def test_another_checkpoints_daemon_without_fallback_is_refused(
     cp = run_vllm(model_dir, {"sockets": [ckpts.socket("other")]}, [[1, 2]], tmp_path)
     assert cp.returncode != 0
     out = cp.stdout + cp.stderr
-    assert "serves a pool built for another config (fields: checkpoint" in out
+    assert "serves a pool of another checkpoint or config: fields that differ: " in out
     assert 'or set "fallback": true' in out
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_changed_weights_under_the_same_header_are_refused_last_and_named(
+    ckpts: Checkpoints, tmp_path: Path
+) -> None:
+    changed, _ = changed_copy(ckpts.dirs["llama"], tmp_path / "changed")
+    cp = run_vllm(changed, {"sockets": [ckpts.socket("llama")]}, [[1, 2]], tmp_path)
+    assert cp.returncode != 0
+    lines = [x for x in (cp.stdout + cp.stderr).splitlines() if x.strip()]
+    print("\n".join(lines[-60:]))
+    assert "weights attached" not in cp.stdout + cp.stderr
+    assert "model.safetensors: " in lines[-1] and '"verify": "content"' in lines[-1], lines[-5:]
