@@ -131,15 +131,22 @@ def mismatch(
         )
     elif "checkpoint" in reply.fields and config is not None:
         files = checkpoint_changes(config, reply.served)
-        stat_only = True
-        parts.append(
-            f"{where} is not the file set the pool was loaded from ({'; '.join(files)}); "
-            f"`cachedaemon verify --socket {socket_path} --model {where}` compares its "
+        stat_only = _sizes(config) == _sizes(reply.served)  # could be a copy of its bytes
+        copy = (
+            f"; `cachedaemon verify --socket {socket_path} --model {where}` compares its "
             "content with the pool's, and attaching with content verification accepts a "
             "copy of the same bytes"
         )
+        parts.append(
+            f"{where} is not the file set the pool was loaded from ({'; '.join(files)})"
+            + (copy if stat_only else "")
+        )
     message = f"the daemon on {socket_path} serves a pool of another checkpoint or config: "
     return CacheMismatch(reply.fields, message + "; ".join(parts), files, stat_only)
+
+
+def _sizes(config: CacheConfig) -> list[tuple[str, int]]:
+    return [(f.name, f.size) for f in config.checkpoint]
 
 
 def attach_state_dict(
