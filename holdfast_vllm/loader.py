@@ -7,7 +7,8 @@ also accepts a byte-identical copy after digesting it); `placement.place` hands 
 parameter its tensor; then `process_weights_after_loading` runs as in vLLM's own loaders.
 When no daemon answers or the configs differ, `fallback: true` loads from disk with vLLM's
 default loader (the differing fields and files are logged), `fallback: false` stops with
-an error that names them, logged last so that it is not lost in vLLM's traceback.
+an error that names them, printed again as the run's last line so that it is not lost in
+vLLM's traceback (`holdfast_vllm.refusal`).
 """
 
 from __future__ import annotations
@@ -114,12 +115,12 @@ class HoldfastModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM is unt
         except DaemonUnavailable as e:
             if self.options.fallback:
                 raise
-            raise PluginError(
+            raise refusal(
                 f"no cache daemon answers on {sock} ({e}); start `cachedaemon serve` for TP "
                 f'rank {rank} there, fix "sockets", or set "fallback": true'
             ) from e
         except CacheError as e:
-            raise PluginError(f"attach from {sock}: {e}") from e
+            raise refusal(f"attach from {sock}: {e}") from e
 
     def _fall_back(
         self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, why: CacheError
@@ -151,9 +152,13 @@ def _hint(e: CacheMismatch, model_config: ModelConfig) -> str:
 
 
 def refusal(message: str) -> PluginError:
-    """The error that ends the load, logged first: vLLM prints its own traceback of the
-    engine core's failure after it, and this line is the one that says what to change."""
+    """The error that ends the load. vLLM prints its traceback of the EngineCore's
+    failure after it, so it is also printed again as the run's last line
+    (`holdfast_vllm.refusal`): the one that says what to change."""
     log.error("holdfast refused the attach", reason=message)
+    from holdfast_vllm import refusal as last_line
+
+    last_line.record(message)
     return PluginError(message)
 
 

@@ -119,6 +119,16 @@ def test_a_byte_identical_copy_is_attached_after_a_content_check(
     assert load_weights(module_for(copy), cfg).source == "daemon"
 
 
+def test_a_bad_verify_mode_names_the_flag() -> None:
+    from engine.config import from_args
+    from engine.errors import EngineError
+
+    argv = ["--model", "/m", "--allow-disk-fallback"]
+    with pytest.raises(EngineError, match="--verify/HOLDFAST_VERIFY 'sha' is not one of stat"):
+        from_args([*argv, "--verify", "sha"], {})
+    assert from_args(argv, {"HOLDFAST_VERIFY": "content"}).verify == "content"
+
+
 def test_verify_names_the_file_that_differs(original: Path, served: Path, tmp_path: Path) -> None:
     changed, _ = changed_copy(original, tmp_path / "changed")
     done = verify(served, changed)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,34 @@ def test_options_default_to_holdfast_daemons_one_socket_per_rank() -> None:
         opts.socket_for(0, 4)
 
 
+def test_a_refusal_recorded_in_a_child_is_the_owners_last_line() -> None:
+    """As when the EngineCore refuses and the API server then reports its failure."""
+    child = "from holdfast_vllm import refusal; refusal.record('model.safetensors: differs')"
+    code = (
+        "import subprocess, sys\n"
+        "from holdfast_vllm import refusal\n"
+        "refusal.arm()\n"
+        f"subprocess.run([sys.executable, '-c', {child!r}], check=True)\n"
+        "raise RuntimeError('Engine core initialization failed. See root cause above.')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "HOLDFAST_VLLM_REFUSAL"}
+    env["PYTHONPATH"] = str(REPO)
+    cp = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
+    lines = cp.stderr.strip().splitlines()
+    assert cp.returncode == 1, cp.stderr
+    assert lines[-1] == "holdfast: the weights were not attached: model.safetensors: differs"
+    assert lines[-2].startswith("RuntimeError: Engine core initialization failed")
+
+
+def test_verify_defaults_to_holdfast_verify_and_the_config_wins() -> None:
+    assert parse({"sockets": ["/a"]}, {}).verify == "stat"
+    assert parse({"sockets": ["/a"]}, {"HOLDFAST_VERIFY": "content"}).verify == "content"
+    extra = {"sockets": ["/a"], "verify": "stat"}
+    assert parse(extra, {"HOLDFAST_VERIFY": "content"}).verify == "stat"
+
+
 @pytest.mark.parametrize(
     ("extra", "says"),
     [
@@ -60,6 +89,7 @@ def test_options_default_to_holdfast_daemons_one_socket_per_rank() -> None:
         ({"sockets": ["/a"], "mode": "zerocopy"}, "zero_copy or copy"),
         ({"sockets": ["/a"], "fallbak": True}, "fallbak"),
         ({"sockets": ["/a"], "timeout_s": 0}, "timeout_s must be > 0"),
+        ({"sockets": ["/a"], "verify": "sha256"}, "verify.*stat or content"),
     ],
 )
 def test_bad_options_say_which_key_to_fix(extra: dict[str, Any], says: str) -> None:
@@ -290,8 +320,8 @@ def test_another_checkpoints_daemon_without_fallback_is_refused(
     cp = run_vllm(model_dir, {"sockets": [ckpts.socket("other")]}, [[1, 2]], tmp_path)
     assert cp.returncode != 0
     out = cp.stdout + cp.stderr
-    assert "serves a pool of another checkpoint or config: fields that differ: " in out
-    assert 'or set "fallback": true' in out
+    assert "serves a pool of another checkpoint or config: " in out
+    assert "model.safetensors: size, mtime_ns" in out and 'or set "fallback": true' in out
 
 
 @pytest.mark.vllm
