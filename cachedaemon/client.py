@@ -134,8 +134,7 @@ def mismatch(
         stat_only = _sizes(config) == _sizes(reply.served)  # could be a copy of its bytes
         copy = (
             f"; `cachedaemon verify --socket {socket_path} --model {where}` compares its "
-            "content with the pool's, and attaching with content verification accepts a "
-            "copy of the same bytes"
+            "content with the pool's"
         )
         parts.append(
             f"{where} is not the file set the pool was loaded from ({'; '.join(files)})"
