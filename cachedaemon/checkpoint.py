@@ -168,7 +168,7 @@ class CheckpointReader:
                 self.tensors[info.name] = info
         self._fds: dict[str, int] = {}
         self.bytes_read = 0
-        self.on_read: Callable[[TensorInfo, memoryview], None] | None = None
+        self.on_read: Callable[[TensorInfo, memoryview], object] | None = None
 
     @property
     def total_bytes(self) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -39,6 +39,7 @@ class _Stager:
         self.bufs = [torch.empty(piece, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         self.views = [b.numpy().data for b in self.bufs]
         self.done: list[torch.cuda.Event | None] = [None, None]
+        self.hashed: list[list[Future[None]]] = [[], []]  # digests still reading each buffer
 
     def copy_in(self, fd: int, info: TensorInfo, dst: torch.Tensor) -> None:
         """pread the tensor's bytes piece by piece and queue each piece's copy into `dst`."""
@@ -49,9 +50,11 @@ class _Stager:
             event = self.done[slot]
             if event is not None:
                 event.synchronize()  # the copy out of this buffer has finished
+            for fut in self.hashed[slot]:
+                fut.result()  # and so has its digest
             _pread_exact(fd, self.views[slot][:n], info.start + start, info)
-            if self.digester is not None:  # on this worker, while the last piece copies
-                self.digester.add_now(info, self.views[slot][:n], start)
+            if self.digester is not None:  # hashed beside the copy and the next pread
+                self.hashed[slot] = self.digester.add(info, self.views[slot][:n], start)
             with torch.cuda.stream(self.stream):
                 dst[start : start + n].copy_(self.bufs[slot][:n], non_blocking=True)
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]

@@ -73,19 +73,18 @@ class Digester:
         self._room = threading.BoundedSemaphore(2 * WORKERS)  # pieces held for hashing
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="holdfast-digest")
 
-    def add(self, info: TensorInfo, data: memoryview, offset: int = 0) -> None:
+    def add(self, info: TensorInfo, data: memoryview, offset: int = 0) -> list[Future[None]]:
         """Hash `data` (the tensor's bytes from `offset`) on the digest threads; the
-        buffer must stay as it is until `result` (a read into the pool does)."""
+        buffer must stay as it is until the futures returned are done (a read into the
+        pool stays; a staging buffer waits for them before it is reused)."""
+        out = []
         for k, piece in _pieces(info, offset, data):
             self._room.acquire()
             fut = self._pool.submit(self._hash, info, k, piece)
             fut.add_done_callback(lambda _: self._room.release())
-            self._futures.append(fut)
-
-    def add_now(self, info: TensorInfo, data: memoryview, offset: int = 0) -> None:
-        """Hash `data` on the calling thread (a staging buffer that is reused next)."""
-        for k, piece in _pieces(info, offset, data):
-            self._hash(info, k, piece)
+            out.append(fut)
+        self._futures += out
+        return out
 
     def _hash(self, info: TensorInfo, k: int, piece: memoryview) -> None:
         self._sums[(info.path, info.start, k)] = hashlib.sha256(piece).digest()
