@@ -14,11 +14,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cachedaemon import protocol
+from cachedaemon import digest, protocol
+from cachedaemon.backends import get_backend
 from cachedaemon.client import attach_model
-from cachedaemon.config import make_config
+from cachedaemon.config import LoadOptions, make_config
 from cachedaemon.digest import digest_dir
 from cachedaemon.errors import CacheMismatch
+from cachedaemon.pool import build_pool
 from engine.config import EngineConfig
 from engine.errors import WeightsError
 from engine.weights import load_weights
@@ -164,3 +166,25 @@ def test_escrow_keeps_the_digest(original: Path, tmp_path: Path, start_daemon: A
         assert report.source == "daemon"
     finally:
         keeper.stop()
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        LoadOptions(dtype="bfloat16"),  # read straight into the pool
+        LoadOptions(dtype="float32"),  # read into a buffer, converted
+        LoadOptions(dtype="bfloat16", tp_size=2, tp_rank=1),  # read whole, then split
+    ],
+)
+def test_the_load_digest_is_the_dir_digest_whatever_the_pool_is_made_of(
+    original: Path, opts: LoadOptions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(digest, "PIECE", 4096)  # tensors of many pieces, as in a real model
+    pool, _ = build_pool(original, opts, get_backend("memfd", "cpu"), "fp")
+    try:
+        assert pool.manifest.files == digest_dir(original)
+        assert [f.name for f in pool.manifest.files] == ["config.json", "model.safetensors"]
+    finally:
+        pool.close()
+    scale_in_place(original)
+    assert digest_dir(original)[1].sha256 != pool.manifest.files[1].sha256
