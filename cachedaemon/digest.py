@@ -30,7 +30,8 @@ from cachedaemon.errors import CheckpointError
 
 PIECE = 64 << 20
 ALGO = "sha256 of sha256(header), sha256(each 64 MiB piece of each tensor, file order)"
-WORKERS = max(1, min(8, (os.cpu_count() or 2) - 1))
+WORKERS = max(2, min(8, os.cpu_count() or 2))
+HELD = 512 << 20  # bytes waiting to be hashed, at most (one piece more when it is larger)
 
 
 class FileDigest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -70,7 +71,8 @@ class Digester:
         self.tensors = sorted(tensors, key=lambda i: (i.path, i.start))
         self._sums: dict[tuple[str, int, int], bytes] = {}
         self._futures: list[Future[None]] = []
-        self._room = threading.BoundedSemaphore(2 * WORKERS)  # pieces held for hashing
+        self._held = 0  # bytes handed to the digest threads and not hashed yet
+        self._room = threading.Condition()
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="holdfast-digest")
 
     def add(self, info: TensorInfo, data: memoryview, offset: int = 0) -> list[Future[None]]:
@@ -79,15 +81,27 @@ class Digester:
         pool stays; a staging buffer waits for them before it is reused)."""
         out = []
         for k, piece in _pieces(info, offset, data):
-            self._room.acquire()
-            fut = self._pool.submit(self._hash, info, k, piece)
-            fut.add_done_callback(lambda _: self._room.release())
-            out.append(fut)
+            n = len(piece)
+            self._reserve(n)  # a reader far ahead of the digest threads waits for them
+            out.append(self._pool.submit(self._hash, info, k, piece))
         self._futures += out
         return out
 
+    def _reserve(self, n: int) -> None:
+        with self._room:
+            self._room.wait_for(lambda: self._held == 0 or self._held + n <= HELD)
+            self._held += n
+
+    def _release(self, n: int) -> None:
+        with self._room:
+            self._held -= n
+            self._room.notify_all()
+
     def _hash(self, info: TensorInfo, k: int, piece: memoryview) -> None:
-        self._sums[(info.path, info.start, k)] = hashlib.sha256(piece).digest()
+        try:
+            self._sums[(info.path, info.start, k)] = hashlib.sha256(piece).digest()
+        finally:
+            self._release(len(piece))
 
     def result(self) -> tuple[FileDigest, ...]:
         """Every file's digest; CheckpointError when a tensor was not read whole."""
