@@ -3,8 +3,9 @@
 Each daemon's status says which files (by their stat facts: size, mtime, ctime, inode,
 device) its pool was loaded from. An inotify watch on the model dir wakes `run` at any
 change there; it compares the files as they are now with each daemon's, and reports a
-daemon whose files changed once per change (`on_change`). Reads no file, only stats them.
-Torch-free.
+daemon whose files changed once per change (`daemon.<rank>.checkpoint_changed`), and
+each engine start on such a pool (`daemon.<rank>.stale_handout`). Reads no file, only
+stats them. Torch-free.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from supervisor.events import EventBus
 from supervisor.fswatch import CHANGES, DirWatch
+from supervisor.states import DaemonState
 from supervisor.units import Daemon
 
 if TYPE_CHECKING:
@@ -28,9 +31,10 @@ log = structlog.get_logger("supervisor.ckptwatch")
 class CheckpointWatch:
     """Which files each rank's pool was loaded from, and whether they are still those."""
 
-    def __init__(self, model_dir: Path, on_change: Callable[[Daemon, list[str]], None]) -> None:
+    def __init__(self, model_dir: Path, bus: EventBus, epoch: Callable[[], int]) -> None:
         self.model_dir = model_dir
-        self.on_change = on_change
+        self.bus = bus
+        self.epoch = epoch
         self._loaded: dict[int, CacheConfig] = {}
 
     def loaded(self, d: Daemon, status: StatusReply | None) -> None:
@@ -62,10 +66,34 @@ class CheckpointWatch:
         if changed == d.checkpoint_changed:
             return
         d.checkpoint_changed = changed
-        if changed:
-            self.on_change(d, list(changed))
-        else:
+        if not changed:
             log.info("checkpoint files are those the pool was loaded from", rank=d.rank)
+            return
+        log.warning(
+            "the checkpoint changed on disk since this pool was loaded; engines started "
+            "now refuse it or load from disk, until the daemon restarts and loads it again",
+            rank=d.rank,
+            files=list(changed),
+        )
+        self.bus.emit(
+            "daemon", str(d.rank), "checkpoint_changed", self.epoch(), files=list(changed)
+        )
+
+    def before_handout(self, daemons: Sequence[Daemon], engine: str) -> None:
+        """Say so for each serving pool whose checkpoint changed, as `engine` starts."""
+        for d in daemons:
+            if d.state != DaemonState.SERVING or not d.checkpoint_changed:
+                continue
+            files = list(d.checkpoint_changed)
+            log.warning(
+                "engine starts against a pool whose checkpoint changed on disk",
+                engine=engine,
+                rank=d.rank,
+                files=files,
+            )
+            self.bus.emit(
+                "daemon", str(d.rank), "stale_handout", self.epoch(), engine=engine, files=files
+            )
 
     async def run(self, daemons: Sequence[Daemon]) -> None:
         """Check every daemon at each change in the model dir, until cancelled."""

@@ -85,7 +85,7 @@ class DaemonPool:
         ]
         self.watcher = Watcher()  # every daemon's and spare's exit watch, readiness, pings
         self._changed = asyncio.Event()
-        self.checkpoint = CheckpointWatch(Path(model_dir), self._checkpoint_changed)
+        self.checkpoint = CheckpointWatch(Path(model_dir), bus, epoch)
 
     def all_serving(self) -> bool:
         return all(d.state == DaemonState.SERVING for d in self.daemons)
@@ -226,34 +226,9 @@ class DaemonPool:
         )
         self._kick()
 
-    def _checkpoint_changed(self, d: Daemon, files: list[str]) -> None:
-        log.warning(
-            "the checkpoint changed on disk since this pool was loaded; engines started "
-            "now refuse it or load from disk, until the daemon restarts and loads it again",
-            rank=d.rank,
-            files=files,
-        )
-        self.bus.emit("daemon", str(d.rank), "checkpoint_changed", self._epoch(), files=files)
-
     def before_handout(self, engine: str) -> None:
         """Say so when `engine` is about to start against a pool whose checkpoint changed."""
-        for d in self.daemons:
-            if d.state == DaemonState.SERVING and d.checkpoint_changed:
-                files = list(d.checkpoint_changed)
-                log.warning(
-                    "engine starts against a pool whose checkpoint changed on disk",
-                    engine=engine,
-                    rank=d.rank,
-                    files=files,
-                )
-                self.bus.emit(
-                    "daemon",
-                    str(d.rank),
-                    "stale_handout",
-                    self._epoch(),
-                    engine=engine,
-                    files=files,
-                )
+        self.checkpoint.before_handout(self.daemons, engine)
 
     async def _probe(self, d: Daemon, inc: Incarnation) -> None:
         """Ping a serving daemon every heartbeat interval; one that leaves its pings
