@@ -125,7 +125,11 @@ def mismatch(
     where = model_dir if model_dir is not None else "DIR"
     stat_only = False
     if "checkpoint" in reply.fields and content:
-        files = differences(content, reply.files) or ["the pool has no content digest"]
+        files = (
+            differences(content, reply.files)
+            if reply.files
+            else ["the pool keeps no content digest: restart its daemon to load one"]
+        )
         parts.append(
             f"{where} does not hold the bytes the pool was loaded from ({'; '.join(files)})"
         )

@@ -25,7 +25,7 @@ from cachedaemon.config import default_backend
 from holdfast_vllm import identity, placement
 from holdfast_vllm.errors import PluginError
 from holdfast_vllm.options import LoaderOptions, parse
-from tests.identity_checkpoints import changed_copy
+from tests.identity_checkpoints import changed_copy, copy_of
 
 VENV = Path(os.environ.get("HOLDFAST_VLLM_VENV", "/opt/holdfast/vllm-venv"))
 VLLM_PYTHON = VENV / "bin" / "python"
@@ -336,3 +336,17 @@ def test_changed_weights_under_the_same_header_are_refused_last_and_named(
     print("\n".join(lines[-60:]))
     assert "weights attached" not in cp.stdout + cp.stderr
     assert "model.safetensors: " in lines[-1] and '"verify": "content"' in lines[-1], lines[-5:]
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_byte_identical_copy_is_attached_with_verify_content(
+    ckpts: Checkpoints, tmp_path: Path
+) -> None:
+    copy = copy_of(ckpts.dirs["llama"], tmp_path / "copy")
+    prompts = prompt_ids(copy)
+    extra = {"sockets": [ckpts.socket("llama")], "verify": "content"}
+    cp = run_vllm(copy, extra, prompts, tmp_path)
+    assert tokens_of(cp) == transformers_tokens(copy, prompts)
+    out = cp.stdout + cp.stderr
+    assert "compared their content" in out and "weights attached" in out
