@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -150,7 +151,8 @@ def _check_overlaps(path: Path, infos: list[TensorInfo]) -> None:
 
 
 class CheckpointReader:
-    """Every tensor of a checkpoint dir, by name, read with pread into caller buffers."""
+    """Every tensor of a checkpoint dir, by name, read with pread into caller buffers;
+    `on_read` (the load's content digest) sees every tensor's bytes as they arrive."""
 
     def __init__(self, model_dir: str | Path) -> None:
         self.model_dir = Path(model_dir)
@@ -166,6 +168,7 @@ class CheckpointReader:
                 self.tensors[info.name] = info
         self._fds: dict[str, int] = {}
         self.bytes_read = 0
+        self.on_read: Callable[[TensorInfo, memoryview], object] | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -185,6 +188,8 @@ class CheckpointReader:
                 )
             done += got
         self.bytes_read += done
+        if self.on_read is not None:
+            self.on_read(info, buf)
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -1,4 +1,5 @@
-"""`cachedaemon`: serve a pool, inspect it, run a keeper, make test checkpoints, check parity."""
+"""`cachedaemon`: serve a pool, inspect it, run a keeper, make test checkpoints, check parity,
+verify a checkpoint dir's content against a pool's."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ EXAMPLES = {
     "keeper": "example:\n  cachedaemon keeper --socket /tmp/hf-run/keeper.sock",
     "make-checkpoint": "example:\n  cachedaemon make-checkpoint /tmp/models/tiny --preset tiny --seed 0",
     "parity": "example:\n  cachedaemon parity --model /models/tiny --socket /tmp/hf-run/daemon-0.sock",
+    "verify": "example:\n  cachedaemon verify --socket /tmp/hf-run/daemon-0.sock --model /models/tiny\n"
+    "exit status: 0 same content, 1 a file differs, 2 an error",
 }
 
 
@@ -103,6 +106,15 @@ def _parser() -> argparse.ArgumentParser:
     pa = add("parity", "compare a disk load with an attach: names, shapes, dtypes, strides, bytes")
     pa.add_argument("--model", required=True)
     pa.add_argument("--socket", required=True)
+
+    v = add(
+        "verify",
+        "read every byte of a checkpoint dir and compare its content digest with the one the "
+        "daemon took when it loaded its pool; names each file that differs",
+    )
+    v.add_argument("--socket", required=True)
+    v.add_argument("--model", required=True, help="the checkpoint dir to compare")
+    v.add_argument("--json", action="store_true")
     return p
 
 
@@ -266,10 +278,39 @@ def cmd_parity(args: argparse.Namespace) -> int:
     return report(Path(args.model), args.socket)
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    """0 when the dir holds the bytes the pool was made of, 1 when a file differs."""
+    from cachedaemon.config import checkpoint_changes, checkpoint_identity
+    from cachedaemon.digest import differences, digest_dir
+
+    reply, _ = protocol.call(args.socket, protocol.StatusRequest())
+    if not isinstance(reply, protocol.StatusReply):
+        raise HoldfastError(f"{args.socket} answered {type(reply).__name__}, not a daemon status")
+    if not reply.files:
+        raise HoldfastError(f"the daemon on {args.socket} holds no content digest of its pool")
+    differ = differences(digest_dir(Path(args.model)), reply.files)
+    mine = msgspec.structs.replace(reply.config, checkpoint=checkpoint_identity(Path(args.model)))
+    stat = checkpoint_changes(mine, reply.config)
+    if args.json:
+        print(json.dumps({"same_content": not differ, "content": differ, "stat": stat}))
+    elif differ:
+        print(f"{args.model} differs from the pool on {args.socket}:")
+        print("\n".join(f"  {line}" for line in differ))
+    else:
+        note = (
+            f" (stat facts differ: {'; '.join(stat)}; attach with content verification)"
+            if stat
+            else " (same files as the load)"
+        )
+        print(f"{args.model} holds the bytes the pool on {args.socket} was loaded from{note}")
+    return 1 if differ else 0
+
+
 COMMANDS = {
     "serve": cmd_serve,
     "status": cmd_status,
     "keeper": cmd_keeper,
     "make-checkpoint": cmd_make_checkpoint,
     "parity": cmd_parity,
+    "verify": cmd_verify,
 }

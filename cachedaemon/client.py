@@ -12,7 +12,8 @@ import torch
 
 from cachedaemon import protocol, readonly
 from cachedaemon.backends import Mapping, get_backend
-from cachedaemon.config import CacheConfig, LoadOptions
+from cachedaemon.config import CacheConfig, LoadOptions, checkpoint_changes
+from cachedaemon.digest import FileDigest, differences, digest_dir
 from cachedaemon.errors import CacheError, CacheMismatch, DaemonUnavailable
 from cachedaemon.hf import fill_buffers
 from cachedaemon.loader import load_state_dict
@@ -40,19 +41,37 @@ class Attached:
         self.mappings = mappings
 
 
+VERIFY_MODES = ("stat", "content")
+
+
 def attach(
-    socket_path: str | Path, config: CacheConfig | None = None, *, timeout: float = 10.0
+    socket_path: str | Path,
+    config: CacheConfig | None = None,
+    *,
+    timeout: float = 10.0,
+    model_dir: str | Path | None = None,
+    verify: str = "stat",
 ) -> Attached:
     """Connect, get manifest + fds, map every chunk read-only, build the views. Every
-    failure is a CacheError (a bad or missing reply too)."""
-    try:
-        reply, fds = protocol.call(
-            str(socket_path), protocol.AttachRequest(config), max_fds=wire.MAX_FDS, timeout=timeout
-        )
-    except ProtocolError as exc:
-        raise CacheError(f"daemon at {socket_path}: {exc}") from exc
+    failure is a CacheError (a bad or missing reply too).
+
+    The daemon attaches when `config` equals its pool's: the checkpoint's files as stat
+    sees them included, so no tensor data is read here. When only those stat facts differ
+    (a copy of the checkpoint, or files written since the load), `verify="content"`
+    digests `model_dir`'s files and attaches if they hold the bytes the pool was made of;
+    otherwise CacheMismatch names each file that differs and how."""
+    if verify not in VERIFY_MODES:
+        raise CacheError(f"verify {verify!r} is not one of {', '.join(VERIFY_MODES)}")
+    if verify == "content" and model_dir is None:
+        raise CacheError('verify="content" needs model_dir: the dir whose files to digest')
+    reply, fds = _request(socket_path, protocol.AttachRequest(config), timeout)
+    content: tuple[FileDigest, ...] = ()
+    content_dir = model_dir if verify == "content" else None
+    if isinstance(reply, protocol.Mismatch) and reply.fields == ["checkpoint"] and content_dir:
+        content = _digest(content_dir)
+        reply, fds = _request(socket_path, protocol.AttachRequest(config, content), timeout)
     if isinstance(reply, protocol.Mismatch):
-        raise CacheMismatch(reply.fields)
+        raise mismatch(reply, config, str(socket_path), model_dir, content)
     if not isinstance(reply, protocol.AttachReply):
         wire.close_fds(fds)
         detail = reply.message if isinstance(reply, protocol.ErrorReply) else type(reply).__name__
@@ -72,11 +91,78 @@ def attach(
     return Attached(tensors, mappings)
 
 
+def _digest(model_dir: str | Path) -> tuple[FileDigest, ...]:
+    t0 = time.perf_counter()
+    content = digest_dir(model_dir)
+    log.info(
+        "checkpoint files differ from the pool's by stat; compared their content",
+        model=str(model_dir),
+        ms=round((time.perf_counter() - t0) * 1e3, 1),
+    )
+    return content
+
+
+def _request(
+    socket_path: str | Path, msg: protocol.AttachRequest, timeout: float
+) -> tuple[protocol._Msg, list[int]]:
+    try:
+        return protocol.call(str(socket_path), msg, max_fds=wire.MAX_FDS, timeout=timeout)
+    except ProtocolError as exc:
+        raise CacheError(f"daemon at {socket_path}: {exc}") from exc
+
+
+def mismatch(
+    reply: protocol.Mismatch,
+    config: CacheConfig | None,
+    socket_path: str,
+    model_dir: str | Path | None,
+    content: tuple[FileDigest, ...],
+) -> CacheMismatch:
+    """The refusal as an error that names every field and file that differs."""
+    others = [f for f in reply.fields if f != "checkpoint"]
+    parts = [f"fields that differ: {', '.join(others)}"] if others else []
+    files: list[str] = []
+    where = model_dir if model_dir is not None else "DIR"
+    stat_only = False
+    if "checkpoint" in reply.fields and content:
+        files = (
+            differences(content, reply.files)
+            if reply.files
+            else ["the pool keeps no content digest: restart its daemon to load one"]
+        )
+        parts.append(
+            f"{where} does not hold the bytes the pool was loaded from ({'; '.join(files)})"
+        )
+    elif "checkpoint" in reply.fields and config is not None:
+        files = checkpoint_changes(config, reply.served)
+        stat_only = _sizes(config) == _sizes(reply.served)  # could be a copy of its bytes
+        copy = (
+            f"; `cachedaemon verify --socket {socket_path} --model {where}` compares its "
+            "content with the pool's"
+        )
+        parts.append(
+            f"{where} is not the file set the pool was loaded from ({'; '.join(files)})"
+            + (copy if stat_only else "")
+        )
+    message = f"the daemon on {socket_path} serves a pool of another checkpoint or config: "
+    return CacheMismatch(reply.fields, message + "; ".join(parts), files, stat_only)
+
+
+def _sizes(config: CacheConfig) -> list[tuple[str, int]]:
+    return [(f.name, f.size) for f in config.checkpoint]
+
+
 def attach_state_dict(
-    socket_path: str | Path, config: CacheConfig | None = None, *, timeout: float = 10.0
+    socket_path: str | Path,
+    config: CacheConfig | None = None,
+    *,
+    timeout: float = 10.0,
+    model_dir: str | Path | None = None,
+    verify: str = "stat",
 ) -> dict[str, torch.Tensor]:
-    """Read-only tensors that are views of the daemon's pool. No copy is made."""
-    return attach(socket_path, config, timeout=timeout).tensors
+    """Read-only tensors that are views of the daemon's pool. No copy is made. `verify`
+    and `model_dir` as for `attach`."""
+    return attach(socket_path, config, timeout=timeout, model_dir=model_dir, verify=verify).tensors
 
 
 def attach_model(
@@ -88,6 +174,7 @@ def attach_model(
     fallback: bool = False,
     timeout: float = 10.0,
     copy: bool | Collection[str] = False,
+    verify: str = "stat",
 ) -> AttachReport:
     """Replace every parameter and buffer of a meta-device module with pool views.
 
@@ -95,12 +182,17 @@ def attach_model(
     naming the tensor): `copy=True` gives the module private copies of every tensor
     instead, `copy=["name", ...]` of those only (memory of their own, free to change).
     Raises CacheError when a tensor's shape or dtype differs or anything stays on meta.
-    With fallback and model_dir, a missing daemon or a mismatch loads from disk instead.
+    With fallback and model_dir, a missing daemon or a mismatch loads from disk instead
+    (the report's fallback_reason says which field or file differed). `verify="content"`
+    accepts a pool whose config differs only in the checkpoint files' stat facts when
+    model_dir's files hold its bytes (see `attach`).
     """
     t0 = time.perf_counter()
     source, reason = "daemon", ""
     try:
-        state = attach_state_dict(socket_path, config, timeout=timeout)
+        state = attach_state_dict(
+            socket_path, config, timeout=timeout, model_dir=model_dir, verify=verify
+        )
     except (DaemonUnavailable, CacheMismatch) as exc:
         if not (fallback and model_dir is not None):
             raise

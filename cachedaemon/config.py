@@ -1,8 +1,11 @@
 """CacheConfig: the frozen identity of a pool. Any field that differs is a mismatch.
 
-Built from a checkpoint dir without reading tensor data: file names, sizes and the hash of
-each safetensors header identify the checkpoint. Imports no torch (versions come from
-package metadata) so the supervisor and the keeper can use it.
+Built from a checkpoint dir without reading any file: each file's name, size, mtime,
+ctime, inode and device identify the checkpoint (`checkpoint_identity`), so a file written
+again, even in place and to the same size, is another checkpoint. What the files held when
+the pool was loaded is the pool's content digest (`cachedaemon.digest`, in its manifest).
+Imports no torch (versions come from package metadata) so the supervisor and the keeper
+can use it.
 """
 
 from __future__ import annotations
@@ -50,9 +53,19 @@ class LoadOptions(msgspec.Struct, frozen=True):
 
 
 class FileIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A checkpoint file as stat sees it: any write to it changes mtime_ns and ctime_ns
+    (ctime cannot be set back by hand), a copy or a replacement changes the inode."""
+
     name: str
     size: int
-    header_sha256: str
+    mtime_ns: int
+    ctime_ns: int
+    inode: int
+    device: int
+
+    def differs(self, other: FileIdentity) -> list[str]:
+        """The stat facts that differ (`size`, `mtime_ns`, ...)."""
+        return [f for f in self.__struct_fields__ if getattr(self, f) != getattr(other, f)]
 
 
 class EnvStamp(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -102,21 +115,33 @@ def _hash_json(obj: Any) -> str:
 
 
 def checkpoint_identity(model_dir: Path) -> tuple[FileIdentity, ...]:
-    """Names, sizes and header hashes of config.json and every safetensors file."""
+    """The stat facts of config.json and every safetensors file; reads none of them."""
     from cachedaemon.checkpoint import safetensors_files
 
-    files = [model_dir / "config.json", *safetensors_files(model_dir)]
     out = []
-    for path in files:
-        with path.open("rb") as f:
-            if path.suffix == ".safetensors":
-                head = f.read(8)
-                n = int.from_bytes(head, "little") if len(head) == 8 else 0
-                digest = hashlib.sha256(head + f.read(min(n, 100_000_000))).hexdigest()
-            else:
-                digest = hashlib.sha256(f.read()).hexdigest()
-        out.append(FileIdentity(path.name, path.stat().st_size, digest))
+    for path in [model_dir / "config.json", *safetensors_files(model_dir)]:
+        st = path.stat()
+        out.append(
+            FileIdentity(
+                path.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev
+            )
+        )
     return tuple(out)
+
+
+def checkpoint_changes(mine: CacheConfig, served: CacheConfig) -> list[str]:
+    """One line per checkpoint file whose stat facts differ between an engine's dir
+    (`mine`) and the files the pool was loaded from (`served`)."""
+    a = {f.name: f for f in mine.checkpoint}
+    b = {f.name: f for f in served.checkpoint}
+    out = []
+    for name in sorted(a.keys() | b.keys()):
+        x, y = a.get(name), b.get(name)
+        if x is None or y is None:
+            out.append(f"{name}: only in {'the pool' if x is None else 'this dir'}")
+        elif x != y:
+            out.append(f"{name}: {', '.join(x.differs(y))} differ")
+    return out
 
 
 def env_stamp(device: str) -> EnvStamp:

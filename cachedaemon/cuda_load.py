@@ -13,31 +13,33 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from cachedaemon.backends.base import Backend, OwnedChunk
 from cachedaemon.checkpoint import CheckpointReader, TensorInfo
 from cachedaemon.cuda_checksum import ALGO, gpu_checksums
+from cachedaemon.digest import PIECE, Digester
 from cachedaemon.errors import CheckpointError
 from cachedaemon.loader import LoadOptions, SourcePlan, dtype_of, transform
 from cachedaemon.manifest import TensorEntry
 from cachedaemon.strides import contiguous_stride
 
-WORKERS = 8
-PIECE = 64 << 20  # bytes per pread and per host-to-device copy
+WORKERS = 8  # PIECE: bytes per pread, per host-to-device copy and per digest piece
 Place = tuple[int, int, int]  # chunk, offset, nbytes
 
 
 class _Stager:
     """One worker's stream and double pinned buffers."""
 
-    def __init__(self, device: torch.device, piece: int) -> None:
+    def __init__(self, device: torch.device, piece: int, digester: Digester | None) -> None:
+        self.digester = digester
         self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         self.bufs = [torch.empty(piece, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         self.views = [b.numpy().data for b in self.bufs]
         self.done: list[torch.cuda.Event | None] = [None, None]
+        self.hashed: list[list[Future[None]]] = [[], []]  # digests still reading each buffer
 
     def copy_in(self, fd: int, info: TensorInfo, dst: torch.Tensor) -> None:
         """pread the tensor's bytes piece by piece and queue each piece's copy into `dst`."""
@@ -48,7 +50,11 @@ class _Stager:
             event = self.done[slot]
             if event is not None:
                 event.synchronize()  # the copy out of this buffer has finished
+            for fut in self.hashed[slot]:
+                fut.result()  # and so has its digest
             _pread_exact(fd, self.views[slot][:n], info.start + start, info)
+            if self.digester is not None:  # hashed beside the copy and the next pread
+                self.hashed[slot] = self.digester.add(info, self.views[slot][:n], start)
             with torch.cuda.stream(self.stream):
                 dst[start : start + n].copy_(self.bufs[slot][:n], non_blocking=True)
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -76,15 +82,17 @@ class _Job:
         chunks: Sequence[OwnedChunk],
         fds: dict[str, int],
         piece: int,
+        digester: Digester | None,
     ) -> None:
         self.opts, self.chunks, self.fds, self.piece = opts, chunks, fds, piece
+        self.digester = digester
         self.device = torch.device(opts.device)
         self._local = threading.local()
 
     def stager(self) -> _Stager:
         st: _Stager | None = getattr(self._local, "stager", None)
         if st is None:
-            st = self._local.stager = _Stager(self.device, self.piece)
+            st = self._local.stager = _Stager(self.device, self.piece, self.digester)
         return st
 
     def region(self, place: Place) -> torch.Tensor:
@@ -122,6 +130,7 @@ def fill_parallel(
     *,
     workers: int = WORKERS,
     piece: int = PIECE,
+    digester: Digester | None = None,
 ) -> list[TensorEntry]:
     """Fill the pool's chunks from the checkpoint on `workers` threads; the entries in plan order."""
 
@@ -130,7 +139,9 @@ def fill_parallel(
     for sp in plans:
         per_plan.append([next(it) for _ in sp.outputs])
     fds = {p: os.open(p, os.O_RDONLY | os.O_CLOEXEC) for p in {sp.info.path for sp in plans}}
-    job = _Job(opts, chunks, fds, piece)
+    if digester is not None and piece % PIECE:
+        raise CheckpointError(f"piece {piece} must be a multiple of the digest's {PIECE} bytes")
+    job = _Job(opts, chunks, fds, piece, digester)
     try:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="holdfast-load") as ex:
             futures = [ex.submit(job.run, sp, pl) for sp, pl in zip(plans, per_plan, strict=True)]

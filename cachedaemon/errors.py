@@ -25,10 +25,20 @@ class QuantizationError(CacheError):
 
 
 class CacheMismatch(CacheError):
-    """The daemon serves a pool built for another CacheConfig."""
+    """The daemon serves a pool built for another CacheConfig. `files` names each
+    checkpoint file that differs and how; `stat_only` is true when only the files' stat
+    facts differ and no content was compared (a copy of the same bytes would show so)."""
 
-    def __init__(self, fields: list[str], message: str | None = None) -> None:
+    def __init__(
+        self,
+        fields: list[str],
+        message: str | None = None,
+        files: list[str] | None = None,
+        stat_only: bool = False,
+    ) -> None:
         self.fields = list(fields)
+        self.files = list(files or [])
+        self.stat_only = stat_only
         super().__init__(
             message
             or "the daemon's pool was built for another config; fields that differ: "

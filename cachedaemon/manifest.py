@@ -1,8 +1,11 @@
-"""The pool's manifest: where every tensor lives in which chunk, and its checksum."""
+"""The pool's manifest: where every tensor lives in which chunk, and its checksum; and
+the content digest of the checkpoint files it was loaded from (kept in escrow with it)."""
 
 from __future__ import annotations
 
 import msgspec
+
+from cachedaemon.digest import FileDigest
 
 
 class TensorEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -28,6 +31,7 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     checksum_algo: str
     chunks: tuple[ChunkEntry, ...]
     tensors: tuple[TensorEntry, ...]
+    files: tuple[FileDigest, ...] = ()  # `cachedaemon.digest` of the checkpoint, at load
 
     @property
     def pool_bytes(self) -> int:

@@ -1,7 +1,8 @@
 """The pool: a few large backend chunks holding every tensor at an aligned offset.
 
 `build_pool` lays the pool out from the plan (headers only), allocates the chunks, fills
-them tensor by tensor, checksums and seals. `views` turns chunks + manifest into tensors
+them tensor by tensor (digesting the checkpoint's bytes as they are read), checksums and
+seals. `views` turns chunks + manifest into tensors
 without copying; daemon and client both use it.
 """
 
@@ -19,6 +20,7 @@ import structlog
 
 from cachedaemon.backends import Backend, Mapping, OwnedChunk
 from cachedaemon.config import LoadOptions
+from cachedaemon.digest import Digester
 from cachedaemon.manifest import ChunkEntry, Manifest, TensorEntry
 from cachedaemon.strides import contiguous_stride
 
@@ -128,12 +130,22 @@ def build_pool(
             progress.set_total(reader.total_bytes)
         places, used = layout(specs, backend)
         chunks: list[OwnedChunk] = []
+        digester = Digester(reader.model_dir / "config.json", reader.files, reader.tensors.values())
         try:
             chunks = [backend.create(u) for u in used]
             entries = _filler(backend)(
-                reader, plans, opts, chunks, places, backend, progress.advance if progress else None
+                reader,
+                plans,
+                opts,
+                chunks,
+                places,
+                backend,
+                progress.advance if progress else None,
+                digester=digester,
             )
+            files = digester.result()
         except BaseException:
+            digester.close()
             for c in chunks:
                 c.close()
             raise
@@ -146,6 +158,7 @@ def build_pool(
             checksum_algo=backend.checksum_algo,
             chunks=tuple(ChunkEntry(c.size, u) for c, u in zip(chunks, used, strict=True)),
             tensors=tuple(entries),
+            files=files,
         )
         log.info(
             "pool built",
@@ -174,9 +187,13 @@ def _fill(
     places: list[tuple[int, int, int]],
     backend: Backend,
     on_bytes: Callable[[int], None] | None,
+    *,
+    digester: Digester | None = None,
 ) -> list[TensorEntry]:
     from cachedaemon.loader import read_source, transform
 
+    if digester is not None:  # every read_into below: hashed on the digest threads
+        reader.on_read = digester.add
     entries = []
     slots = iter(places)
     for sp in plans:

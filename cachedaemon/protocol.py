@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from cachedaemon.config import CacheConfig
+from cachedaemon.digest import FileDigest
 from cachedaemon.errors import DaemonUnavailable
 from cachedaemon.manifest import Manifest
 from holdfast_contract import wire
@@ -40,6 +41,9 @@ class Pong(_Msg, frozen=True):
 
 class AttachRequest(_Msg, frozen=True):
     config: CacheConfig | None = None  # None: take whatever the daemon serves
+    # the engine's files, digested (`verify: content`): when only the checkpoint's stat
+    # facts differ, a pool whose digest equals this one is attached
+    content: tuple[FileDigest, ...] = ()
 
 
 class AttachReply(_Msg, frozen=True):
@@ -49,6 +53,7 @@ class AttachReply(_Msg, frozen=True):
 class Mismatch(_Msg, frozen=True):
     fields: list[str]
     served: CacheConfig
+    files: tuple[FileDigest, ...] = ()  # the pool's content digest, to name a file that differs
 
 
 class StatusRequest(_Msg, frozen=True):
@@ -68,6 +73,7 @@ class StatusReply(_Msg, frozen=True):
     adopted: bool  # served from escrow, not from disk
     load_seconds: float
     config: CacheConfig
+    files: tuple[FileDigest, ...] = ()  # the checkpoint's content digest, taken at load
 
 
 class ErrorReply(_Msg, frozen=True):

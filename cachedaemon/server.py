@@ -15,8 +15,9 @@ import structlog
 
 from cachedaemon import protocol
 from cachedaemon.backends import Backend, get_backend
-from cachedaemon.config import CacheConfig, LoadOptions
-from cachedaemon.errors import DaemonUnavailable
+from cachedaemon.config import CacheConfig, LoadOptions, checkpoint_changes, checkpoint_identity
+from cachedaemon.digest import differences
+from cachedaemon.errors import CheckpointError, DaemonUnavailable
 from cachedaemon.frameserver import FrameServer, Reply
 from cachedaemon.pool import Pool, build_pool
 from cachedaemon.rundir import (
@@ -164,6 +165,7 @@ class CacheServer:
                 self.pool, self.bytes_read = build(
                     self.opts.model, self.opts.load, self.backend, self.fingerprint, progress
                 )
+            self._check_unchanged()
             if self.opts.keeper:
                 deposit(self.opts.keeper, self.pool)
         self.load_seconds = time.perf_counter() - t0
@@ -173,6 +175,21 @@ class CacheServer:
             seconds=round(self.load_seconds, 3),
             checkpoint_bytes_read=self.bytes_read,
         )
+
+    def _check_unchanged(self) -> None:
+        """The files as stat sees them now are those the load began with: a file written
+        while it was read would leave a pool of neither checkpoint under the old identity."""
+        now = msgspec.structs.replace(
+            self.config, checkpoint=checkpoint_identity(Path(self.opts.model))
+        )
+        changed = checkpoint_changes(now, self.config)
+        if changed and self.pool is not None:
+            self.pool.close()
+            self.pool = None
+            raise CheckpointError(
+                f"{self.opts.model} changed while it was loaded ({'; '.join(changed)}); "
+                "serve it again once it is written whole"
+            )
 
     def serve(self) -> None:
         sock = listen(self.socket_path)
@@ -235,15 +252,31 @@ class CacheServer:
         if isinstance(msg, protocol.Ping):
             return protocol.Pong(os.getpid(), self.fingerprint), []
         if isinstance(msg, protocol.AttachRequest):
-            if msg.config is not None and msg.config != self.config:
-                fields = msg.config.diff(self.config)
-                log.warning("attach refused: config mismatch", fields=fields)
-                return protocol.Mismatch(fields, self.config), []
+            refused = self._refusal(msg, pool)
+            if refused is not None:
+                return refused, []
             self.attaches += 1
             return protocol.AttachReply(pool.manifest), pool.fds
         if isinstance(msg, protocol.StatusRequest):
             return self._status(pool), []
         return protocol.ErrorReply(f"the daemon does not answer {type(msg).__name__}"), []
+
+    def _refusal(self, msg: protocol.AttachRequest, pool: Pool) -> protocol.Mismatch | None:
+        """None when the engine's config is the pool's, or differs only in the files'
+        stat facts and the engine's digest of its files equals the pool's."""
+        if msg.config is None or msg.config == self.config:
+            return None
+        fields = msg.config.diff(self.config)
+        files = pool.manifest.files
+        if fields == ["checkpoint"] and msg.content:
+            differ = differences(msg.content, files) if files else ["the pool has no digest"]
+            if not differ:
+                log.info("attach by content: the engine's files hold the pool's bytes")
+                return None
+            log.warning("attach refused: checkpoint content differs", files=differ)
+        else:
+            log.warning("attach refused: config mismatch", fields=fields)
+        return protocol.Mismatch(fields, self.config, files)
 
     def _status(self, pool: Pool) -> protocol.StatusReply:
         m = pool.manifest
@@ -260,6 +293,7 @@ class CacheServer:
             adopted=self.adopted,
             load_seconds=self.load_seconds,
             config=self.config,
+            files=m.files,
         )
 
 

@@ -20,6 +20,7 @@ from holdfast_contract.errors import EnvError
 from holdfast_contract.formats import DTYPES, QUANTIZATIONS
 
 ROLES = ("primary", "standby", "batch")
+VERIFY = ("stat", "content")
 IMPLS = ("llama", "hf")
 
 EXAMPLE = """example:
@@ -46,6 +47,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     device: str = "cpu"
     model_impl: str = "llama"
     allow_disk_fallback: bool = False
+    # stat: attach a pool loaded from this --model's very files (no tensor data read);
+    # content: also one whose files hold the same bytes (a copy), after digesting them
+    verify: str = "stat"
     dist_init: str = ""
     max_tokens_cap: int = 1024
     max_model_len: int = 0  # 0: the checkpoint's max_position_embeddings
@@ -87,6 +91,7 @@ _ENV_FIELDS = (
     "device",
     "model_impl",
     "dist_init",
+    "verify",
     "kv_cache_mb",
     "heartbeat_ms",
 )
@@ -202,6 +207,7 @@ def validate(cfg: EngineConfig) -> None:
     _choice(cfg.dtype, DTYPES, "--dtype/HOLDFAST_DTYPE")
     _choice(cfg.quantization, QUANTIZATIONS, "--quantization/HOLDFAST_QUANTIZATION")
     _choice(cfg.model_impl, IMPLS, "--model-impl/HOLDFAST_MODEL_IMPL")
+    _choice(cfg.verify, VERIFY, "--verify/HOLDFAST_VERIFY")
     if not 0 < cfg.port < 65536:
         raise EngineError(f"--port/HOLDFAST_PORT {cfg.port} must be in 1..65535")
     if cfg.world_size < 1 or not 0 <= cfg.rank < cfg.world_size:

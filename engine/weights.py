@@ -36,6 +36,15 @@ def load_weights(module: torch.nn.Module, cfg: EngineConfig) -> AttachReport:
         raise WeightsError(f"weights for {cfg.model} (rank {cfg.rank}): {e}") from e
 
 
+def _mismatch_hint(e: CacheMismatch) -> str:
+    """What to change, in the engine's flags."""
+    if set(e.fields) - {"checkpoint"}:
+        return "match --dtype/--quantization/--world-size to the daemon's"
+    if e.stat_only:
+        return "if verify finds the same content, pass --verify content (HOLDFAST_VERIFY)"
+    return "restart the daemon on this checkpoint, or point --model at the one it serves"
+
+
 def _attach(module: torch.nn.Module, cfg: EngineConfig) -> AttachReport:
     try:
         report = attach_model(
@@ -45,6 +54,7 @@ def _attach(module: torch.nn.Module, cfg: EngineConfig) -> AttachReport:
             model_dir=cfg.model,
             fallback=cfg.allow_disk_fallback,
             timeout=cfg.attach_timeout_s,
+            verify=cfg.verify,
         )
     except DaemonUnavailable as e:
         raise WeightsError(
@@ -52,11 +62,7 @@ def _attach(module: torch.nn.Module, cfg: EngineConfig) -> AttachReport:
             f"{cfg.rank} there, fix --daemons/HOLDFAST_DAEMONS, or pass --allow-disk-fallback"
         ) from e
     except CacheMismatch as e:
-        raise WeightsError(
-            f"the daemon on {cfg.socket} serves a pool built for another config (fields: "
-            f"{', '.join(e.fields)}); match --dtype/--quantization/--world-size to the "
-            "daemon's, or pass --allow-disk-fallback"
-        ) from e
+        raise WeightsError(f"{e}; {_mismatch_hint(e)}, or pass --allow-disk-fallback") from e
     if report.source == "disk":
         log.warning("attach fell back to disk", socket=cfg.socket, reason=report.fallback_reason)
     return report

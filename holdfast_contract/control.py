@@ -92,6 +92,8 @@ class DaemonStatus(msgspec.Struct, frozen=True):
     pool_bytes: int
     adoptions: int
     adopted: bool = False
+    # each checkpoint file that changed on disk since the pool was loaded, and how
+    checkpoint_changed: list[str] = []
 
 
 class FleetNodeStatus(msgspec.Struct, frozen=True):

@@ -38,6 +38,7 @@ class EngineEnv(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_cache_mb: int | None = None
     model_impl: str | None = None
     dist_init: str | None = None
+    verify: str | None = None  # stat | content: how an engine checks its pool's checkpoint
 
 
 FIELDS: tuple[str, ...] = EngineEnv.__struct_fields__

@@ -1,11 +1,14 @@
 """`--load-format holdfast`: vLLM's model, its weights attached from this rank's cache daemon.
 
 The model is built with its weights on meta (`placement.WeightsOnMeta`); the daemon's pool
-is mapped (`cachedaemon.client.attach`, checked against the CacheConfig fingerprint of the
-checkpoint, dtype, TP rank and device); `placement.place` hands each parameter its tensor;
-then `process_weights_after_loading` runs as in vLLM's own loaders. When no daemon answers
-or the fingerprints differ, `fallback: true` loads from disk with vLLM's default loader
-(the differing fields are logged), `fallback: false` stops with an error that says so.
+is mapped (`cachedaemon.client.attach`, checked against the CacheConfig of --model's files
+as stat sees them, dtype, TP rank and device: no tensor data is read; `verify: content`
+also accepts a byte-identical copy after digesting it); `placement.place` hands each
+parameter its tensor; then `process_weights_after_loading` runs as in vLLM's own loaders.
+When no daemon answers or the configs differ, `fallback: true` loads from disk with vLLM's
+default loader (the differing fields and files are logged), `fallback: false` stops with
+an error that names them, printed again as the run's last line so that it is not lost in
+vLLM's traceback (`holdfast_vllm.refusal`).
 """
 
 from __future__ import annotations
@@ -114,26 +117,28 @@ class HoldfastModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM is unt
             layout=self.options.layout,
         )
         try:
-            return attach(sock, config, timeout=self.options.timeout_s)
+            return attach(
+                sock,
+                config,
+                timeout=self.options.timeout_s,
+                model_dir=model_config.model,
+                verify=self.options.verify,
+            )
         except CacheMismatch as e:
             if self.options.fallback:
                 raise
             if "layout" in e.fields:
-                raise PluginError(layout.mismatch(sock, config.layout)) from e
-            raise PluginError(
-                f"the daemon on {sock} serves a pool built for another config (fields: "
-                f"{', '.join(e.fields)}); serve --model {model_config.model} with --dtype "
-                f'{identity.dtype_name(model_config.dtype)}, or set "fallback": true'
-            ) from e
+                raise refusal(layout.mismatch(sock, config.layout)) from e
+            raise refusal(f"{e}; {_hint(e, model_config)}") from e
         except DaemonUnavailable as e:
             if self.options.fallback:
                 raise
-            raise PluginError(
+            raise refusal(
                 f"no cache daemon answers on {sock} ({e}); start `cachedaemon serve` for TP "
                 f'rank {rank} there, fix "sockets", or set "fallback": true'
             ) from e
         except CacheError as e:
-            raise PluginError(f"attach from {sock}: {e}") from e
+            raise refusal(f"attach from {sock}: {e}") from e
 
     def _fall_back(
         self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, why: CacheError
@@ -150,6 +155,29 @@ class HoldfastModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM is unt
             self.load_config, load_format="auto", model_loader_extra_config={}
         )
         return DefaultModelLoader(plain)
+
+
+def _hint(e: CacheMismatch, model_config: ModelConfig) -> str:
+    """What to change, in vLLM's and this plugin's terms."""
+    if set(e.fields) - {"checkpoint"}:
+        return (
+            f"serve --model {model_config.model} with --dtype "
+            f'{identity.dtype_name(model_config.dtype)}, or set "fallback": true'
+        )
+    if e.stat_only:
+        return 'if verify finds the same content, set "verify": "content"; or "fallback": true'
+    return f'serve --model {model_config.model} on that daemon, or set "fallback": true'
+
+
+def refusal(message: str) -> PluginError:
+    """The error that ends the load. vLLM prints its traceback of the EngineCore's
+    failure after it, so it is also printed again as the run's last line
+    (`holdfast_vllm.refusal`): the one that says what to change."""
+    log.error("holdfast refused the attach", reason=message)
+    from holdfast_vllm import refusal as last_line
+
+    last_line.record(message)
+    return PluginError(message)
 
 
 def _model_loader(model: torch.nn.Module) -> Any:

@@ -1,9 +1,11 @@
 """--model-loader-extra-config of `--load-format holdfast`: one frozen struct, checked once.
 
     {"sockets": ["/run/h/daemon-0.sock", "/run/h/daemon-1.sock"],   # TP rank -> socket
-     "fallback": true, "mode": "zero_copy", "timeout_s": 10, "layout": "vllm"}
+     "fallback": true, "mode": "zero_copy", "timeout_s": 10, "layout": "vllm",
+     "verify": "stat"}
 
-`sockets` defaults to HOLDFAST_DAEMONS (comma-separated, as the supervisor sets it).
+`sockets` defaults to HOLDFAST_DAEMONS (comma-separated, as the supervisor sets it),
+`verify` to HOLDFAST_VERIFY.
 Imports neither torch nor vLLM.
 """
 
@@ -20,7 +22,9 @@ from holdfast_vllm.errors import PluginError
 
 Mode = Literal["zero_copy", "copy"]
 Layout = Literal["vllm", "reference"]
+Verify = Literal["stat", "content"]
 DAEMONS = var("daemons")  # HOLDFAST_DAEMONS
+VERIFY = var("verify")  # HOLDFAST_VERIFY
 MODES = ("zero_copy", "copy")
 
 
@@ -32,6 +36,10 @@ class LoaderOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # vllm: the pool holds vLLM's own parameters (`cachedaemon serve --layout vllm`), all
     # shared; reference: the checkpoint's tensors, vLLM's fused parameters private copies
     layout: Layout = "vllm"
+    # stat: attach a pool loaded from --model's very files (stat facts equal; no tensor
+    # data read); content: also one loaded from a byte-identical copy, after digesting
+    # --model's files (every byte read once)
+    verify: Verify = "stat"
 
     def socket_for(self, rank: int, world_size: int) -> str:
         """The daemon socket of tensor-parallel rank `rank`."""
@@ -51,6 +59,8 @@ def parse(
     raw = dict(extra or {})
     if "sockets" not in raw and environ.get(DAEMONS):
         raw["sockets"] = [s for s in environ[DAEMONS].split(",") if s]
+    if "verify" not in raw and environ.get(VERIFY):
+        raw["verify"] = environ[VERIFY]
     if isinstance(raw.get("sockets"), str):
         raw["sockets"] = [raw["sockets"]]
     try:
@@ -59,7 +69,8 @@ def parse(
         raise PluginError(
             f"--model-loader-extra-config for --load-format holdfast: {e}; keys: "
             f"sockets (list of paths, one per TP rank), fallback (bool), mode "
-            f"({' or '.join(MODES)}), timeout_s (seconds), layout (vllm or reference)"
+            f"({' or '.join(MODES)}), timeout_s (seconds), layout (vllm or reference), "
+            f"verify (stat or content; default {VERIFY})"
         ) from e
     if not opts.sockets:
         raise PluginError(

@@ -25,8 +25,10 @@ forked_from = 0
 def register() -> None:
     from vllm.model_executor.model_loader import register_model_loader
 
+    from holdfast_vllm import refusal
     from holdfast_vllm.loader import HoldfastModelLoader
 
+    refusal.arm()  # a refusal in the EngineCore is printed last, by this process
     register_model_loader(LOAD_FORMAT)(HoldfastModelLoader)
     if os.environ.get(FORK_ENV) == "1":
         fork_engine_core()

@@ -193,6 +193,7 @@ def _print_status(st: ClusterStatus, as_json: bool) -> None:
             x.fingerprint[:16],
         )
     console = Console()
+    changed = [x for x in st.daemons if x.checkpoint_changed]
     console.print(t)
     now = time.time()
     for e in st.engines:  # (one line each: the table has no room for them)
@@ -201,6 +202,15 @@ def _print_status(st: ClusterStatus, as_json: bool) -> None:
                 _why(e.name, e.wanted, now), highlight=False, markup=False, soft_wrap=True
             )
     console.print(d)
+    for x in changed:
+        console.print(
+            f"daemon {x.rank}: the checkpoint changed on disk since its pool was loaded "
+            f"({'; '.join(x.checkpoint_changed)}); engines started now refuse the pool or "
+            "load from disk until the daemon loads it again",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
 
 
 def _why(name: str, w: Wanted, now: float) -> str:

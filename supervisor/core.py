@@ -502,6 +502,7 @@ class Cluster:
                 pool_bytes=d.pool_bytes,
                 adoptions=d.adoptions,
                 adopted=d.adopted,
+                checkpoint_changed=list(d.checkpoint_changed),
             )
             for d in self.daemons.daemons
         ]
@@ -525,6 +526,7 @@ class Cluster:
 
     async def spawn(self, e: Engine) -> None:
         """dead | evicted -> starting; quarantined when its command cannot start."""
+        self.daemons.before_handout(e.name)
         try:
             inc = await self.launcher.spawn(e, self.epoch)
         except StartupError as err:

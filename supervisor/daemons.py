@@ -24,6 +24,7 @@ from holdfast_contract.errors import ProtocolError
 from holdfast_contract.ready import DaemonReady, daemon_ready_path, read_daemon_ready
 from supervisor import decisions, pace, vllm_kind
 from supervisor.backoff import RestartBook
+from supervisor.ckptwatch import CheckpointWatch
 from supervisor.errors import StartupError
 from supervisor.events import EventBus, UnitState
 from supervisor.policy import Policy
@@ -83,6 +84,7 @@ class DaemonPool:
         ]
         self.watcher = Watcher()  # every daemon's and spare's exit watch, readiness, pings
         self._changed = asyncio.Event()
+        self.checkpoint = CheckpointWatch(Path(model_dir), bus, epoch)
 
     def all_serving(self) -> bool:
         return all(d.state == DaemonState.SERVING for d in self.daemons)
@@ -99,6 +101,7 @@ class DaemonPool:
     async def start(self) -> None:
         """Start every daemon and wait until all serve (cache.ready_timeout_s)."""
         self.start_keeper()
+        self.watcher.own(self.checkpoint.run(self.daemons))
         for d in self.daemons:
             await self.spawn(d)
         deadline = time.monotonic() + self.policy.cache.ready_timeout_s
@@ -203,6 +206,7 @@ class DaemonPool:
         if inc.handled or d.inc is not inc:
             return  # it died while it was asked for its status
         self.served(d, info, int(getattr(status, "pool_bytes", 0)), time.monotonic())
+        self.checkpoint.loaded(d, status)
         self.watcher.own(self._probe(d, inc))
         if self.keeper is not None and self.policy.cache.spare and d.spare is None:
             await self.spawn_spare(d)
@@ -223,6 +227,10 @@ class DaemonPool:
             down_ms=ms,
         )
         self._kick()
+
+    def before_handout(self, engine: str) -> None:
+        """Say so when `engine` is about to start against a pool whose checkpoint changed."""
+        self.checkpoint.before_handout(self.daemons, engine)
 
     async def _probe(self, d: Daemon, inc: Incarnation) -> None:
         """Ping a serving daemon every heartbeat interval; one that leaves its pings

@@ -142,6 +142,8 @@ class Daemon:
     died_at: float = 0.0
     next_start: float = 0.0
     spawning: bool = False  # a start is under way (its process not spawned yet)
+    # how the checkpoint files on disk differ from those its pool was loaded from
+    checkpoint_changed: tuple[str, ...] = ()
 
     @property
     def pid(self) -> int:

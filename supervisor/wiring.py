@@ -46,6 +46,8 @@ class Daemons(Protocol):
 
     def reconcile(self, now: float) -> float | None: ...
 
+    def before_handout(self, engine: str) -> None: ...
+
 
 class WiringError(SupervisorError):
     """Something was delivered to an `Inbox` before its cluster was attached."""

@@ -126,6 +126,9 @@ class NoDaemons:
     def reconcile(self, now: float) -> float | None:
         return None
 
+    def before_handout(self, engine: str) -> None:
+        pass
+
 
 def policy(**engines: Any) -> Policy:
     spec = EnginesSpec(

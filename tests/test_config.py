@@ -7,13 +7,23 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from cachedaemon.config import CacheConfig, EnvStamp, FileIdentity, make_config
+from cachedaemon.config import (
+    CacheConfig,
+    EnvStamp,
+    FileIdentity,
+    checkpoint_changes,
+    make_config,
+)
 from cachedaemon.errors import CacheError, QuantizationError
+
+FILE = FileIdentity(
+    "model.safetensors", 10, 1_700_000_000_000_000_000, 1_700_000_000_000_000_001, 7, 64
+)
 
 
 def base() -> CacheConfig:
     return CacheConfig(
-        checkpoint=(FileIdentity("model.safetensors", 10, "aa"),),
+        checkpoint=(FILE,),
         architecture="LlamaForCausalLM",
         dtype="bfloat16",
         tp_size=2,
@@ -28,7 +38,7 @@ def base() -> CacheConfig:
 
 
 CHANGES = {
-    "checkpoint": (FileIdentity("model.safetensors", 11, "aa"),),
+    "checkpoint": (msgspec.structs.replace(FILE, size=11),),
     "architecture": "Qwen2ForCausalLM",
     "dtype": "float16",
     "tp_size": 4,
@@ -61,6 +71,27 @@ def test_each_env_stamp_field_changes_the_fingerprint(sub: str) -> None:
     b = msgspec.structs.replace(a, env=msgspec.structs.replace(a.env, **{sub: "other"}))
     assert a.fingerprint() != b.fingerprint()
     assert a.diff(b) == [f"env.{sub}"]
+
+
+@pytest.mark.parametrize("sub", FileIdentity.__struct_fields__)
+def test_each_stat_fact_of_a_checkpoint_file_changes_the_fingerprint(sub: str) -> None:
+    a = base()
+    other = "other.safetensors" if sub == "name" else getattr(FILE, sub) + 1
+    b = msgspec.structs.replace(a, checkpoint=(msgspec.structs.replace(FILE, **{sub: other}),))
+    assert a.fingerprint() != b.fingerprint()
+    assert a.diff(b) == ["checkpoint"]
+
+
+def test_a_rewrite_in_place_changes_the_checkpoint_identity(tmp_path: Path) -> None:
+    from cachedaemon.checkpoint_gen import make_checkpoint
+    from tests.identity_checkpoints import scale_in_place
+
+    model = make_checkpoint(tmp_path / "tiny", "tiny")
+    before = make_config(model)
+    scale_in_place(model)
+    after = make_config(model)
+    assert before.fingerprint() != after.fingerprint()
+    assert checkpoint_changes(after, before) == ["model.safetensors: mtime_ns, ctime_ns differ"]
 
 
 def test_same_config_same_fingerprint(tiny_model: Path) -> None:

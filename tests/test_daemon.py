@@ -159,9 +159,6 @@ def test_daemon_death_keeps_clients_and_the_keeper_restores_the_pool(
             first.proc.wait(10)
             assert client.ask("digest")["digest"] == expected  # still mapped, still right
 
-            # Zero every tensor byte of the checkpoint (headers intact, so the identity
-            # is the same): a daemon that read the checkpoint would now serve zeros.
-            _zero_tensor_data(model / "model.safetensors")
             second = start_daemon(model, run, "--keeper", str(keeper.socket_path))
             assert '"adopted": true' in second.log
             assert '"checkpoint_bytes_read": 0' in second.log
@@ -169,6 +166,15 @@ def test_daemon_death_keeps_clients_and_the_keeper_restores_the_pool(
             assert "libtorch" not in Path(f"/proc/{second.proc.pid}/maps").read_text()
             assert digest(attach_state_dict(sock)) == expected
             assert client.ask("digest")["digest"] == expected
+
+            # Zero every tensor byte of the checkpoint (headers intact): the files are
+            # another checkpoint now, and a restart loads them instead of the pool in escrow
+            second.stop()
+            _zero_tensor_data(model / "model.safetensors")
+            third = start_daemon(model, run, "--keeper", str(keeper.socket_path))
+            assert '"adopted": false' in third.log
+            assert digest(attach_state_dict(sock)) != expected
+            assert client.ask("digest")["digest"] == expected  # the old mapping is untouched
         finally:
             client.close()
         assert keeper.pools()[0].reclaims == 1

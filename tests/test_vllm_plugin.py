@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from cachedaemon.config import default_backend
 from holdfast_vllm import identity, placement
 from holdfast_vllm.errors import PluginError
 from holdfast_vllm.options import LoaderOptions, parse
+from tests.identity_checkpoints import changed_copy, copy_of
 
 VENV = Path(os.environ.get("HOLDFAST_VLLM_VENV", "/opt/holdfast/vllm-venv"))
 VLLM_PYTHON = VENV / "bin" / "python"
@@ -52,6 +54,34 @@ def test_options_default_to_holdfast_daemons_one_socket_per_rank() -> None:
         opts.socket_for(0, 4)
 
 
+def test_a_refusal_recorded_in_a_child_is_the_owners_last_line() -> None:
+    """As when the EngineCore refuses and the API server then reports its failure."""
+    child = "from holdfast_vllm import refusal; refusal.record('model.safetensors: differs')"
+    code = (
+        "import subprocess, sys\n"
+        "from holdfast_vllm import refusal\n"
+        "refusal.arm()\n"
+        f"subprocess.run([sys.executable, '-c', {child!r}], check=True)\n"
+        "raise RuntimeError('Engine core initialization failed. See root cause above.')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "HOLDFAST_VLLM_REFUSAL"}
+    env["PYTHONPATH"] = str(REPO)
+    cp = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
+    lines = cp.stderr.strip().splitlines()
+    assert cp.returncode == 1, cp.stderr
+    assert lines[-1] == "holdfast: the weights were not attached: model.safetensors: differs"
+    assert lines[-2].startswith("RuntimeError: Engine core initialization failed")
+
+
+def test_verify_defaults_to_holdfast_verify_and_the_config_wins() -> None:
+    assert parse({"sockets": ["/a"]}, {}).verify == "stat"
+    assert parse({"sockets": ["/a"]}, {"HOLDFAST_VERIFY": "content"}).verify == "content"
+    extra = {"sockets": ["/a"], "verify": "stat"}
+    assert parse(extra, {"HOLDFAST_VERIFY": "content"}).verify == "stat"
+
+
 @pytest.mark.parametrize(
     ("extra", "says"),
     [
@@ -59,6 +89,7 @@ def test_options_default_to_holdfast_daemons_one_socket_per_rank() -> None:
         ({"sockets": ["/a"], "mode": "zerocopy"}, "zero_copy or copy"),
         ({"sockets": ["/a"], "fallbak": True}, "fallbak"),
         ({"sockets": ["/a"], "timeout_s": 0}, "timeout_s must be > 0"),
+        ({"sockets": ["/a"], "verify": "sha256"}, "verify.*stat or content"),
     ],
 )
 def test_bad_options_say_which_key_to_fix(extra: dict[str, Any], says: str) -> None:
@@ -291,5 +322,33 @@ def test_another_checkpoints_daemon_without_fallback_is_refused(
     cp = run_vllm(model_dir, extra, [[1, 2]], tmp_path)
     assert cp.returncode != 0
     out = cp.stdout + cp.stderr
-    assert "serves a pool built for another config (fields: checkpoint" in out
-    assert 'or set "fallback": true' in out
+    assert "serves a pool of another checkpoint or config: " in out
+    assert "model.safetensors: size, mtime_ns" in out and 'or set "fallback": true' in out
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_changed_weights_under_the_same_header_are_refused_last_and_named(
+    ckpts: Checkpoints, tmp_path: Path
+) -> None:
+    changed, _ = changed_copy(ckpts.dirs["llama"], tmp_path / "changed")
+    cp = run_vllm(changed, {"sockets": [ckpts.socket("llama")]}, [[1, 2]], tmp_path)
+    assert cp.returncode != 0
+    lines = [x for x in (cp.stdout + cp.stderr).splitlines() if x.strip()]
+    print("\n".join(lines[-60:]))
+    assert "weights attached" not in cp.stdout + cp.stderr
+    assert "model.safetensors: " in lines[-1] and '"verify": "content"' in lines[-1], lines[-5:]
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_byte_identical_copy_is_attached_with_verify_content(
+    ckpts: Checkpoints, tmp_path: Path
+) -> None:
+    copy = copy_of(ckpts.dirs["llama"], tmp_path / "copy")
+    prompts = prompt_ids(copy)
+    extra = {"sockets": [ckpts.socket("llama")], "verify": "content"}
+    cp = run_vllm(copy, extra, prompts, tmp_path)
+    assert tokens_of(cp) == transformers_tokens(copy, prompts)
+    out = cp.stdout + cp.stderr
+    assert "compared their content" in out and "weights attached" in out

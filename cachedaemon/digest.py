@@ -1,0 +1,164 @@
+"""The content digest of a checkpoint: what a pool was made of, byte for byte.
+
+A file's digest is the sha256 of its parts' sha256s: the header (8-byte length + JSON),
+then every tensor's bytes in file order, in pieces of PIECE bytes from the tensor's start.
+Pieces let many threads hash one file (hashlib lets go of the GIL while it hashes), and
+let the daemon hash each piece as it reads it: the load reads every byte anyway, so the
+digest costs CPU on other threads, not another read. config.json is hashed whole. Bytes
+that no tensor covers (padding) are not in the digest: no weight is made of them.
+
+`Digester` is the load's side (fed by `CheckpointReader.read_into` and the GPU readers);
+`digest_dir` reads a dir's files for `cachedaemon verify` and `verify: content`.
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import mmap
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import msgspec
+
+from cachedaemon.checkpoint import CheckpointReader, TensorInfo
+from cachedaemon.errors import CheckpointError
+
+PIECE = 64 << 20
+ALGO = "sha256 of sha256(header), sha256(each 64 MiB piece of each tensor, file order)"
+WORKERS = max(2, min(8, os.cpu_count() or 2))
+HELD = 512 << 20  # bytes waiting to be hashed, at most (one piece more when it is larger)
+
+
+class FileDigest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+    size: int
+    sha256: str
+
+
+def differences(mine: Sequence[FileDigest], theirs: Sequence[FileDigest]) -> list[str]:
+    """One line per file whose content differs between two digests ("" when none do)."""
+    a, b = {f.name: f for f in mine}, {f.name: f for f in theirs}
+    out = []
+    for name in sorted(a.keys() | b.keys()):
+        x, y = a.get(name), b.get(name)
+        if x is None or y is None:
+            out.append(f"{name}: only in {'the pool' if x is None else 'this dir'}")
+        elif x.size != y.size:
+            out.append(f"{name}: {x.size} bytes here, {y.size} in the pool")
+        elif x.sha256 != y.sha256:
+            out.append(f"{name}: content differs (sha256 {x.sha256[:12]} here, {y.sha256[:12]})")
+    return out
+
+
+def _pieces(info: TensorInfo, offset: int, data: memoryview) -> Iterable[tuple[int, memoryview]]:
+    if offset % PIECE:
+        raise CheckpointError(f"{info.path}: digest piece of {info.name!r} at {offset} unaligned")
+    for k in range(0, len(data), PIECE):
+        yield (offset + k) // PIECE, data[k : k + PIECE]
+
+
+class Digester:
+    """The digests of a checkpoint's files, from the tensor bytes the load reads."""
+
+    def __init__(self, config: Path, files: Sequence[Path], tensors: Iterable[TensorInfo]) -> None:
+        self.config = config
+        self.files = list(files)
+        self.tensors = sorted(tensors, key=lambda i: (i.path, i.start))
+        self._sums: dict[tuple[str, int, int], bytes] = {}
+        self._futures: list[Future[None]] = []
+        self._held = 0  # bytes handed to the digest threads and not hashed yet
+        self._room = threading.Condition()
+        self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="holdfast-digest")
+
+    def add(self, info: TensorInfo, data: memoryview, offset: int = 0) -> list[Future[None]]:
+        """Hash `data` (the tensor's bytes from `offset`) on the digest threads; the
+        buffer must stay as it is until the futures returned are done (a read into the
+        pool stays; a staging buffer waits for them before it is reused)."""
+        out = []
+        for k, piece in _pieces(info, offset, data):
+            n = len(piece)
+            self._reserve(n)  # a reader far ahead of the digest threads waits for them
+            out.append(self._pool.submit(self._hash, info, k, piece))
+        self._futures += out
+        return out
+
+    def _reserve(self, n: int) -> None:
+        with self._room:
+            self._room.wait_for(lambda: self._held == 0 or self._held + n <= HELD)
+            self._held += n
+
+    def _release(self, n: int) -> None:
+        with self._room:
+            self._held -= n
+            self._room.notify_all()
+
+    def _hash(self, info: TensorInfo, k: int, piece: memoryview) -> None:
+        try:
+            self._sums[(info.path, info.start, k)] = hashlib.sha256(piece).digest()
+        finally:
+            self._release(len(piece))
+
+    def result(self) -> tuple[FileDigest, ...]:
+        """Every file's digest; CheckpointError when a tensor was not read whole."""
+        try:
+            for fut in self._futures:
+                fut.result()
+        finally:
+            self._pool.shutdown()
+        by_file: dict[str, list[bytes]] = {str(p): [] for p in self.files}
+        for info in self.tensors:
+            for k in range(-(-info.nbytes // PIECE)):
+                part = self._sums.get((info.path, info.start, k))
+                if part is None:
+                    raise CheckpointError(f"{info.path}: tensor {info.name!r} was not read whole")
+                by_file[info.path].append(part)
+        return (
+            _whole(self.config),
+            *(_file_digest(Path(p), parts) for p, parts in by_file.items()),
+        )
+
+    def close(self) -> None:
+        self._pool.shutdown(cancel_futures=True)
+
+
+def _whole(path: Path) -> FileDigest:
+    data = path.read_bytes()
+    return FileDigest(path.name, len(data), hashlib.sha256(data).hexdigest())
+
+
+def _file_digest(path: Path, parts: list[bytes]) -> FileDigest:
+    with path.open("rb") as f:
+        head = f.read(8)
+        header = head + f.read(int.from_bytes(head, "little"))
+        size = os.fstat(f.fileno()).st_size
+    top = hashlib.sha256(hashlib.sha256(header).digest())
+    for part in parts:
+        top.update(part)
+    return FileDigest(path.name, size, top.hexdigest())
+
+
+def digest_dir(model_dir: str | Path) -> tuple[FileDigest, ...]:
+    """The digest of a checkpoint dir's files, read here (every byte, on WORKERS threads)."""
+    with CheckpointReader(model_dir) as reader:
+        digester = Digester(reader.model_dir / "config.json", reader.files, reader.tensors.values())
+        maps = {}
+        try:
+            for path in reader.files:
+                with path.open("rb") as f:
+                    if os.fstat(f.fileno()).st_size:
+                        maps[str(path)] = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+            for info in reader.tensors.values():
+                view = memoryview(maps[info.path])[info.start : info.start + info.nbytes]
+                digester.add(info, view)
+            del view
+            return digester.result()
+        finally:
+            digester.close()
+            for m in maps.values():
+                with contextlib.suppress(BufferError):  # a view held by a failed hash: gc unmaps
+                    m.close()
