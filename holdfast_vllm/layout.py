@@ -42,6 +42,7 @@ from cachedaemon import layouts
 from cachedaemon.backends import Backend, OwnedChunk
 from cachedaemon.checkpoint import CheckpointReader
 from cachedaemon.config import LoadOptions
+from cachedaemon.digest import Digester, FileDigest
 from cachedaemon.loader import OutSpec, plan, produce
 from cachedaemon.manifest import ChunkEntry, Manifest, TensorEntry
 from cachedaemon.pool import Pool, layout
@@ -77,7 +78,7 @@ def build_pool(
         try:
             chunks = [backend.create(u) for u in used]
             regions = bind(model, params, chunks, places, device)
-            bytes_read = fill(model, config, model_dir, opts, progress)
+            bytes_read, files = fill(model, config, model_dir, opts, progress)
             check_views(model, regions)
             sums = backend.checksums([regions[n] for n, _ in params])
         except BaseException:
@@ -93,6 +94,7 @@ def build_pool(
         checksum_algo=backend.checksum_algo,
         chunks=tuple(ChunkEntry(c.size, u) for c, u in zip(chunks, used, strict=True)),
         tensors=entries(specs, places, sums),
+        files=files,
     )
     log.info("vllm layout built", parameters=len(specs), pool_bytes=manifest.pool_bytes)
     return Pool(manifest, chunks, [c.fd for c in chunks]), bytes_read
@@ -203,10 +205,10 @@ def fill(
     model_dir: str | Path,
     opts: LoadOptions,
     progress: ByteProgress | None,
-) -> int:
+) -> tuple[int, tuple[FileDigest, ...]]:
     """The model's `load_weights` fed from holdfast's checkpoint reader (whole tensors in
     opts.dtype: vLLM's weight loaders take this rank's part), then its post-processing.
-    Returns the bytes read."""
+    Returns the bytes read and the digest of the checkpoint's files, taken as read."""
     whole = LoadOptions(dtype=opts.dtype)
     load: Callable[..., Any] = getattr(model, "load_weights")  # noqa: B009  # vLLM models have it
     with CheckpointReader(model_dir) as reader:
@@ -214,9 +216,16 @@ def fill(
         if progress is not None:
             progress.set_total(reader.total_bytes)
         on_bytes = progress.advance if progress is not None else None
-        tensors = ((s.name, t) for s, t in produce(reader, plans, whole, on_bytes))
-        with torch.no_grad():
-            loaded = load(tensors)
+        digester = Digester(reader.model_dir / "config.json", reader.files, reader.tensors.values())
+        reader.on_read = digester.add  # the checkpoint's content digest, as any pool's
+        try:
+            tensors = ((s.name, t) for s, t in produce(reader, plans, whole, on_bytes))
+            with torch.no_grad():
+                loaded = load(tensors)
+            files = digester.result()
+        except BaseException:
+            digester.close()
+            raise
         bytes_read: int = reader.bytes_read
     missing = sorted({n for n, _ in model.named_parameters()} - set(loaded or ()))
     if loaded is not None and missing:
@@ -227,7 +236,7 @@ def fill(
         )
     with shared_gemm():
         process_weights_after_loading(model, config.model_config, torch.device(opts.device))
-    return bytes_read
+    return bytes_read, files
 
 
 def check_views(model: torch.nn.Module, regions: dict[str, torch.Tensor]) -> None:

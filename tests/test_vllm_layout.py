@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -220,3 +221,23 @@ def check_rank_slices(pool: dict[str, torch.Tensor], ckpt: dict[str, torch.Tenso
     assert torch.equal(pool[f"{layer}mlp.down_proj.weight"], down[:, mlp])
     assert torch.equal(pool["model.embed_tokens.weight"], ckpt["model.embed_tokens.weight"][mlp])
     assert torch.equal(pool["model.norm.weight"], ckpt["model.norm.weight"])
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_vllm_layout_pool_keeps_the_checkpoints_content_digest(pools: Pools) -> None:
+    """Built through vLLM's loaders, the pool still digests every byte it reads, so a copy
+    of the checkpoint is checked by content (`cachedaemon verify`) against it too."""
+    verify = [sys.executable, "-m", "cachedaemon", "verify", "--socket", pools.vllm.socket]
+    same = subprocess.run([*verify, "--model", str(pools.model)], capture_output=True, text=True)
+    assert same.returncode == 0, same.stdout + same.stderr
+    changed = pools.model.parent / "changed"
+    shutil.copytree(pools.model, changed)
+    with (changed / "model.safetensors").open("r+b") as f:  # tensor bytes, header as it was
+        f.seek(8 + int.from_bytes(f.read(8), "little") + 64)
+        data = f.read(16)
+        f.seek(-16, os.SEEK_CUR)
+        f.write(bytes(b ^ 0x40 for b in data))
+    cp = subprocess.run([*verify, "--model", str(changed)], capture_output=True, text=True)
+    out = cp.stdout + cp.stderr
+    assert cp.returncode == 1 and "model.safetensors" in out, out
