@@ -43,6 +43,7 @@ class Outgoing(NamedTuple):
     payload: bytes
     qos: int
     retain: bool
+    seq: int  # the order of offers: which retained ones a republish covers
 
 
 class MqttPublisher:
@@ -59,6 +60,7 @@ class MqttPublisher:
         self._task: asyncio.Task[None] | None = None
         self.dropped = 0
         self.published = 0
+        self.offered = 0
         self.connected = False
         self._wait = backoff_wait(0.1, 2.0, 2.0, 0.1)
         self.owner = Owner.me()  # this supervisor, in the retained <...>/owner
@@ -66,7 +68,8 @@ class MqttPublisher:
         self.held_by = ""  # why the prefix is not ours, while another supervisor holds it
 
     def offer(self, topic: str, payload: bytes, *, qos: int = 0, retain: bool = False) -> None:
-        msg = Outgoing(topic, payload, qos, retain)
+        self.offered += 1
+        msg = Outgoing(topic, payload, qos, retain, self.offered)
         if retain:
             self._retained[topic] = msg
         if len(self._queue) == self._queue.maxlen:
@@ -174,19 +177,20 @@ class MqttPublisher:
     async def _drain(self, client: aiomqtt.Client, live: bool) -> None:
         """Publish the retained states (once `live`), then the queue as it fills, until
         closing, or until the supervisor goes live (to connect again with the Last Will).
-        Before then retained messages are only kept (`_retained`), never sent."""
-        retained = set(self._retained)
+        Before then retained messages are only kept (`_retained`), never sent. A queued
+        retained message offered before the republish is covered by it (the republish
+        sent that topic's latest); one offered since goes out in its turn."""
+        covered = self.offered if live else 0
         if live:
             for msg in list(self._retained.values()):
                 await self._publish(client, msg)
         while True:
             while self._queue:
                 msg = self._queue[0]
-                if not msg.retain or (live and msg.topic not in retained):
+                if not msg.retain or (live and msg.seq > covered):
                     await self._publish(client, msg)
                 if self._queue and self._queue[0] is msg:
                     self._queue.popleft()
-            retained.clear()
             if self._closing.is_set() or self.live != live:
                 return
             self._wake.clear()

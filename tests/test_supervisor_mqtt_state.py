@@ -1,20 +1,26 @@
 """What monitoring reads over MQTT, with a real client on the real broker: retained unit
 states say `offline` after a clean stop, the Last Will says `offline` after kill -9 of the
 supervisor, `died` and `fenced` carry the role the engine had, and `died.tail` is that
-incarnation's own last lines, warnings first, within about 1 KB."""
+incarnation's own last lines, warnings first, within about 1 KB. The event bus on its own:
+a state that changes while the retained states are republished after a connect goes out."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
+import time
 import uuid
 from pathlib import Path
 
+import aiomqtt
 import msgspec
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion
 
+from supervisor.events import EventBus, UnitState
+from supervisor.policy import EventsSpec, MqttSpec
 from tests.engines.harness import ECHO, Supervisor, complete, get, mqtt_broker, write_policy
 
 TAIL_MAX = 1024
@@ -168,3 +174,52 @@ def test_last_will_after_kill_9_and_quarantine_logged_as_error(
             sup.stop(signal.SIGKILL)
         watch.close()
     assert retained(prefix)[f"{prefix}/status"] == b"offline"
+
+
+# ---- the event bus on its own, in this process ----
+UNITS = 300  # retained states: republishing them takes as many round trips to the broker
+
+
+def bus_for(tmp_path: Path, broker: tuple[str, int], prefix: str) -> EventBus:
+    spec = EventsSpec(mqtt=MqttSpec(host=broker[0], port=broker[1], prefix=prefix))
+    return EventBus(f"ipc://{tmp_path}/events", spec)
+
+
+def unit(i: int, state: str) -> UnitState:
+    return UnitState(ts=time.time(), kind="daemon", name=str(i), state=state, epoch=1, pid=1)
+
+
+def test_a_state_that_changes_while_retained_states_are_republished_goes_out(
+    tmp_path: Path,
+) -> None:
+    """After each connect the retained states are republished; a unit whose state changes
+    meanwhile (a node that wins its election as its publisher reconnects) must end with
+    its new state, not the one the republish sent."""
+    prefix = f"hf-test/{uuid.uuid4().hex}"
+    bus = bus_for(tmp_path, mqtt_broker(), prefix)
+    for i in range(UNITS):
+        bus.state(unit(i, "serving"))
+    last = f"{prefix}/daemon/{UNITS - 1}/state"
+
+    async def watch() -> list[tuple[str, bytes]]:
+        seen: list[tuple[str, bytes]] = []
+        try:
+            async with aiomqtt.Client(*mqtt_broker()) as sub:
+                await sub.subscribe(f"{prefix}/#", qos=1)
+                bus.start()
+                bus.go_live()
+                async with asyncio.timeout(60):
+                    async for m in sub.messages:
+                        seen.append((str(m.topic), bytes(m.payload)))  # type: ignore[arg-type]
+                        if str(m.topic) == f"{prefix}/daemon/0/state":  # the republish began
+                            bus.state(unit(UNITS - 1, "dead"))
+                            bus.emit("test", "main", "mark", 1)  # queued after that state
+                        elif str(m.topic) == f"{prefix}/events":
+                            break
+        finally:
+            await bus.close()
+        return seen
+
+    seen = asyncio.run(watch())
+    states = [msgspec.json.decode(p)["state"] for t, p in seen if t == last]
+    assert states and states[-1] == "dead", states
