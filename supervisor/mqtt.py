@@ -112,8 +112,8 @@ class MqttPublisher:
 
     async def _run(self) -> None:
         """Connect, publish, connect again after a failure (with backoff), until closed.
-        Once closing, a broken connection is made again at once; a second failure in a
-        row (the broker cannot be reached) or a prefix held by another ends it."""
+        Once closing, a broken connection is made again at once; a connect that fails
+        (the broker cannot be reached) or a prefix held by another ends it."""
         attempt = 0
         while True:
             self._up = False
@@ -129,9 +129,9 @@ class MqttPublisher:
                     return
             except (aiomqtt.MqttError, OSError, TimeoutError) as e:
                 self.connected = False
-                attempt = 1 if self._up else attempt + 1
+                attempt += 1
                 self._unavailable(e, attempt)
-                if self._closing.is_set() and attempt > 1:
+                if self._closing.is_set() and not self._up:
                     return
             else:
                 if done:
