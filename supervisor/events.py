@@ -122,10 +122,10 @@ class EventBus:
 
     async def close(self) -> None:
         """Mark every retained unit state offline (if they were published: once live),
-        publish what is queued, disconnect."""
+        publish what is queued (within `mqtt.CLOSE_S`, logging what is not), disconnect."""
         if self.mqtt is not None:
             for topic, st in self._states.items() if self.mqtt.live else ():
                 gone = msgspec.structs.replace(st, ts=time.time(), state="offline", pid=0)
                 self.mqtt.offer(topic, msgspec.json.encode(gone), qos=self._qos, retain=True)
-            await self.mqtt.close(timeout=1.0)
+            await self.mqtt.close()
         self._pub.close(linger=500)  # let the last events (stopping, stopped) out

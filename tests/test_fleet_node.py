@@ -44,7 +44,8 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
 
 @pytest.fixture
 def mqtt(tmp_path: Path) -> Iterator[Broker]:
-    """A mosquitto of our own on a free port."""
+    """A mosquitto of our own on a free port; a test names it before `started`, so its
+    supervisors stop (publishing their offline states) while it still runs."""
     b = Broker(free_port(), tmp_path / "broker")
     b.start()
     try:
@@ -156,7 +157,7 @@ def leader_of(a: Supervisor, b: Supervisor) -> tuple[Supervisor, Supervisor, Eve
 
 
 def test_two_nodes_elect_one_and_the_follower_routes_to_the_leader(
-    tmp_path: Path, tiny_model: Path, etcd: Etcd, started: list[Supervisor], mqtt: Broker
+    tmp_path: Path, tiny_model: Path, etcd: Etcd, mqtt: Broker, started: list[Supervisor]
 ) -> None:
     cluster = {"name": f"two-{uuid.uuid4().hex[:6]}", "etcd": [etcd.endpoint]}
     prefix = f"{PREFIX}/{cluster['name']}"
