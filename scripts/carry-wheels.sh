@@ -6,7 +6,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-pkgs=${*:-msgspec pyzmq aiomqtt paho-mqtt structlog prometheus_client}
+pkgs=${*:-msgspec pyzmq aiomqtt paho-mqtt structlog prometheus_client blake3}
 mkdir -p .whl
 for pkg in $pkgs; do
   version=$(python3 -m pip show "$pkg" 2>/dev/null | awk '/^Version:/ {print $2}')

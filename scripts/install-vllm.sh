@@ -32,7 +32,7 @@ if ! "$PY" -c "import vllm" 2>/dev/null; then
     # their PyPI builds need CUDA and break `import transformers` on a CPU machine
     "$VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec
 fi
-"$VENV/bin/pip" install structlog aiomqtt prometheus_client  # holdfast needs them, vLLM lacks them
+"$VENV/bin/pip" install structlog aiomqtt prometheus_client blake3  # holdfast needs them
 "$VENV/bin/pip" install --no-deps -e "$REPO"
 ready || { echo "install-vllm.sh: $VENV does not import vllm and holdfast_vllm" >&2; exit 1; }
 echo "vLLM venv ready: $VENV"

@@ -187,4 +187,4 @@ def test_the_load_digest_is_the_dir_digest_whatever_the_pool_is_made_of(
     finally:
         pool.close()
     scale_in_place(original)
-    assert digest_dir(original)[1].sha256 != pool.manifest.files[1].sha256
+    assert digest_dir(original)[1].blake3 != pool.manifest.files[1].blake3
