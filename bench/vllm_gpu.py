@@ -487,7 +487,7 @@ def summary(report: dict[str, Any]) -> str:
         ready = {x: r["median"][x].get("ready_s") for x in r["median"]}
         lines.append(f"restart: median ready_s {ready}, "
                      f"auto/holdfast {r['ready_ratio_auto_over_holdfast']}")  # fmt: skip
-    lines += [f"{k}: {v['error'][:300]}" for k, v in s.items() if "error" in v]
+    lines += [f"{k}: ...{v['error'][-300:]}" for k, v in s.items() if "error" in v]
     return "\n".join(lines)
 
 
