@@ -10,6 +10,8 @@
 #   vllm-part (keep the carried part of vLLM, .vllm/part-NN, in /tmp/holdfast-vllm-cuda/parts),
 #   vllm (once every part is kept: reassemble and check it; the stages after it run with
 #     vLLM importable and HOLDFAST_VLLM_VENV set, so engines.kind vllm policies find it)
+#   vllm-bench (after vllm: bench/vllm_gpu.py on llama-8b, holdfast against vLLM's default
+#     loader: parity, memory per engine, start to ready; $OUT/vllm_gpu.json, logs in $OUT/vllm_gpu_logs)
 # Wheels for packages the GPU image lacks travel in .whl/ (scripts/carry-wheels.sh; carry
 # it), the MQTT broker in .mqtt/ (scripts/carry-mosquitto.sh; carry it for the chaos stages),
 # vLLM for CUDA in parts in .vllm/ (scripts/carry-vllm.sh; docs/gpu.md says in what order).
@@ -145,6 +147,10 @@ for stage in $stages; do
     checkpoint) checkpoint ;;
     vllm-part) vllm_part ;;
     vllm) vllm_tree || exit 2 ;;
+    vllm-bench)  # the vLLM figures in one go, each stage kept as it ends
+      checkpoint
+      timeout -k 20 480 python3 bench/vllm_gpu.py --device cuda:0 --model-dir /tmp/models/llama-8b \
+        --trials 2 --out "$OUT/vllm_gpu.json" --logs "$OUT/vllm_gpu_logs" 2>&1 | tee "$OUT/vllm_gpu.txt" ;;
     chaos) chaos_run gpu ;;
     chaos-tp2) chaos_run gpu-tp2 ;;
     scenario=*) f=${stage#scenario=}; chaos_run "$(basename "$f" .yaml)" "$f" ;;

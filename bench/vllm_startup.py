@@ -191,23 +191,12 @@ def start_once(
             proc.wait()
         pump.join(10)
     text = "".join(lines)
-    phases = {
-        k: round(float(m.group(1)) * SCALE.get(k, 1.0), 3)
-        for k, rx in PHASES.items()
-        if (m := rx.search(text))
-    }
+    phases = phases_of(text)
     if loader == "holdfast" and "weights attached" not in text:
         raise SystemExit(f"the holdfast start did not attach:\n{text[-3000:]}")
-    timeline = {
-        k: round(
-            next((t for t, line in zip(stamps, lines, strict=False) if rx.search(line)), -1.0), 2
-        )
-        for k, rx in MILESTONES.items()
-    }
-    if min(timeline["load_model_start_s"], timeline["engine_initialised_s"]) >= 0:
-        # load_model ends where init engine's clock starts: its line's arrival less its time
-        load_end = timeline["engine_initialised_s"] - phases.get("init_engine_s", 0.0)
-        phases["load_model_s"] = round(load_end - timeline["load_model_start_s"], 2)
+    timeline = timeline_of(stamps, lines)
+    if (load_model := load_model_seconds(timeline, phases)) is not None:
+        phases["load_model_s"] = load_model
     log_path = root / f"{loader}-{int(time.time())}.log"
     log_path.write_text(text)
     attached = next((line.strip() for line in lines if "weights attached" in line), None)
@@ -220,6 +209,34 @@ def start_once(
         "log": str(log_path),
         "memory": memory,
     }
+
+
+def phases_of(text: str, patterns: dict[str, re.Pattern[str]] | None = None) -> dict[str, float]:
+    """The seconds each of `patterns` (default PHASES) finds logged in `text`."""
+    return {
+        k: round(float(m.group(1)) * SCALE.get(k, 1.0), 3)
+        for k, rx in (PHASES if patterns is None else patterns).items()
+        if (m := rx.search(text))
+    }
+
+
+def timeline_of(stamps: list[float], lines: list[str]) -> dict[str, float]:
+    """Seconds from the start to the first line of each of MILESTONES (-1: none)."""
+    return {
+        k: round(
+            next((t for t, line in zip(stamps, lines, strict=False) if rx.search(line)), -1.0), 2
+        )
+        for k, rx in MILESTONES.items()
+    }
+
+
+def load_model_seconds(timeline: dict[str, float], phases: dict[str, float]) -> float | None:
+    """load_model whole: it ends where init engine's clock starts (that line's arrival less
+    its time); None when either line is missing."""
+    if min(timeline["load_model_start_s"], timeline["engine_initialised_s"]) < 0:
+        return None
+    load_end = timeline["engine_initialised_s"] - phases.get("init_engine_s", 0.0)
+    return round(load_end - timeline["load_model_start_s"], 2)
 
 
 def import_seconds(root: Path) -> float:
