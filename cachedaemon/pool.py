@@ -20,7 +20,7 @@ import structlog
 
 from cachedaemon.backends import Backend, Mapping, OwnedChunk
 from cachedaemon.config import LoadOptions
-from cachedaemon.digest import Digester
+from cachedaemon.digest import Digester, FileDigest
 from cachedaemon.manifest import ChunkEntry, Manifest, TensorEntry
 from cachedaemon.strides import contiguous_stride
 
@@ -149,25 +149,39 @@ def build_pool(
             for c in chunks:
                 c.close()
             raise
-        for c in chunks:
-            c.seal()
-        manifest = Manifest(
-            fingerprint=fingerprint,
-            backend=backend.name,
-            device=opts.device,
-            checksum_algo=backend.checksum_algo,
-            chunks=tuple(ChunkEntry(c.size, u) for c, u in zip(chunks, used, strict=True)),
-            tensors=tuple(entries),
-            files=files,
-        )
+        pool = sealed(chunks, used, backend, fingerprint, opts.device, entries, files)
         log.info(
             "pool built",
             tensors=len(entries),
             chunks=len(chunks),
-            pool_bytes=manifest.pool_bytes,
+            pool_bytes=pool.manifest.pool_bytes,
             seconds=round(time.perf_counter() - t0, 3),
         )
-        return Pool(manifest, chunks, [c.fd for c in chunks]), reader.bytes_read
+        return pool, reader.bytes_read
+
+
+def sealed(
+    chunks: list[OwnedChunk],
+    used: Sequence[int],
+    backend: Backend,
+    fingerprint: str,
+    device: str,
+    tensors: Sequence[TensorEntry],
+    files: tuple[FileDigest, ...],
+) -> Pool:
+    """The filled `chunks` sealed (read-only from now on) as one pool with its manifest."""
+    for c in chunks:
+        c.seal()
+    manifest = Manifest(
+        fingerprint=fingerprint,
+        backend=backend.name,
+        device=device,
+        checksum_algo=backend.checksum_algo,
+        chunks=tuple(ChunkEntry(c.size, u) for c, u in zip(chunks, used, strict=True)),
+        tensors=tuple(tensors),
+        files=files,
+    )
+    return Pool(manifest, chunks, [c.fd for c in chunks])
 
 
 def _filler(backend: Backend) -> Callable[..., list[TensorEntry]]:

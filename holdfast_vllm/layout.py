@@ -44,8 +44,8 @@ from cachedaemon.checkpoint import CheckpointReader
 from cachedaemon.config import LoadOptions
 from cachedaemon.digest import Digester, FileDigest
 from cachedaemon.loader import OutSpec, plan, produce
-from cachedaemon.manifest import ChunkEntry, Manifest, TensorEntry
-from cachedaemon.pool import Pool, layout
+from cachedaemon.manifest import TensorEntry
+from cachedaemon.pool import Pool, layout, sealed
 from cachedaemon.progress import ByteProgress
 from cachedaemon.strides import contiguous_stride
 from holdfast_vllm import check_version, placement
@@ -85,19 +85,11 @@ def build_pool(
             for c in chunks:
                 c.close()
             raise
-    for c in chunks:
-        c.seal()
-    manifest = Manifest(
-        fingerprint=fingerprint,
-        backend=backend.name,
-        device=opts.device,
-        checksum_algo=backend.checksum_algo,
-        chunks=tuple(ChunkEntry(c.size, u) for c, u in zip(chunks, used, strict=True)),
-        tensors=entries(specs, places, sums),
-        files=files,
+    pool = sealed(
+        chunks, used, backend, fingerprint, opts.device, entries(specs, places, sums), files
     )
-    log.info("vllm layout built", parameters=len(specs), pool_bytes=manifest.pool_bytes)
-    return Pool(manifest, chunks, [c.fd for c in chunks]), bytes_read
+    log.info("vllm layout built", parameters=len(specs), pool_bytes=pool.manifest.pool_bytes)
+    return pool, bytes_read
 
 
 def entries(
