@@ -259,7 +259,8 @@ def test_a_daemon_of_another_dtype_is_a_mismatch_naming_the_field(
 ) -> None:
     proc = EngineProcess(["--model", str(tiny_model), "--daemons", str(daemon_sock)])
     assert proc.wait_exit(60) == 2
-    assert "another config (fields: dtype)" in proc.log
+    assert "fields that differ: dtype;" in proc.log, proc.log
+    assert "match --dtype" in proc.log
     assert "--allow-disk-fallback" in proc.log
 
 

@@ -54,10 +54,13 @@ class Echo:
                 )
             resp = web.StreamResponse()
             await resp.prepare(request)
-            for ch in text:
-                await resp.write(f"data: {ch}\n\n".encode())
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
+            try:
+                for ch in text:
+                    await resp.write(f"data: {ch}\n\n".encode())
+                await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+            except ConnectionResetError:  # the client left (the router took it as no stream)
+                pass
             return resp
         finally:
             self.in_flight -= 1
