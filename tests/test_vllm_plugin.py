@@ -332,7 +332,9 @@ def test_changed_weights_under_the_same_header_are_refused_last_and_named(
     ckpts: Checkpoints, tmp_path: Path
 ) -> None:
     changed, _ = changed_copy(ckpts.dirs["llama"], tmp_path / "changed")
-    cp = run_vllm(changed, {"sockets": [ckpts.socket("llama")]}, [[1, 2]], tmp_path)
+    cp = run_vllm(
+        changed, {"sockets": [ckpts.socket("llama")], "layout": "reference"}, [[1, 2]], tmp_path
+    )
     assert cp.returncode != 0
     lines = [x for x in (cp.stdout + cp.stderr).splitlines() if x.strip()]
     print("\n".join(lines[-60:]))
@@ -347,7 +349,7 @@ def test_a_byte_identical_copy_is_attached_with_verify_content(
 ) -> None:
     copy = copy_of(ckpts.dirs["llama"], tmp_path / "copy")
     prompts = prompt_ids(copy)
-    extra = {"sockets": [ckpts.socket("llama")], "verify": "content"}
+    extra = {"sockets": [ckpts.socket("llama")], "layout": "reference", "verify": "content"}
     cp = run_vllm(copy, extra, prompts, tmp_path)
     assert tokens_of(cp) == transformers_tokens(copy, prompts)
     out = cp.stdout + cp.stderr
