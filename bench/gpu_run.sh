@@ -4,9 +4,12 @@
 # also: checksum-tests, llama-daemon, engine (the engine's GPU tests, then its startup bench),
 #   startup (forked engine start to ready, 6 trials, without and with spares),
 #   batching (the batching GPU tests, then bench/engine_throughput.py with the transformers baseline),
-#   checkpoint (write the llama-8b checkpoint to /tmp/models/llama-8b),
+#   checkpoint (write the llama-8b checkpoint to /tmp/models/llama-8b; a stage that needs it
+#     waits for a writer already at it), checkpoint-bg (start writing it and go on: it is
+#     written while the next calls' parts travel),
 #   chaos / chaos-tp2 (chaos/scenarios/gpu.yaml / gpu-tp2.yaml; results in $OUT/chaos-gpu*),
 #   scenario=FILE (any chaos scenario file; results in $OUT/chaos-NAME),
+#   load-digest (the daemon's llama-8b load with and without the content digest: bench/load_digest.py),
 #   vllm-part (keep the carried part of vLLM, .vllm/part-NN, in /tmp/holdfast-vllm-cuda/parts),
 #   vllm (once every part is kept: reassemble and check it; the stages after it run with
 #     vLLM importable and HOLDFAST_VLLM_VENV set, so engines.kind vllm policies find it)
@@ -15,8 +18,17 @@
 # Wheels for packages the GPU image lacks travel in .whl/ (scripts/carry-wheels.sh; carry
 # it), the MQTT broker in .mqtt/ (scripts/carry-mosquitto.sh; carry it for the chaos stages),
 # vLLM for CUDA in parts in .vllm/ (scripts/carry-vllm.sh; docs/gpu.md says in what order).
+# At most 8 files come back from a call's $OUT: each stage writes under $RAW, and after each
+# stage $OUT gets its summaries (*.json, *.txt, report.md at the top of $RAW) and all of $RAW
+# as results.tgz, so what a stage left is back even when a later one is cut off.
 set -uo pipefail
 OUT=${OUT:-/tmp/holdfast-out}; mkdir -p "$OUT"
+RAW=/tmp/holdfast-raw; rm -rf "$RAW"; mkdir -p "$RAW"
+pack() {  # $RAW -> $OUT: the top-level summaries, and everything as one archive
+  find "$RAW" -maxdepth 1 -type f \( -name '*.json' -o -name '*.txt' -o -name '*.md' \) \
+    -size -16M -exec cp {} "$OUT/" \;
+  tar -C "$RAW" -czf "$OUT/.results.tgz" . && mv "$OUT/.results.tgz" "$OUT/results.tgz"
+}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -26,28 +38,40 @@ fi
 [ -x .mqtt/mosquitto ] && export HOLDFAST_MOSQUITTO=$PWD/.mqtt/mosquitto
 stages=${*:-env tests probe moe lifetime llama}
 
-checkpoint() {  # the llama-8b checkpoint the GPU policies name (model.path)
-  [ -f /tmp/models/llama-8b/config.json ] || timeout 300 python3 -m cachedaemon \
-    make-checkpoint /tmp/models/llama-8b --preset llama-8b 2>&1 | tail -2
+CKPT_LOCK=/tmp/models/.llama-8b.lock
+write_checkpoint() {  # the llama-8b checkpoint the GPU policies name (model.path), once
+  mkdir -p /tmp/models
+  # one writer at a time (Python's flock: the image's util-linux is not relied on)
+  python3 -c 'import fcntl, subprocess, sys; lock = open(sys.argv[1], "w"); fcntl.flock(lock, fcntl.LOCK_EX)
+sys.exit(subprocess.call(sys.argv[2:]))' "$CKPT_LOCK" sh -c '[ -f /tmp/models/llama-8b/.complete ] || {
+    rm -rf /tmp/models/llama-8b
+    timeout 300 python3 -m cachedaemon make-checkpoint /tmp/models/llama-8b --preset llama-8b \
+      && touch /tmp/models/llama-8b/.complete; }'
+}
+checkpoint() {  # written, or waited for while another call's writer is at it
+  local t0=$SECONDS
+  write_checkpoint 2>&1 | tail -2
+  echo "checkpoint: /tmp/models/llama-8b ready after $((SECONDS - t0)) s here"
 }
 
 chaos_run() {  # NAME [FILE]: a carried broker on a free port, the chaos run, results to $OUT
-  local name=$1 file=${2:-chaos/scenarios/$1.yaml} out="$OUT/chaos-$1" port rc
+  local name=$1 file=${2:-chaos/scenarios/$1.yaml} out="$RAW/chaos-$1" port rc
   [ -x .mqtt/mosquitto ] || { echo "no .mqtt/mosquitto: run scripts/carry-mosquitto.sh here and carry .mqtt"; return 2; }
   checkpoint
   port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   printf 'listener %s 127.0.0.1\nallow_anonymous true\npersistence false\n' "$port" > /tmp/mosquitto-chaos.conf
-  .mqtt/mosquitto -c /tmp/mosquitto-chaos.conf > "$OUT/mosquitto-$name.log" 2>&1 &
+  .mqtt/mosquitto -c /tmp/mosquitto-chaos.conf > "$RAW/mosquitto-$name.log" 2>&1 &
   local broker=$!
   export HOLDFAST_MQTT_HOST=127.0.0.1 HOLDFAST_MQTT_PORT=$port HOLDFAST_MOSQUITTO=$PWD/.mqtt/mosquitto
   mkdir -p "$out"
-  timeout 560 python3 -m chaos run "$file" --out "$out" --no-progress -v \
+  timeout -k 15 "${CHAOS_S:-560}" python3 -m chaos run "$file" --out "$out" --no-progress -v \
     > "$out/chaos.log" 2>&1
   rc=$?
   kill "$broker" 2>/dev/null; wait "$broker" 2>/dev/null
   grep -E '^(pass|FAIL|note|report)' "$out/chaos.log"; tail -5 "$out/chaos.log"
   echo "chaos $name: exit $rc"
   sed -n '1,/^## Per fault/p' "$out/report.md" 2>/dev/null
+  cp "$out/report.md" "$RAW/chaos-$name-report.md" 2>/dev/null
 }
 VLLM_HOME=/tmp/holdfast-vllm-cuda  # outside the checkout: kept between calls while the machine is in use
 
@@ -55,7 +79,7 @@ vllm_part() {  # keep each carried part; say which of how many are here
   ls .vllm/part-*/COUNT >/dev/null 2>&1 ||
     { echo "no .vllm/part-NN: run scripts/carry-vllm.sh here and carry .vllm/part-NN"; return 2; }
   mkdir -p "$VLLM_HOME/parts"
-  cp .vllm/part-*/* "$VLLM_HOME/parts/"
+  for d in .vllm/part-*; do cp -f "$d"/* "$VLLM_HOME/parts/"; done  # earlier calls' too
   echo "vLLM parts kept: $(ls "$VLLM_HOME/parts" | grep -c '^part\.') of $(cat "$VLLM_HOME/parts/COUNT")"
 }
 
@@ -80,6 +104,7 @@ vllm_tree() {  # reassemble once; then vLLM is importable from $VLLM_HOME/site
   "$HOLDFAST_VLLM_VENV/bin/python" -c 'import vllm, holdfast_vllm, importlib.metadata as m; print("vLLM", vllm.__version__, "plugin:", [e.value for e in m.entry_points(group="vllm.general_plugins")])'
 }
 
+OUT_GIVEN=$OUT OUT=$RAW  # the stages write under $RAW; pack() copies to $OUT_GIVEN
 for stage in $stages; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case $stage in
@@ -145,17 +170,34 @@ for stage in $stages; do
       timeout 200 python3 -m pytest -q -p no:cacheprovider -rA tests/test_cuda_engine.py \
         -k nccl_group 2>&1 | tee "$OUT/nccl_tests.txt" ;;
     checkpoint) checkpoint ;;
+    load-digest)  # the daemon's llama-8b load with and without the content digest, interleaved
+      checkpoint
+      timeout 240 python3 bench/load_digest.py --preset llama-8b --models /tmp/models \
+        --device cuda:0 --runs 3 --compare --label "$(git rev-parse --short HEAD 2>/dev/null)" \
+        --out "$OUT/gpu_load_digest.json" 2>&1 | tail -40 | tee "$OUT/load_digest.txt" ;;
+    checkpoint-bg)  # its own session: it outlives this call while the machine is held
+      mkdir -p /tmp/models
+      setsid nohup bash -c "$(declare -f write_checkpoint); CKPT_LOCK=$CKPT_LOCK write_checkpoint" \
+        > /tmp/models/writer.log 2>&1 < /dev/null &
+      echo "checkpoint: writing /tmp/models/llama-8b in the background (/tmp/models/writer.log)" ;;
     vllm-part) vllm_part ;;
-    vllm) vllm_tree || exit 2 ;;
+    vllm) vllm_tree || { OUT=$OUT_GIVEN pack; exit 2; } ;;
     vllm-bench)  # the vLLM figures in one go, each stage kept as it ends
       checkpoint
-      timeout -k 20 480 python3 bench/vllm_gpu.py --device cuda:0 --model-dir /tmp/models/llama-8b \
-        --trials 2 --out "$OUT/vllm_gpu.json" --logs "$OUT/vllm_gpu_logs" 2>&1 | tee "$OUT/vllm_gpu.txt" ;;
+      timeout -k 20 "${VLLM_BENCH_S:-470}" python3 bench/vllm_gpu.py --device cuda:0 \
+        --model-dir /tmp/models/llama-8b --trials 2 --out "$OUT/vllm_gpu.json" \
+        --logs "$OUT/vllm_gpu_logs" 2>&1 | tee "$OUT/vllm_gpu.txt"
+      python3 -c 'import json, sys; p = json.load(open(sys.argv[1]))["stages"].get("parity", {})
+sys.exit(0 if p.get("equal") else 1)' "$OUT/vllm_gpu.json" && touch "$VLLM_HOME/parity-equal" ;;
+    need-parity)  # go on only if an earlier call's vllm-bench saw equal tokens
+      [ -f "$VLLM_HOME/parity-equal" ] || { echo "need-parity: no equal parity on this machine; stopping"; OUT=$OUT_GIVEN pack; exit 3; } ;;
     chaos) chaos_run gpu ;;
     chaos-tp2) chaos_run gpu-tp2 ;;
     scenario=*) f=${stage#scenario=}; chaos_run "$(basename "$f" .yaml)" "$f" ;;
     lifetime)
       timeout 120 python3 bench/cuda_lifetime.py --model /tmp/models/moe --out "$OUT/h200_lifetime.json" \
         2>&1 | tee "$OUT/lifetime.txt" ;;
+    *) echo "gpu_run.sh: no stage $stage (see the head of bench/gpu_run.sh)" ;;
   esac
+  OUT=$OUT_GIVEN pack
 done

@@ -66,7 +66,7 @@ def evict(model: Path) -> None:
             os.close(fd)
 
 
-def one_load(model: Path, device: str, cold: bool = False) -> dict[str, float]:
+def one_load(model: Path, device: str, cold: bool = False, digest: bool = True) -> dict[str, float]:
     from cachedaemon.backends import get_backend
     from cachedaemon.config import LoadOptions, config_for
     from cachedaemon.pool import build_pool
@@ -77,7 +77,7 @@ def one_load(model: Path, device: str, cold: bool = False) -> dict[str, float]:
     if cold:
         evict(model)
     t0, c0 = time.perf_counter(), time.process_time()
-    pool, nbytes = build_pool(model, opts, backend, config.fingerprint())
+    pool, nbytes = build_pool(model, opts, backend, config.fingerprint(), digest=digest)
     if device.startswith("cuda"):
         import torch
 
@@ -97,11 +97,22 @@ def main() -> int:
     p.add_argument(
         "--cold", action="store_true", help="evict the checkpoint's pages before each load"
     )
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="interleave loads without the content digest (the baseline) with loads with it, "
+        "--runs of each, in this one process: both figures from one run on one machine",
+    )
     p.add_argument("--out", help="write the result as JSON here")
     args = p.parse_args()
     model = ensure_checkpoint(Path(args.models), args.preset)
     one_load(model, args.device)  # warm the page cache and the imports
-    runs = [one_load(model, args.device, args.cold) for _ in range(args.runs)]
+    baseline: list[dict[str, float]] = []
+    runs: list[dict[str, float]] = []
+    for _ in range(args.runs):
+        if args.compare:
+            baseline.append(one_load(model, args.device, args.cold, digest=False))
+        runs.append(one_load(model, args.device, args.cold))
     seconds = [r["seconds"] for r in runs]
     commit = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
@@ -122,6 +133,14 @@ def main() -> int:
         "median_cpu_s": round(statistics.median(r["cpu_seconds"] for r in runs), 3),
         "median_gb_per_s": round(statistics.median(r["gb_per_s"] for r in runs), 3),
     }
+    if baseline:
+        base = [r["seconds"] for r in baseline]
+        result["without_digest"] = {
+            "seconds": [round(s, 3) for s in base],
+            "median_s": round(statistics.median(base), 3),
+            "median_cpu_s": round(statistics.median(r["cpu_seconds"] for r in baseline), 3),
+        }
+        result["with_over_without"] = round(result["median_s"] / statistics.median(base), 3)
     print(json.dumps(result, indent=2))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

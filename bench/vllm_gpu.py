@@ -17,6 +17,10 @@ the whole run. Each API server is started as the supervisor starts a vLLM engine
   each server's process tree and, on a GPU, nvidia-smi's memory per process.
 - restart: process start to the first 200 on /health, --trials per loader, alternating;
   medians, and where the time goes (bench/vllm_startup.py's log phases and timeline).
+  Three ways to start: `auto` (vLLM's default loader, `python -m` its API server),
+  `holdfast` (the same command, --load-format holdfast) and `forked` (holdfast, the engine
+  forked from `holdfast_vllm.forkserver`, which has imported vLLM: how the supervisor
+  starts a vLLM engine, `engines.forkserver` at its default).
 The JSON is rewritten as each stage ends: a stage that fails leaves the earlier results
 (and its error). Each server's output is kept in --logs.
 """
@@ -45,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import msgspec  # noqa: E402
 import vllm_startup as vs  # noqa: E402
 
+from holdfast_contract import forkserver  # noqa: E402
 from holdfast_contract.ready import daemon_ready_path, read_daemon_ready  # noqa: E402
 from supervisor import vllm_kind  # noqa: E402
 from supervisor.policy import Policy  # noqa: E402
@@ -52,6 +57,7 @@ from supervisor.vllm_spec import VllmSpec  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ("parity", "memory", "restart")
+STARTS = ("auto", "holdfast", "forked")  # restart: how an engine is started (the docstring)
 BAR = 0.01  # private weight bytes per engine, as a share of the pool's
 # what vLLM logs on a GPU beside bench/vllm_startup.PHASES (0.26 says "takes", 0.32 "took")
 GPU_PHASES = {
@@ -89,7 +95,15 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
-def stop_group(proc: subprocess.Popen[Any], grace_s: float = 30.0) -> None:
+def alive(pid: int) -> bool:
+    """Whether process `pid` lives (and is no zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def stop_group(proc: Any, grace_s: float = 30.0) -> None:
     """SIGTERM to `proc`'s process group, SIGKILL to whatever is left of it after grace_s."""
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         try:
@@ -104,18 +118,58 @@ def stop_group(proc: subprocess.Popen[Any], grace_s: float = 30.0) -> None:
     proc.wait()
 
 
-class Server:
-    """One vLLM API server, its output stamped line by line as it arrives."""
+class Forked:
+    """An API server forked by holdfast_vllm.forkserver: as much of Popen as this bench
+    uses (pid, which is its process group too, poll, wait, returncode, stdout)."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], port: int, log: Path) -> None:
+    def __init__(self, sock_path: Path, argv: list[str], env: dict[str, str]) -> None:
+        r, w = os.pipe()
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        spawn = forkserver.Spawn(argv=argv[3:], env=env, cwd=str(REPO), owner=os.getpid())
+        try:
+            self.sock, self.pid = forkserver.request(sock_path, spawn, [devnull, w, w])
+        finally:
+            os.close(w)
+            os.close(devnull)
+        self.stdout = os.fdopen(r, "r")
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not alive(self.pid):  # (its group: only once it setsid)
+            self.sock.settimeout(5)
+            try:
+                reply = forkserver.read_reply(self.sock)
+                self.returncode = reply.code if isinstance(reply, forkserver.Exited) else -1
+            except Exception:
+                self.returncode = -1
+            self.sock.close()
+        return self.returncode
+
+    def wait(self) -> int:
+        while self.poll() is None:
+            time.sleep(0.1)
+        return self.returncode if self.returncode is not None else -1
+
+
+class Server:
+    """One vLLM API server, its output stamped line by line as it arrives; started as a
+    process, or forked by the fork server at `fork` (its socket)."""
+
+    def __init__(
+        self, argv: list[str], env: dict[str, str], port: int, log: Path, fork: Path | None = None
+    ) -> None:
         self.port, self.log = port, log
         self.lines: list[str] = []
         self.stamps: list[float] = []
         self.t0 = time.perf_counter()
-        self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            text=True, env=env, start_new_session=True,
-        )  # fmt: skip
+        self.proc: subprocess.Popen[str] | Forked
+        if fork is not None:
+            self.proc = Forked(fork, argv, env)
+        else:
+            self.proc = subprocess.Popen(
+                argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                text=True, env=env, start_new_session=True,
+            )  # fmt: skip
         self.pump = threading.Thread(target=self._pump, daemon=True)
         self.pump.start()
 
@@ -129,7 +183,7 @@ class Server:
         return "".join(self.lines)
 
     def ready(self, deadline_s: float) -> float:
-        return vs.wait_healthy(self.proc, self.port, self.t0, deadline_s, self.lines)
+        return vs.wait_healthy(self.proc, self.port, self.t0, deadline_s, self.lines)  # type: ignore[arg-type]
 
     def stop(self) -> None:
         stop_group(self.proc)
@@ -156,6 +210,8 @@ class Bench:
         self.run_dir, self.logs = args.work_dir / "run", args.logs or args.work_dir / "logs"
         self.socket = str(self.run_dir / "daemon-0.sock")
         self.daemon: subprocess.Popen[Any] | None = None
+        self.forker: subprocess.Popen[Any] | None = None  # holdfast_vllm.forkserver, once asked
+        self.fork_socket = self.run_dir / "vllm-forkserver.sock"
         self.live: Server | None = None  # the holdfast server parity leaves up for memory
         self.auto_memory: dict[str, Any] = {}
         self.started: list[int] = []  # every process group started: none may outlive the run
@@ -183,12 +239,42 @@ class Bench:
             env["HOLDFAST_DAEMONS"] = self.socket  # as the supervisor gives each engine
         return env
 
-    def start(self, loader: str, tag: str) -> Server:
+    def start(self, how: str, tag: str) -> Server:
+        """An API server started `how` (STARTS)."""
         port = vs.free_port()
-        log = self.logs / f"{tag}-{loader}-{int(time.time())}.log"
-        server = Server(self.argv(loader, port), self.env(loader), port, log)
+        log = self.logs / f"{tag}-{how}-{int(time.time())}.log"
+        loader = "holdfast" if how == "forked" else how
+        fork = self.fork_server() if how == "forked" else None
+        server = Server(self.argv(loader, port), self.env(loader), port, log, fork)
         self.started.append(server.proc.pid)
         return server
+
+    def fork_server(self) -> Path:
+        """holdfast_vllm.forkserver on the vLLM python, started once; its socket."""
+        if self.forker is not None and self.forker.poll() is None:
+            return self.fork_socket
+        argv = [self.python, "-m", vllm_kind.FORKSERVER, "--socket", str(self.fork_socket)]
+        log = self.logs / f"forkserver-{int(time.time())}.log"
+        self.fork_socket.unlink(missing_ok=True)
+        t0 = time.perf_counter()
+        with open(log, "wb") as out:
+            self.forker = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=self.env("holdfast"), start_new_session=True,
+            )  # fmt: skip
+        self.started.append(self.forker.pid)
+        while time.perf_counter() - t0 < self.args.deadline_s:
+            if "forkserver ready" in log.read_text(errors="replace"):
+                self.report["forkserver"] = {"argv": argv, "ready_s": round(time.perf_counter() - t0, 2),
+                                             "log": str(log)}  # fmt: skip
+                return self.fork_socket
+            if self.forker.poll() is not None:
+                raise RuntimeError(f"the vLLM fork server exited with {self.forker.returncode} "
+                                   f"({log}):\n{log.read_text()[-3000:]}")  # fmt: skip
+            time.sleep(0.1)
+        raise RuntimeError(
+            f"the vLLM fork server was not ready within {self.args.deadline_s} s ({log})"
+        )
 
     def save(self) -> None:
         out = self.args.out
@@ -414,7 +500,7 @@ def restart(b: Bench, res: dict[str, Any]) -> None:
     res["runs"] = runs = []
     res["import_s"] = vs.import_seconds(a.work_dir)  # what a pre-imported server would save
     for trial in range(a.trials):
-        for loader in ("holdfast", "auto") if trial % 2 == 0 else ("auto", "holdfast"):
+        for loader in a.starts if trial % 2 == 0 else a.starts[::-1]:
             server = b.start(loader, f"restart{trial}")
             try:
                 ready_s = round(server.ready(a.deadline_s), 2)
@@ -422,11 +508,13 @@ def restart(b: Bench, res: dict[str, Any]) -> None:
                 server.stop()
             runs.append({"loader": loader, "trial": trial, "ready_s": ready_s, **server.figures()})
             b.save()
-    res["median"] = median = {x: medians(runs, x) for x in ("holdfast", "auto")}
+    res["median"] = median = {x: medians(runs, x) for x in a.starts}
     res["where_the_time_goes"] = {x: breakdown(m) for x, m in median.items()}
-    res["ready_ratio_auto_over_holdfast"] = round(
-        median["auto"]["ready_s"] / median["holdfast"]["ready_s"], 2
-    )
+    if "auto" in median:  # how many times faster than vLLM's default loader each start is
+        res["ready_ratio_auto_over"] = {
+            x: round(median["auto"]["ready_s"] / m["ready_s"], 2) for x, m in median.items()
+            if x != "auto"
+        }  # fmt: skip
 
 
 def medians(runs: list[dict[str, Any]], loader: str) -> dict[str, float]:
@@ -486,7 +574,7 @@ def summary(report: dict[str, Any]) -> str:
         r = s["restart"]
         ready = {x: r["median"][x].get("ready_s") for x in r["median"]}
         lines.append(f"restart: median ready_s {ready}, "
-                     f"auto/holdfast {r['ready_ratio_auto_over_holdfast']}")  # fmt: skip
+                     f"auto over each: {r.get('ready_ratio_auto_over')}")  # fmt: skip
     lines += [f"{k}: ...{v['error'][-300:]}" for k, v in s.items() if "error" in v]
     return "\n".join(lines)
 
@@ -498,7 +586,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--device", default="cpu", help="cpu or cuda:N (default: cpu)")
     ap.add_argument("--model-dir", type=Path, required=True, help="a checkpoint with a tokenizer")
     ap.add_argument("--out", type=Path, required=True, help="the JSON, rewritten per stage")
-    ap.add_argument("--trials", type=int, default=2, help="restart: starts per loader")
+    ap.add_argument("--trials", type=int, default=2, help="restart: starts of each way")
+    ap.add_argument(
+        "--starts",
+        default=",".join(STARTS),
+        help="restart: how, comma-separated, of " + ",".join(STARTS),
+    )
     ap.add_argument(
         "--stages", default=",".join(STAGES), help="comma-separated, of " + ",".join(STAGES)
     )
@@ -522,8 +615,11 @@ def parse_args() -> argparse.Namespace:
     a = ap.parse_args()
     cuda = a.device.startswith("cuda")
     a.stages = [x for x in a.stages.split(",") if x]
+    a.starts = [x for x in a.starts.split(",") if x]
     if bad := [x for x in a.stages if x not in STAGES] or a.trials < 1:
         ap.error(f"--stages takes {','.join(STAGES)} ({bad} unknown) and --trials at least 1")
+    if bad := [x for x in a.starts if x not in STARTS] or not a.starts:
+        ap.error(f"--starts takes some of {','.join(STARTS)} ({bad} unknown)")
     a.dtype = a.dtype or ("bfloat16" if cuda else "float32")
     a.kv_cache_gb = a.kv_cache_gb or (8 if cuda else 1)
     a.max_model_len = (4096 if cuda else 0) if a.max_model_len is None else a.max_model_len
@@ -552,6 +648,8 @@ def main() -> None:
     finally:
         if b.live:
             b.live.stop()
+        if b.forker:
+            stop_group(b.forker)
         if b.daemon:
             stop_group(b.daemon)
         b.report["left_running"] = [pid for pid in b.started if group_alive(pid)]

@@ -117,8 +117,11 @@ def build_pool(
     backend: Backend,
     fingerprint: str,
     progress: ByteProgress | None = None,
+    digest: bool = True,
 ) -> tuple[Pool, int]:
-    """Load the checkpoint into a new sealed pool. Returns the pool and bytes read from disk."""
+    """Load the checkpoint into a new sealed pool. Returns the pool and bytes read from disk.
+    `digest=False` leaves out the content digest of the checkpoint's files (such a pool
+    cannot be verified by content: bench/load_digest.py's baseline, never the daemon's)."""
     from cachedaemon.checkpoint import CheckpointReader
     from cachedaemon.loader import plan
 
@@ -130,7 +133,11 @@ def build_pool(
             progress.set_total(reader.total_bytes)
         places, used = layout(specs, backend)
         chunks: list[OwnedChunk] = []
-        digester = Digester(reader.model_dir / "config.json", reader.files, reader.tensors.values())
+        digester = (
+            Digester(reader.model_dir / "config.json", reader.files, reader.tensors.values())
+            if digest
+            else None
+        )
         try:
             chunks = [backend.create(u) for u in used]
             entries = _filler(backend)(
@@ -143,9 +150,10 @@ def build_pool(
                 progress.advance if progress else None,
                 digester=digester,
             )
-            files = digester.result()
+            files = digester.result() if digester is not None else ()
         except BaseException:
-            digester.close()
+            if digester is not None:
+                digester.close()
             for c in chunks:
                 c.close()
             raise

@@ -31,8 +31,10 @@ from pathlib import Path
 import structlog
 
 MODULE = "vllm.entrypoints.openai.api_server"
-# the API server's imports, then what its EngineCore and worker import when they start on
-# the CPU with the worker inside EngineCore (--distributed-executor-backend uni)
+# the API server's imports, then what its EngineCore and worker import when they start
+# with the worker inside EngineCore (--distributed-executor-backend uni), on the CPU or a
+# GPU (the other platform's modules are skipped where they do not import). None of them
+# initializes CUDA, which a fork could then not use: main() checks.
 PRELOAD = (
     MODULE,
     "vllm.entrypoints.launchers.api_server.entry",
@@ -40,6 +42,8 @@ PRELOAD = (
     "vllm.v1.executor.uniproc_executor",
     "vllm.v1.worker.cpu_worker",
     "vllm.v1.worker.cpu_model_runner",
+    "vllm.v1.worker.gpu_worker",
+    "vllm.v1.worker.gpu_model_runner",
     "vllm.model_executor.models.llama",
     "vllm.model_executor.models.qwen2",
     "holdfast_vllm.loader",
@@ -61,6 +65,12 @@ def preload() -> tuple[float, list[str]]:
                 raise
             missing.append(f"{name}: {e}")
     return time.perf_counter() - t0, missing
+
+
+def cuda_initialized() -> bool:
+    """Whether this process has a CUDA context (torch's view), which forks must not inherit."""
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
 
 
 def run_api_server(argv: list[str], t0: float, spare_ms: float) -> int:
@@ -107,6 +117,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     for what in missing:
         log.warning("not preloaded", module=what)
+    if cuda_initialized():
+        print(
+            "holdfast_vllm.forkserver: error: importing vLLM initialized CUDA here, which a "
+            "forked engine cannot use; set engines.forkserver: false in the policy",
+            file=sys.stderr,
+        )
+        return 2
     try:
         server = Server(bind(args.socket), spares="off", program=run_api_server)
     except EngineError as e:
