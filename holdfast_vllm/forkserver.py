@@ -31,10 +31,9 @@ from pathlib import Path
 import structlog
 
 MODULE = "vllm.entrypoints.openai.api_server"
-# the API server's imports, then what its EngineCore and worker import when they start
-# with the worker inside EngineCore (--distributed-executor-backend uni), on the CPU or a
-# GPU (the other platform's modules are skipped where they do not import). None of them
-# initializes CUDA, which a fork could then not use: main() checks.
+# the API server's imports, then what its EngineCore and worker import when they start on
+# the CPU with the worker inside EngineCore (--distributed-executor-backend uni). None of
+# them may initialize CUDA, which a fork could then not use: main() checks.
 PRELOAD = (
     MODULE,
     "vllm.entrypoints.launchers.api_server.entry",
@@ -42,8 +41,6 @@ PRELOAD = (
     "vllm.v1.executor.uniproc_executor",
     "vllm.v1.worker.cpu_worker",
     "vllm.v1.worker.cpu_model_runner",
-    "vllm.v1.worker.gpu_worker",
-    "vllm.v1.worker.gpu_model_runner",
     "vllm.model_executor.models.llama",
     "vllm.model_executor.models.qwen2",
     "holdfast_vllm.loader",
@@ -71,6 +68,22 @@ def cuda_initialized() -> bool:
     """Whether this process has a CUDA context (torch's view), which forks must not inherit."""
     torch = sys.modules.get("torch")
     return bool(torch is not None and torch.cuda.is_initialized())
+
+
+def cuda_driver_initialized() -> bool | None:
+    """Whether the CUDA driver was initialized (cuInit) in this process, by anything, torch
+    or not; None without a driver. Asking does not initialize it: cuDeviceGetCount answers
+    CUDA_ERROR_NOT_INITIALIZED until cuInit ran. Logged at start: a forked engine's CUDA
+    failed on an H100 (bench/results/vllm-gpu/README.md), and a driver that the imports
+    initialized here is one way forks go wrong."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    count = ctypes.c_int()
+    return bool(lib.cuDeviceGetCount(ctypes.byref(count)) == 0)
 
 
 def run_api_server(argv: list[str], t0: float, spare_ms: float) -> int:
@@ -130,7 +143,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"holdfast_vllm.forkserver: error: {e}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    log.info("forkserver ready", socket=str(args.socket), preload_s=round(seconds, 3))
+    log.info(
+        "forkserver ready",
+        socket=str(args.socket),
+        preload_s=round(seconds, 3),
+        cuda_driver_initialized=cuda_driver_initialized(),
+    )
     try:
         server.loop()
     finally:

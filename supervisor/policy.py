@@ -77,7 +77,8 @@ class EnginesSpec(_Spec, frozen=True):
     env: dict[str, str] = msgspec.field(default_factory=dict)
     # fork engines from a process that has imported them already; None: whenever the
     # command is `{python} -m engine ...` (others are started with exec either way), and
-    # for kind vllm always (holdfast_vllm.forkserver in the vLLM venv)
+    # for kind vllm on the CPU (holdfast_vllm.forkserver in the vLLM venv; on a CUDA
+    # device only with true)
     forkserver: bool | None = None
     health: Literal["agent", "http"] = "agent"
     primary: int = 1

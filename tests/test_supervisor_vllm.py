@@ -26,6 +26,8 @@ from supervisor.vllm_kind import MODULE, Sample, load_of, parse_metrics, python_
 from supervisor.vllm_spec import VllmSpec
 from tests.engines.harness import Load, Supervisor, complete, env, get, pid_alive, write_policy
 
+REPO = Path(__file__).resolve().parent.parent
+
 VLLM_PYTHON = python_of(VllmSpec())
 HAS_VLLM = Path(VLLM_PYTHON).is_file()
 needs_vllm = pytest.mark.skipif(
@@ -98,6 +100,19 @@ def test_kind_vllm_forks_nothing_when_the_policy_says_so(tmp_path: Path) -> None
     policy = load_policy(path, schema_only=True)
     assert engine_kinds.forks(policy) is None
     assert "HOLDFAST_VLLM_FORK" not in policy.engines.env
+
+
+def test_kind_vllm_on_a_cuda_device_execs_each_engine_unless_the_policy_asks_for_forks(
+    tmp_path: Path,
+) -> None:
+    gpu = load_policy(REPO / "policies" / "vllm-gpu.yaml", schema_only=True)
+    assert gpu.devices.ids == ["cuda:0"] and gpu.engines.forkserver is None
+    assert engine_kinds.forks(gpu) is None  # each engine is vLLM's own command, exec'd
+    raw = yaml.safe_load((REPO / "policies" / "vllm-gpu.yaml").read_text())
+    raw["engines"]["forkserver"] = True
+    (tmp_path / "forked.yaml").write_text(yaml.safe_dump(raw))
+    forks = engine_kinds.forks(load_policy(tmp_path / "forked.yaml", schema_only=True))
+    assert forks is not None and forks.server[1:] == ["-m", "holdfast_vllm.forkserver"]
 
 
 def test_kind_vllm_with_a_command_of_its_own_is_refused(tmp_path: Path) -> None:
