@@ -113,8 +113,10 @@ def chat(
     sup: Supervisor, model: str, tokens: int, cut: bool, **fields: Any
 ) -> tuple[list[int], list[str | None], Any]:
     """One streamed chat through the official `openai` client: its token ids, finish
-    reasons and usage; with `cut`, the primary is killed with SIGKILL after CUT_AFTER tokens."""
+    reasons and usage; with `cut`, the primary is killed with SIGKILL once CUT_AFTER tokens
+    have come (a chunk may carry several: vLLM sends what it made since the last one)."""
     client = openai.OpenAI(base_url=sup.router + "/v1", api_key="-", max_retries=0, timeout=120)
+    killed = not cut
     ids: list[int] = []
     finish: list[str | None] = []
     usage = None
@@ -132,8 +134,9 @@ def chat(
             if choice.finish_reason is not None:
                 finish.append(choice.finish_reason)
         usage = chunk.usage or usage
-        if cut and len(ids) == CUT_AFTER:
+        if not killed and len(ids) >= CUT_AFTER:
             os.kill(get(f"{sup.api}/primary")[1]["pid"], signal.SIGKILL)
+            killed = True
     return ids, finish, usage
 
 
