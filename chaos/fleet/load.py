@@ -50,6 +50,7 @@ class Clients:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._paused: dict[int, threading.Event] = {}
+        self._stale: set[int] = set()  # paused clients whose connection is to be made anew
 
     def add(self, ns: str, router: str, address: str) -> int:
         """A client in `ns` sending to `address` (HOST:PORT, the router of node `router`)."""
@@ -71,6 +72,12 @@ class Clients:
         conn: http.client.HTTPConnection | None = None
         while not self._stop.is_set():
             self._paused[index].wait()
+            with self._cond:
+                stale = index in self._stale
+                self._stale.discard(index)
+            if stale and conn is not None:
+                conn.close()  # kept alive to a router that may have died while paused
+                conn = None
             if conn is None:
                 conn = http.client.HTTPConnection(host, int(port), timeout=REQUEST_TIMEOUT_S)
             sent = time.monotonic()
@@ -97,7 +104,11 @@ class Clients:
 
     def pause(self, index: int) -> None:
         """Stop sending from client `index` after its current request (its router's node is
-        about to be killed: a client of a dead router measures nothing)."""
+        about to be killed: a client of a dead router measures nothing). It connects anew
+        when it resumes: its kept-alive connection may be to a router that died meanwhile,
+        and a first request on it would fail in whichever trial comes next."""
+        with self._cond:
+            self._stale.add(index)
         self._paused[index].clear()
 
     def resume(self, index: int) -> None:
