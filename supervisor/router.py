@@ -46,6 +46,7 @@ from supervisor.routing import (
     attempts,
     choose,
     error,
+    gave_up,
     not_leader,
 )
 from supervisor.streams import NotAStream, StreamRelay
@@ -167,6 +168,7 @@ class Router:
                 if attempt < tries:
                     self.retried += 1
                     target = await self.next_primary(target.epoch, deadline)
+                    reason = gave_up(reason, self.spec) if target is None else reason
         self.failed += 1
         log.warning("route_failed", path=request.path, error=reason)
         if FORWARDED_BY in request.headers and (self.stopping or self.view.misdirected()):

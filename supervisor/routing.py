@@ -139,6 +139,11 @@ def attempts(spec: RouterSpec) -> int:
     return 2 if spec.retry else 1
 
 
+def gave_up(reason: str, spec: RouterSpec) -> str:
+    """`reason`, for a request that waited for a primary to take it over and none came."""
+    return f"{reason}; no primary took over within router.retry_deadline_s ({spec.retry_deadline_s:g} s)"
+
+
 class PrimaryView:
     """The current primary, whether it acknowledged its promotion, and the next one."""
 

@@ -32,6 +32,7 @@ from supervisor.routing import (
     Target,
     attempts,
     error,
+    gave_up,
     not_leader,
 )
 
@@ -133,6 +134,7 @@ class StreamRelay:
                         break
                     self.r.retried += 1
                     target = await self.r.next_primary(target.epoch, deadline)
+                    reason = self._gave_up(reason) if target is None else reason
                     continue
                 if st.collect:
                     st.rewind()  # its client has seen nothing: held-back text is made again
@@ -155,10 +157,7 @@ class StreamRelay:
         return await self._end_with_error(request, st, out, reason)
 
     def _gave_up(self, reason: str) -> str:
-        return (
-            f"{reason}; no primary took over within router.retry_deadline_s "
-            f"({self.r.spec.retry_deadline_s:g} s)"
-        )
+        return gave_up(reason, self.r.spec)
 
     async def _next(self, cut: Target, deadline: float) -> Target | None:
         """Where a cut stream goes on: after another node's router, that node again once
