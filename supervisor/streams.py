@@ -122,7 +122,9 @@ class StreamRelay:
                     # as seen here, or it said so, or it did not take the continuation:
                     # the same term again a moment later (it may resume it), or the next
                     target = await self.r.view.again(target, deadline, NOT_LEADER_WAIT_S)
-                    reason = self._gave_up(reason) if target is None and st.pending else reason
+                    reason = (
+                        gave_up(reason, self.r.spec) if target is None and st.pending else reason
+                    )
                     continue
                 if st.collect and (not st.can_continue() or ended and st.complete()):
                     # no ids: asked again, whole; or all of it came, but its term ended
@@ -134,7 +136,7 @@ class StreamRelay:
                         break
                     self.r.retried += 1
                     target = await self.r.next_primary(target.epoch, deadline)
-                    reason = self._gave_up(reason) if target is None else reason
+                    reason = gave_up(reason, self.r.spec) if target is None else reason
                     continue
                 if st.collect:
                     st.rewind()  # its client has seen nothing: held-back text is made again
@@ -153,11 +155,8 @@ class StreamRelay:
                 deadline = time.monotonic() + self.r.spec.retry_deadline_s
                 target = await self._next(target, deadline)
                 if target is None:
-                    reason = self._gave_up(reason)
+                    reason = gave_up(reason, self.r.spec)
         return await self._end_with_error(request, st, out, reason)
-
-    def _gave_up(self, reason: str) -> str:
-        return gave_up(reason, self.r.spec)
 
     async def _next(self, cut: Target, deadline: float) -> Target | None:
         """Where a cut stream goes on: after another node's router, that node again once
