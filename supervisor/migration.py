@@ -101,6 +101,7 @@ class Stream:
     warmed_on: str = ""
     warmed: int = 0
     warming: bool = False
+    over: bool = False  # ended: its past is forgotten once no warm request is under way
     kept: int = 0  # of those, what the continuation under way names
 
     @property

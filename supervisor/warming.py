@@ -8,7 +8,8 @@ past every `router.warm_every` tokens, `POST /holdfast/warm` under the stream's 
 heir prefills what it has not kept yet and keeps the keys and values (engine/scheduler.py).
 A continuation sent to that engine names the key, and prefills only the tokens after the
 last past it kept. At most one warm request per stream is under way; a failed one is only
-logged (the continuation then computes more). When the stream ends, the heir forgets it.
+logged (the continuation then computes more). When the stream ends, the heir forgets it
+(after the warm request under way, if one is).
 
 Each prefill on the heir reads all the weights, as a decode step of the primary beside it
 on the same device does; one per stream would cost the primary a step every few tokens. So
@@ -119,8 +120,15 @@ class Warmer:
         return st.warm_key
 
     def ended(self, st: Stream) -> None:
-        """`st` is over: the engine keeping its past warm may forget it."""
+        """`st` is over: the engine keeping its past warm may forget it. A warm request
+        still under way is let finish first (its past would be kept after the forget, and
+        kept for good), and the forget goes when it has."""
         self._live.pop(id(st), None)
+        st.over = True
+        if not st.warming:
+            self._forget(st)
+
+    def _forget(self, st: Stream) -> None:
         heir = self.r.view.heir
         if st.warmed and heir is not None and heir.name == st.warmed_on:
             st.warmed = 0
@@ -138,6 +146,8 @@ class Warmer:
                 st.warmed = len(past)
         finally:
             st.warming = False
+            if st.over:
+                self._forget(st)
 
     async def _post(self, heir: Target, body: dict[str, object]) -> bool:
         url = f"http://{heir.host}:{heir.port}{PATH}"

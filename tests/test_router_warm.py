@@ -158,3 +158,52 @@ def test_a_new_heir_gets_no_past_while_a_cut_stream_waits_for_its_first_token(
         await router.client().close()
 
     asyncio.run(main())
+
+
+def test_a_stream_that_ends_while_its_past_is_on_its_way_is_forgotten_after_it() -> None:
+    """A stream that ends while a warm request of its past is still under way on the heir:
+    the forget goes only once that request was answered, so the heir, which keeps the past
+    when its prefill ends, does not keep it for good. (The heir here is a real HTTP server
+    that answers the second warm request only when the test lets it.)"""
+    from aiohttp import web
+
+    async def main() -> None:
+        arrived: list[dict[str, object]] = []
+        release = asyncio.Event()
+
+        async def warm(request: web.Request) -> web.Response:
+            body = await request.json()
+            arrived.append(body)
+            if len(arrived) == 2:
+                await release.wait()
+            return web.json_response({})
+
+        app = web.Application()
+        app.router.add_post(warming.PATH, warm)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        view = PrimaryView()
+        router = Router(RouterSpec(warm_every=4), view)
+        view.heir = Target("e2", runner.addresses[0][1], 2)
+        st = Stream(COMPLETIONS, {"prompt_token_ids": [1, 2, 3]})
+        router.warmer.arrived(st)  # the prompt: kept at once
+        await asyncio.gather(*list(router.warmer._tasks))
+        assert st.warmed == 3
+        st.prompt_ids, st.emitted = [1, 2, 3], [5] * 4
+        router.warmer.heard(st)  # the past of 7 tokens: its answer held
+        while len(arrived) < 2:
+            await asyncio.sleep(0.01)
+        router.warmer.ended(st)
+        for _ in range(20):  # time enough for a forget sent now to arrive
+            await asyncio.sleep(0.01)
+        assert len(arrived) == 2, arrived
+        release.set()
+        while router.warmer._tasks:
+            await asyncio.gather(*list(router.warmer._tasks))
+        assert [sorted(b) for b in arrived] == [["key", "prompt"]] * 2 + [["forget", "key"]]
+        assert arrived[2] == {"key": st.warm_key, "forget": True} and st.warmed == 0
+        await router.client().close()
+        await runner.cleanup()
+
+    asyncio.run(main())
