@@ -174,7 +174,11 @@ for stage in $stages; do
       checkpoint
       timeout 240 python3 bench/load_digest.py --preset llama-8b --models /tmp/models \
         --device cuda:0 --runs 3 --compare --label "$(git rev-parse --short HEAD 2>/dev/null)" \
-        --out "$OUT/gpu_load_digest.json" 2>&1 | tail -40 | tee "$OUT/load_digest.txt" ;;
+        --out "$OUT/gpu_load_digest.json" 2>&1 | tail -40 | tee "$OUT/load_digest.txt"
+      # the same with the 8 digest threads of before, for the comparison
+      timeout 120 python3 bench/load_digest.py --preset llama-8b --models /tmp/models \
+        --device cuda:0 --runs 3 --compare --workers 8 --out "$OUT/gpu_load_digest_w8.json" \
+        2>&1 | tail -20 | tee -a "$OUT/load_digest.txt" ;;
     checkpoint-bg)  # its own session: it outlives this call while the machine is held
       mkdir -p /tmp/models
       setsid nohup bash -c "$(declare -f write_checkpoint); CKPT_LOCK=$CKPT_LOCK write_checkpoint" \

@@ -103,8 +103,15 @@ def main() -> int:
         help="interleave loads without the content digest (the baseline) with loads with it, "
         "--runs of each, in this one process: both figures from one run on one machine",
     )
+    p.add_argument(
+        "--workers", type=int, default=0, help="digest threads (default: the daemon's own)"
+    )
     p.add_argument("--out", help="write the result as JSON here")
     args = p.parse_args()
+    from cachedaemon import digest
+
+    if args.workers:
+        digest.WORKERS = args.workers
     model = ensure_checkpoint(Path(args.models), args.preset)
     one_load(model, args.device)  # warm the page cache and the imports
     baseline: list[dict[str, float]] = []
@@ -123,6 +130,7 @@ def main() -> int:
         "commit": commit,
         "label": args.label,
         "machine": machine(),
+        "digest_workers": digest.WORKERS,
         "preset": args.preset,
         "device": args.device,
         "page_cache": "evicted before each load" if args.cold else "warm",
