@@ -178,31 +178,86 @@ async def _kill_supervisor(ctx: FaultContext) -> Injection:
 
 
 async def _memory_pressure(ctx: FaultContext) -> Injection:
-    """KV-cache pressure on the primary: a burst of long requests above
-    `engines.load.evict_above`, held for `hold_s`. Admission must evict a batch engine to make
-    room, then bring it back once the load stays below `respawn_below`."""
+    """KV-cache pressure on the primary: a burst of long streamed requests above
+    `engines.load.evict_above`, held for `hold_s` from the moment the last of them was
+    taken (its answer began: the engine counts it), so the pressure lasts `hold_s` however
+    long this machine takes to pass the burst on. Admission must evict a batch engine to
+    make room, then bring it back once the load stays below `respawn_below`."""
     batch = _engine(ctx, "batch")
     size = ctx.spec.burst or ctx.sup.policy.engines.load.evict_above + 2
     injected = time.time()
-    timeout = aiohttp.ClientTimeout(total=ctx.spec.hold_s)
-    body = {"prompt_token_ids": list(range(1, 9)), "max_tokens": ctx.spec.burst_tokens}
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        results = await asyncio.gather(
-            *(_hold(session, ctx.sup.router + "/v1/completions", body) for _ in range(size))
-        )
-    note = f"burst of {size} x {ctx.spec.burst_tokens}-token requests for {ctx.spec.hold_s}s"
-    if not any(results):
-        note += " (no burst request reached the router)"
+    body = {
+        "prompt_token_ids": list(range(1, 9)),
+        "max_tokens": ctx.spec.burst_tokens,
+        "stream": True,
+    }
+    url = ctx.sup.router + "/v1/completions"
+    burst = await _burst(url, body, size, ctx.spec.hold_s)
+    taken, refused = burst.taken, burst.refused
+    note = f"burst of {size} x {ctx.spec.burst_tokens}-token requests held {ctx.spec.hold_s}s"
+    if taken:
+        note += f" after the last was taken ({max(taken) - injected:.2f}s after the first sent)"
+    if len(taken) < size:
+        note += f"; only {len(taken)} of {size} taken"
+    if refused:
+        note += f" ({'; '.join(sorted(set(refused)))})"
     return Injection([batch], injected, note=note)
 
 
-async def _hold(session: aiohttp.ClientSession, url: str, body: object) -> bool:
-    """One burst request; True when the router took it (answered, or still busy at hold_s)."""
-    try:
-        async with session.post(url, json=body) as resp:
-            await resp.read()
-            return resp.status < 500
-    except TimeoutError:
-        return True
-    except aiohttp.ClientError:
-        return False
+BURST_TAKEN_S = 10.0  # the most a burst waits for all its requests to be taken
+
+
+async def _burst(url: str, body: object, size: int, hold_s: float) -> _Burst:
+    burst = _Burst(size)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        holds = [asyncio.ensure_future(burst.hold(session, url, body)) for _ in range(size)]
+        try:  # every request taken or refused: the hold starts (at the latest after the wait)
+            await asyncio.wait_for(burst.answered.wait(), BURST_TAKEN_S)
+            await asyncio.sleep(hold_s)
+        except TimeoutError:
+            pass
+        for resp in burst.open:
+            # its reader ends. Not a cancelled read: with the reads cancelled, a load request
+            # of this process sent at the same time waited seconds for its answer, longer
+            # after each burst (the router had answered it at once)
+            resp.close()
+        _, late = await asyncio.wait(holds, timeout=BURST_TAKEN_S)
+        for h in late:
+            h.cancel()  # never taken
+        await asyncio.gather(*late, return_exceptions=True)
+    return burst
+
+
+class _Burst:
+    """The memory-pressure burst's requests: when each was taken, or why not."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.taken: list[float] = []
+        self.refused: list[str] = []
+        self.answered = asyncio.Event()  # every request taken or refused
+        self.open: list[aiohttp.ClientResponse] = []  # taken: closed when the hold is over
+
+    def _count(self) -> None:
+        if len(self.taken) + len(self.refused) == self.size:
+            self.answered.set()
+
+    async def hold(self, session: aiohttp.ClientSession, url: str, body: object) -> None:
+        """One request: streamed until it is closed (or its end), its answer unread."""
+        taken = False
+        try:
+            async with session.post(url, json=body) as resp:
+                if resp.status != 200:
+                    self.refused.append(f"HTTP {resp.status}")
+                    self._count()
+                    return
+                taken = True
+                self.taken.append(time.time())
+                self.open.append(resp)
+                self._count()
+                while await resp.content.readany():
+                    pass
+        except aiohttp.ClientError as e:
+            if not taken:  # (a taken one's error is its closing)
+                self.refused.append(type(e).__name__)
+                self._count()

@@ -85,7 +85,7 @@ class ClientLoad(_Spec, frozen=True):
 class FaultSpec(_Spec, frozen=True):
     kind: str
     trials: int | None = None  # default: the scenario's `trials`
-    hold_s: float = 1.0  # SIGSTOP length, broker outage, memory-pressure burst length
+    hold_s: float = 1.0  # SIGSTOP length, broker outage, memory-pressure hold (all taken)
     burst: int = 0  # memory-pressure: requests in the burst (0: engines.load.evict_above + 2)
     # memory-pressure: max_tokens of each burst request; long enough that a batching
     # engine is still busy with the burst when hold_s ends, however fast its steps are
