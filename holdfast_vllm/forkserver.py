@@ -119,6 +119,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from holdfast_contract import logs
 
     logs.setup(args.log_format)
+    # torch.cuda.is_available() (which imports ask) from NVML, not from cudaGetDeviceCount:
+    # that one runs cuInit, and a fork of a process whose driver is initialized cannot use
+    # CUDA (forked engines died on an H100 in their first Triton kernel)
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     try:
         seconds, missing = preload()
     except ImportError as e:
@@ -130,10 +134,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     for what in missing:
         log.warning("not preloaded", module=what)
-    if cuda_initialized():
+    driver = cuda_driver_initialized()
+    if cuda_initialized() or driver:
+        what = "a CUDA context" if cuda_initialized() else "the CUDA driver (cuInit)"
         print(
-            "holdfast_vllm.forkserver: error: importing vLLM initialized CUDA here, which a "
-            "forked engine cannot use; set engines.forkserver: false in the policy",
+            f"holdfast_vllm.forkserver: error: importing vLLM initialized {what} here, which "
+            "a forked engine cannot use; set engines.forkserver: false in the policy",
             file=sys.stderr,
         )
         return 2
@@ -147,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "forkserver ready",
         socket=str(args.socket),
         preload_s=round(seconds, 3),
-        cuda_driver_initialized=cuda_driver_initialized(),
+        cuda_driver_initialized=driver,
     )
     try:
         server.loop()
