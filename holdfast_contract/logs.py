@@ -53,7 +53,13 @@ def _renderer(fmt: str, stream: TextIO) -> structlog.types.Processor:
         fmt = "console" if stream.isatty() else "json"
     if fmt == "json":
         return structlog.processors.JSONRenderer()
-    return structlog.dev.ConsoleRenderer(colors=stream.isatty())
+    # plain tracebacks: a rich one (structlog's default where rich is installed) renders
+    # every frame's locals, and its first one imports rich's syntax highlighting: about
+    # 0.3 s of the supervisor's event loop for one asyncio callback error (seen as a
+    # failover 330 ms late on a 2-core machine, the broker's socket error logged just before)
+    return structlog.dev.ConsoleRenderer(
+        colors=stream.isatty(), exception_formatter=structlog.dev.plain_traceback
+    )
 
 
 def setup(fmt: str = "console", level: str = "info", *, stream: TextIO | None = None) -> None:

@@ -44,6 +44,23 @@ def test_debug_level_and_console_format(out: io.StringIO) -> None:
     assert "[debug" in out.getvalue() and "due=1.5" in out.getvalue()
 
 
+def test_console_tracebacks_are_plain_lines_without_the_frames_locals(out: io.StringIO) -> None:
+    """An error logged with its traceback (an asyncio callback's, from the event loop
+    itself) costs the loop a plain traceback's formatting, not a rich one that renders
+    every frame's locals in boxes."""
+    logs.setup("console", "info", stream=out)
+    secret_local = "a local of the failing frame"  # noqa: F841  # what a rich one would show
+    try:
+        raise OSError(9, "Bad file descriptor")
+    except OSError:
+        logging.getLogger("asyncio").error("Exception in callback", exc_info=True)
+    text = out.getvalue()
+    assert "Traceback (most recent call last):" in text
+    assert "OSError: [Errno 9] Bad file descriptor" in text
+    assert "secret_local" not in text and "a local of the failing frame" not in text
+    assert "\u256d" not in text and "\u2502" not in text  # no box drawing
+
+
 def test_a_second_setup_replaces_the_first(out: io.StringIO) -> None:
     logs.setup("json", "info", stream=io.StringIO())
     logs.setup("json", "info", stream=out)
