@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -200,10 +201,13 @@ def call(
         sock.close()
 
 
-async def call_async(path: str, msg: _Msg, *, timeout: float = 10.0) -> _Msg:
+async def call_async(
+    path: str, msg: _Msg, *, timeout: float = 10.0, on_sent: Callable[[], object] | None = None
+) -> _Msg:
     """`call` for a request and a reply that carry no fds, on the running event loop
     instead of a worker thread (the supervisor's ping of a serving daemon, every heartbeat
-    interval). DaemonUnavailable if nobody answers; ProtocolError on a bad or late reply."""
+    interval). DaemonUnavailable if nobody answers; ProtocolError on a bad or late reply.
+    `on_sent` is called once the request is written (the daemon has been asked)."""
     try:
         async with asyncio.timeout(timeout):
             try:
@@ -212,6 +216,8 @@ async def call_async(path: str, msg: _Msg, *, timeout: float = 10.0) -> _Msg:
                 raise DaemonUnavailable(f"nothing answers on {path} ({exc.strerror})") from exc
             try:
                 writer.write(encode(msg))
+                if on_sent is not None:
+                    on_sent()
                 head = await reader.readexactly(wire.HEADER.size)
                 return decode(await reader.readexactly(wire.frame_length(head, MAX_FRAME)))
             except asyncio.IncompleteReadError as exc:

@@ -234,10 +234,11 @@ class DaemonPool:
 
     async def _probe(self, d: Daemon, inc: Incarnation) -> None:
         """Ping a serving daemon every heartbeat interval; one that leaves its pings
-        unanswered (stopped at once; asleep, not run since the first unanswered ping, for
-        max(0.5 s, interval x miss_limit); busy for heartbeat.busy_silence_ms, the
-        supervisor's own stalls not counted: `decisions.daemon_hung`) is fenced with
-        SIGKILL, so its spare or a restart takes over."""
+        unanswered (stopped at once; asleep, not run since the first ping it left
+        unanswered was written to it, for max(0.5 s, interval x miss_limit); busy for
+        heartbeat.busy_silence_ms, the supervisor's own stalls not counted:
+        `decisions.daemon_hung`) is fenced with SIGKILL, so its spare or a restart takes
+        over."""
         from cachedaemon import protocol
         from cachedaemon.errors import CacheError
 
@@ -249,17 +250,25 @@ class DaemonPool:
         runs_then = 0  # how often its threads had been given a CPU at that ping
         while d.inc is inc and not inc.handled:
             await asyncio.sleep(period)
-            t0, runs_now = time.monotonic(), pace.runs([inc.pid])
+            # when the daemon was asked (its silence counts from there, not from before a
+            # connect that a slow supervisor made late), and how often it had run by then
+            asked = [(time.monotonic(), pace.runs([inc.pid]))]
+
+            def sent(asked: list[tuple[float, int]] = asked) -> None:
+                asked[0] = (time.monotonic(), pace.runs([inc.pid]))
+
             try:
-                await protocol.call_async(sock, protocol.Ping(), timeout=deadline)
+                await protocol.call_async(sock, protocol.Ping(), timeout=deadline, on_sent=sent)
                 silent_since = None
                 continue
             except (CacheError, ProtocolError, OSError):
                 # a refused or closed connection is what a dying daemon gives: its exit is
                 # seen by its exit watch; only silence that lasts is a hang
                 if silent_since is None:
-                    silent_since, runs_then = t0, runs_now
+                    silent_since, runs_then = asked[0]
             now = time.monotonic()
+            if self.pace is not None:
+                self.pace.observe(now)  # a stall that ends now counts before the ticker saw it
             why = decisions.daemon_hung(
                 now - silent_since,
                 self.pace.stalled_s(silent_since, now) if self.pace is not None else 0.0,

@@ -144,3 +144,36 @@ def test_call_async_round_trip_and_its_errors(tmp_path: Path) -> None:
             await protocol.call_async(str(tmp_path / "none.sock"), protocol.Ping(), timeout=1)
 
     asyncio.run(main())
+
+
+def test_call_async_says_when_the_request_was_written(tmp_path: Path) -> None:
+    """`on_sent` runs once the request is written and before any reply is read, and not
+    at all when nothing answers: the supervisor counts a daemon's silence from then."""
+    path = tmp_path / "d.sock"
+    order: list[str] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        (length,) = wire.HEADER.unpack(await reader.readexactly(wire.HEADER.size))
+        protocol.decode(await reader.readexactly(length))
+        order.append("read by the daemon")
+        writer.write(protocol.encode(protocol.Pong(1, "fp")))
+        await writer.drain()
+        writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_unix_server(handle, str(path))
+        try:
+            reply = await protocol.call_async(
+                str(path), protocol.Ping(), timeout=10, on_sent=lambda: order.append("sent")
+            )
+        finally:
+            server.close()
+        assert reply == protocol.Pong(1, "fp") and order == ["sent", "read by the daemon"]
+        order.clear()
+        with pytest.raises(DaemonUnavailable):
+            await protocol.call_async(
+                str(tmp_path / "none.sock"), protocol.Ping(), on_sent=lambda: order.append("x")
+            )
+        assert order == []
+
+    asyncio.run(main())
