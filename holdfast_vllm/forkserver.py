@@ -31,37 +31,68 @@ from pathlib import Path
 import structlog
 
 MODULE = "vllm.entrypoints.openai.api_server"
-# the API server's imports, then what its EngineCore and worker import when they start on
-# the CPU with the worker inside EngineCore (--distributed-executor-backend uni). None of
-# them may initialize CUDA, which a fork could then not use: main() checks.
+# the API server's imports, then what its EngineCore imports when it starts with the worker
+# inside EngineCore (--distributed-executor-backend uni), on any platform. None of them may
+# initialize CUDA, which a fork could then not use: main() checks.
 PRELOAD = (
     MODULE,
     "vllm.entrypoints.launchers.api_server.entry",
     "vllm.v1.engine.core",
     "vllm.v1.executor.uniproc_executor",
-    "vllm.v1.worker.cpu_worker",
-    "vllm.v1.worker.cpu_model_runner",
     "vllm.model_executor.models.llama",
     "vllm.model_executor.models.qwen2",
     "holdfast_vllm.loader",
+)
+# the CPU worker, only where vLLM's platform is the CPU: importing it patches torch for a
+# machine without an accelerator (vllm.v1.worker.cpu.shm makes Tensor.pin_memory a no-op and
+# replaces torch.cuda's Stream and Event), and every fork of a CUDA machine's server would
+# inherit that (its sampler's Triton kernel then died on a seeds tensor that was no device
+# memory, on an H100)
+CPU_PRELOAD = ("vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner")
+# what a CUDA engine needs of torch as torch made it; main() refuses to serve on a non-CPU
+# platform when the imports replaced one of them
+TORCH_KEPT = (
+    ("Tensor", "pin_memory"),
+    ("cuda", "Stream"),
+    ("cuda", "Event"),
+    ("cuda", "current_stream"),
+    ("cuda", "set_stream"),
+    ("accelerator", "synchronize"),
 )
 
 log = structlog.get_logger("holdfast_vllm.forkserver")
 
 
 def preload() -> tuple[float, list[str]]:
-    """Import PRELOAD; the seconds taken and what could not be imported (a vLLM version
-    without one of them: its forks import it themselves, slower)."""
+    """Import PRELOAD, and CPU_PRELOAD where vLLM's platform is the CPU; the seconds taken
+    and what could not be imported (a vLLM version without one of them: its forks import
+    it themselves, slower)."""
     t0 = time.perf_counter()
     missing = []
-    for name in PRELOAD:
+    names = list(PRELOAD)
+    importlib.import_module(MODULE)
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        names += CPU_PRELOAD
+    for name in names:
         try:
             importlib.import_module(name)
         except ImportError as e:
-            if name == MODULE:
-                raise
             missing.append(f"{name}: {e}")
     return time.perf_counter() - t0, missing
+
+
+def torch_as_found() -> dict[str, object]:
+    """torch's TORCH_KEPT attributes as they are now (imports torch)."""
+    import torch
+
+    return {f"torch.{a}.{b}": getattr(getattr(torch, a), b, None) for a, b in TORCH_KEPT}
+
+
+def torch_replaced(before: dict[str, object]) -> list[str]:
+    """Which of torch's TORCH_KEPT attributes differ from `before` (torch_as_found())."""
+    return [name for name, now in torch_as_found().items() if now is not before[name]]
 
 
 def cuda_initialized() -> bool:
@@ -73,9 +104,9 @@ def cuda_initialized() -> bool:
 def cuda_driver_initialized() -> bool | None:
     """Whether the CUDA driver was initialized (cuInit) in this process, by anything, torch
     or not; None without a driver. Asking does not initialize it: cuDeviceGetCount answers
-    CUDA_ERROR_NOT_INITIALIZED until cuInit ran. Logged at start: a forked engine's CUDA
-    failed on an H100 (bench/results/vllm-gpu/README.md), and a driver that the imports
-    initialized here is one way forks go wrong."""
+    CUDA_ERROR_NOT_INITIALIZED until cuInit ran. Logged at start: a driver that the imports
+    initialized here is one way forks go wrong (not the one seen on an H100, where it was
+    not initialized and the CPU worker's torch patches were: CPU_PRELOAD)."""
     import ctypes
 
     try:
@@ -123,6 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # that one runs cuInit, and a fork of a process whose driver is initialized cannot use
     # CUDA (forked engines died on an H100 in their first Triton kernel)
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    torch_before = torch_as_found()
     try:
         seconds, missing = preload()
     except ImportError as e:
@@ -143,6 +175,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    from vllm.platforms import current_platform
+
+    replaced = torch_replaced(torch_before)
+    if replaced and not current_platform.is_cpu():
+        print(
+            f"holdfast_vllm.forkserver: error: importing vLLM replaced {', '.join(replaced)} "
+            f"here, which a forked engine on {current_platform.device_name} would run with; "
+            "set engines.forkserver: false in the policy",
+            file=sys.stderr,
+        )
+        return 2
     try:
         server = Server(bind(args.socket), spares="off", program=run_api_server)
     except EngineError as e:
@@ -154,6 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         socket=str(args.socket),
         preload_s=round(seconds, 3),
         cuda_driver_initialized=driver,
+        platform=current_platform.device_name,
+        torch_replaced=",".join(replaced) or "none",
     )
     try:
         server.loop()
