@@ -14,7 +14,8 @@
 #   vllm (once every part is kept: reassemble and check it; the stages after it run with
 #     vLLM importable and HOLDFAST_VLLM_VENV set, so engines.kind vllm policies find it)
 #   vllm-bench (after vllm: bench/vllm_gpu.py on llama-8b, holdfast against vLLM's default
-#     loader: parity, memory per engine, start to ready; $OUT/vllm_gpu.json, logs in $OUT/vllm_gpu_logs)
+#     loader: parity, memory per engine, start to ready; $OUT/vllm_gpu.json, logs in $OUT/vllm_gpu_logs;
+#     VLLM_BENCH_ARGS adds its flags, e.g. "--stages restart --trials 1")
 # Wheels for packages the GPU image lacks travel in .whl/ (scripts/carry-wheels.sh; carry
 # it), the MQTT broker in .mqtt/ (scripts/carry-mosquitto.sh; carry it for the chaos stages),
 # vLLM for CUDA in parts in .vllm/ (scripts/carry-vllm.sh; docs/gpu.md says in what order).
@@ -190,7 +191,7 @@ for stage in $stages; do
       checkpoint
       timeout -k 20 "${VLLM_BENCH_S:-470}" python3 bench/vllm_gpu.py --device cuda:0 \
         --model-dir /tmp/models/llama-8b --trials 2 --out "$OUT/vllm_gpu.json" \
-        --logs "$OUT/vllm_gpu_logs" 2>&1 | tee "$OUT/vllm_gpu.txt"
+        --logs "$OUT/vllm_gpu_logs" ${VLLM_BENCH_ARGS:-} 2>&1 | tee "$OUT/vllm_gpu.txt"
       python3 -c 'import json, sys; p = json.load(open(sys.argv[1]))["stages"].get("parity", {})
 sys.exit(0 if p.get("equal") else 1)' "$OUT/vllm_gpu.json" && touch "$VLLM_HOME/parity-equal" ;;
     need-parity)  # go on only if an earlier call's vllm-bench saw equal tokens
