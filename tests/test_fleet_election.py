@@ -247,7 +247,9 @@ def test_leader_is_not_leader_past_its_hold_on_its_own_clock(etcd: Etcd) -> None
             skew[0] = 2.0 * a.spec.ttl_s
             assert not a.is_leader()  # at once, before the elector's loop runs again
             await a.wait_for(lambda e: e.stepdowns != [], DEADLINE)
-            assert a.stepdowns[0].why is Why.RENEWAL_STALE
+            # for want of a fresh renewal: stale by the loop's own check, or late when the
+            # renewal in flight at the jump is answered first (either may come first)
+            assert a.stepdowns[0].lapsed, a.stepdowns
 
     asyncio.run(main())
 
@@ -284,7 +286,7 @@ def test_a_lapsed_leader_resumes_its_term_on_its_own_key(etcd: Etcd) -> None:
                 skew[0] = 2.0 * a.spec.ttl_s
                 assert not a.is_leader()
                 await a.wait_for(lambda e: e.stepdowns != [], DEADLINE)
-                assert a.stepdowns[0].why is Why.RENEWAL_STALE
+                assert a.stepdowns[0].lapsed, a.stepdowns  # stale or late, as above
                 await a.wait_for(Elector.is_leader, DEADLINE)
                 assert a.epoch == term and "n1:resumed" in events, events
                 # the put that resumed moved the key: a follower's delete conditional on
