@@ -152,10 +152,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.setup(args.log_format)
     # torch.cuda.is_available() (which imports ask) from NVML, not from cudaGetDeviceCount:
     # that one runs cuInit, and a fork of a process whose driver is initialized cannot use
-    # CUDA (forked engines died on an H100 in their first Triton kernel)
+    # CUDA
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    torch_before = torch_as_found()
     try:
+        torch_before = torch_as_found()
         seconds, missing = preload()
     except ImportError as e:
         print(
