@@ -106,12 +106,26 @@ def main() -> int:
     p.add_argument(
         "--workers", type=int, default=0, help="digest threads (default: the daemon's own)"
     )
+    p.add_argument(
+        "--readers",
+        type=int,
+        default=0,
+        help="GPU load: reader threads, with and without the digest (default: the daemon's "
+        "own, cuda_load.WORKERS without, DIGEST_WORKERS with)",
+    )
     p.add_argument("--out", help="write the result as JSON here")
     args = p.parse_args()
     from cachedaemon import digest
 
     if args.workers:
         digest.WORKERS = args.workers
+    readers = {}
+    if args.device.startswith("cuda"):
+        from cachedaemon import cuda_load
+
+        if args.readers:
+            cuda_load.WORKERS = cuda_load.DIGEST_WORKERS = args.readers
+        readers = {"without_digest": cuda_load.WORKERS, "with_digest": cuda_load.DIGEST_WORKERS}
     model = ensure_checkpoint(Path(args.models), args.preset)
     one_load(model, args.device)  # warm the page cache and the imports
     baseline: list[dict[str, float]] = []
@@ -131,6 +145,7 @@ def main() -> int:
         "label": args.label,
         "machine": machine(),
         "digest_workers": digest.WORKERS,
+        "gpu_readers": readers,
         "preset": args.preset,
         "device": args.device,
         "page_cache": "evicted before each load" if args.cold else "warm",

@@ -3,7 +3,8 @@ transforms (dtype, TP shard, fp8-block) on the GPU, one batched checksum at the 
 
 `fill_parallel` has the signature of `cachedaemon.pool._fill`, so `build_pool` can use it
 for cuda-vmm pools. Each worker thread owns a CUDA stream and two pinned buffers: it
-preads piece k+1 while piece k is copied to the device. A tensor that needs no transform
+preads piece k+1 while piece k is copied to the device; with the content digest it hashes
+each slice of a piece right after reading it (`Digester.read`). A tensor that needs no transform
 is copied straight into its place in the pool; one that does lands in a GPU scratch
 tensor first and is transformed there, by the same `loader.transform` the CPU path uses.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -27,6 +28,9 @@ from cachedaemon.manifest import TensorEntry
 from cachedaemon.strides import contiguous_stride
 
 WORKERS = 8  # PIECE: bytes per pread, per host-to-device copy and per digest piece
+# with the content digest each reader hashes what it reads (Digester.read), and the load
+# takes more readers, up to the cores there are
+DIGEST_WORKERS = max(WORKERS, min(16, os.cpu_count() or 1))
 Place = tuple[int, int, int]  # chunk, offset, nbytes
 
 
@@ -39,7 +43,6 @@ class _Stager:
         self.bufs = [torch.empty(piece, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         self.views = [b.numpy().data for b in self.bufs]
         self.done: list[torch.cuda.Event | None] = [None, None]
-        self.hashed: list[list[Future[None]]] = [[], []]  # digests still reading each buffer
 
     def copy_in(self, fd: int, info: TensorInfo, dst: torch.Tensor) -> None:
         """pread the tensor's bytes piece by piece and queue each piece's copy into `dst`."""
@@ -50,11 +53,13 @@ class _Stager:
             event = self.done[slot]
             if event is not None:
                 event.synchronize()  # the copy out of this buffer has finished
-            for fut in self.hashed[slot]:
-                fut.result()  # and so has its digest
-            _pread_exact(fd, self.views[slot][:n], info.start + start, info)
-            if self.digester is not None:  # hashed beside the copy and the next pread
-                self.hashed[slot] = self.digester.add(info, self.views[slot][:n], start)
+            view = self.views[slot][:n]
+            if self.digester is None:
+                _pread_exact(fd, view, info.start + start, info)
+            else:  # each slice hashed right after its pread, by this thread
+                self.digester.read(
+                    info, view, start, lambda v, at: _pread_exact(fd, v, info.start + at, info)
+                )
             with torch.cuda.stream(self.stream):
                 dst[start : start + n].copy_(self.bufs[slot][:n], non_blocking=True)
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -128,11 +133,14 @@ def fill_parallel(
     backend: Backend,
     on_bytes: Callable[[int], None] | None,
     *,
-    workers: int = WORKERS,
+    workers: int | None = None,
     piece: int = PIECE,
     digester: Digester | None = None,
 ) -> list[TensorEntry]:
-    """Fill the pool's chunks from the checkpoint on `workers` threads; the entries in plan order."""
+    """Fill the pool's chunks from the checkpoint on `workers` threads (default WORKERS, or
+    DIGEST_WORKERS with a digester); the entries in plan order."""
+    if workers is None:
+        workers = WORKERS if digester is None else DIGEST_WORKERS
 
     per_plan: list[list[Place]] = []
     it = iter(places)

@@ -9,7 +9,8 @@ let the daemon hash each piece as it reads it: the load reads every byte anyway,
 digest costs CPU on other threads, not another read. config.json is hashed whole. Bytes
 that no tensor covers (padding) are not in the digest: no weight is made of them.
 
-`Digester` is the load's side (fed by `CheckpointReader.read_into` and the GPU readers);
+`Digester` is the load's side: `add` hashes what `CheckpointReader.read_into` read on
+digest threads of its own; `read` reads and hashes on the caller's thread (the GPU readers);
 `digest_dir` reads a dir's files for `cachedaemon verify` and `verify: content`.
 Imports no torch.
 """
@@ -20,7 +21,7 @@ import contextlib
 import mmap
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,11 +33,14 @@ from cachedaemon.errors import CheckpointError
 
 PIECE = 64 << 20
 ALGO = "blake3 of blake3(header), blake3(each 64 MiB piece of each tensor, file order)"
-# every core: on a GPU host the load itself mostly waits on the copy to the device, and a
-# load of 20 GB/s needs about 5 cores of BLAKE3 beside it (measured on an H100 host: 8
-# threads left the load 17% longer, bench/results/load_digest)
+# add's threads (a CPU pool's load, digest_dir): every core. The GPU load hashes on its
+# readers instead (read)
 WORKERS = max(2, min(32, os.cpu_count() or 2))
 HELD = 512 << 20  # bytes waiting to be hashed, at most (one piece more when it is larger)
+# Digester.read's slice: read, then hashed by the thread that read it while it is still in
+# that core's cache (an H100 host's 64 MiB piece hashed by another thread came back from
+# DRAM, and the load with the digest took 1.27x as long as without: bench/results/load_digest)
+SLICE = 1 << 20
 
 
 class FileDigest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -91,6 +95,26 @@ class Digester:
             out.append(self._pool.submit(self._hash, info, k, piece))
         self._futures += out
         return out
+
+    def read(
+        self,
+        info: TensorInfo,
+        buf: memoryview,
+        offset: int,
+        read_into: Callable[[memoryview, int], None],
+    ) -> None:
+        """Fill `buf` with the tensor's bytes from `offset` by `read_into(view, offset)`, a
+        SLICE at a time, and hash each slice on this thread right after it is read: the
+        digest costs this thread's CPU and no second trip through memory. Recorded as
+        add's pieces are; `offset` on a piece's boundary, as for add."""
+        for k, piece in _pieces(info, offset, buf):
+            start = k * PIECE
+            hasher = blake3(max_threads=1)
+            for s in range(0, len(piece), SLICE):
+                part = piece[s : s + SLICE]
+                read_into(part, start + s)
+                hasher.update(part)
+            self._sums[(info.path, info.start, k)] = hasher.digest()
 
     def _reserve(self, n: int) -> None:
         with self._room:

@@ -188,3 +188,44 @@ def test_the_load_digest_is_the_dir_digest_whatever_the_pool_is_made_of(
         pool.close()
     scale_in_place(original)
     assert digest_dir(original)[1].blake3 != pool.manifest.files[1].blake3
+
+
+def test_the_gpu_readers_digest_slice_by_slice_is_the_dir_digest(
+    original: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU load's readers hash each slice right after its pread (Digester.read): read in
+    staging pieces of two digest pieces, slices that do not divide a piece, the digest is
+    the dir's and the bytes read are the file's."""
+    import os
+    from collections.abc import Callable
+
+    from cachedaemon.checkpoint import CheckpointReader, TensorInfo
+    from cachedaemon.cuda_load import _pread_exact
+
+    monkeypatch.setattr(digest, "PIECE", 4096)
+    monkeypatch.setattr(digest, "SLICE", 1000)
+    staging = 2 * 4096
+
+    def preader(fd: int, info: TensorInfo) -> Callable[[memoryview, int], None]:
+        return lambda view, at: _pread_exact(fd, view, info.start + at, info)
+
+    with CheckpointReader(original) as reader:
+        digester = digest.Digester(
+            reader.model_dir / "config.json", reader.files, reader.tensors.values()
+        )
+        try:
+            for info in reader.tensors.values():
+                fd = os.open(info.path, os.O_RDONLY)
+                try:
+                    got = bytearray()
+                    for start in range(0, info.nbytes, staging):
+                        buf = memoryview(bytearray(min(staging, info.nbytes - start)))
+                        digester.read(info, buf, start, preader(fd, info))
+                        got += buf
+                    assert bytes(got) == os.pread(fd, info.nbytes, info.start)
+                finally:
+                    os.close(fd)
+            assert digester.result() == digest_dir(original)
+        finally:
+            digester.close()
+    assert max(i.nbytes for i in reader.tensors.values()) > staging  # slices and pieces met
