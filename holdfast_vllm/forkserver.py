@@ -50,7 +50,7 @@ PRELOAD = (
 # memory, on an H100)
 CPU_PRELOAD = ("vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner")
 # what a CUDA engine needs of torch as torch made it; main() refuses to serve on a non-CPU
-# platform when the imports replaced one of them
+# platform when the imports replaced one of them by what an exec'd engine would not have
 TORCH_KEPT = (
     ("Tensor", "pin_memory"),
     ("cuda", "Stream"),
@@ -90,9 +90,20 @@ def torch_as_found() -> dict[str, object]:
     return {f"torch.{a}.{b}": getattr(getattr(torch, a), b, None) for a, b in TORCH_KEPT}
 
 
+# modules whose patches of torch every vLLM engine has, exec'd or forked, on every platform:
+# vllm.utils.torch_utils wraps torch.cuda.set_stream to keep track of the current stream (an
+# H100's fork server that counted it refused to serve)
+EVERY_ENGINE = ("vllm.utils.torch_utils",)
+
+
 def torch_replaced(before: dict[str, object]) -> list[str]:
-    """Which of torch's TORCH_KEPT attributes differ from `before` (torch_as_found())."""
-    return [name for name, now in torch_as_found().items() if now is not before[name]]
+    """Which of torch's TORCH_KEPT attributes differ from `before` (torch_as_found()), by
+    what a module other than EVERY_ENGINE put there."""
+    return [
+        name
+        for name, now in torch_as_found().items()
+        if now is not before[name] and getattr(now, "__module__", None) not in EVERY_ENGINE
+    ]
 
 
 def cuda_initialized() -> bool:

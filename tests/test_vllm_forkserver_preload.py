@@ -50,6 +50,22 @@ def test_the_cpu_workers_import_is_seen_replacing_torchs_pin_memory_streams_and_
     assert "torch.cuda.Stream" in replaced and "torch.cuda.Event" in replaced
 
 
+def test_vllms_own_stream_tracking_which_every_engine_has_is_not_counted() -> None:
+    out = run_vllm_python(
+        """
+        import torch
+        from holdfast_vllm.forkserver import torch_as_found, torch_replaced
+        before = torch_as_found()
+        import vllm.utils.torch_utils  # noqa: F401
+        print(torch.cuda.set_stream is not before["torch.cuda.set_stream"])
+        print(",".join(torch_replaced(before)) or "none")
+        """
+    )
+    patched, replaced = out.strip().splitlines()[-2:]
+    assert patched == "True"  # vLLM wraps it on every platform
+    assert replaced == "none"
+
+
 def test_the_cpu_worker_is_preloaded_only_where_vllms_platform_is_the_cpu() -> None:
     out = run_vllm_python(
         """
