@@ -110,8 +110,8 @@ def main() -> int:
         "--readers",
         type=int,
         default=0,
-        help="GPU load: reader threads, with and without the digest (default: the daemon's "
-        "own, cuda_load.WORKERS without, DIGEST_WORKERS with)",
+        help="GPU load: reader threads, with and without the digest (default: the "
+        "daemon's own, cuda_load.WORKERS)",
     )
     p.add_argument("--out", help="write the result as JSON here")
     args = p.parse_args()
@@ -119,13 +119,13 @@ def main() -> int:
 
     if args.workers:
         digest.WORKERS = args.workers
-    readers = {}
+    readers = 0
     if args.device.startswith("cuda"):
         from cachedaemon import cuda_load
 
         if args.readers:
-            cuda_load.WORKERS = cuda_load.DIGEST_WORKERS = args.readers
-        readers = {"without_digest": cuda_load.WORKERS, "with_digest": cuda_load.DIGEST_WORKERS}
+            cuda_load.WORKERS = args.readers
+        readers = cuda_load.WORKERS
     model = ensure_checkpoint(Path(args.models), args.preset)
     one_load(model, args.device)  # warm the page cache and the imports
     baseline: list[dict[str, float]] = []

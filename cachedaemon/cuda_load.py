@@ -27,10 +27,9 @@ from cachedaemon.loader import LoadOptions, SourcePlan, dtype_of, transform
 from cachedaemon.manifest import TensorEntry
 from cachedaemon.strides import contiguous_stride
 
-WORKERS = 8  # PIECE: bytes per pread, per host-to-device copy and per digest piece
-# with the content digest each reader hashes what it reads (Digester.read), and the load
-# takes more readers, up to the cores there are
-DIGEST_WORKERS = max(WORKERS, min(16, os.cpu_count() or 1))
+# readers, up to 16 where there are the cores: on a 16-core H100 host llama-8b loaded in
+# 0.78 s with 16 against 0.90 s with 8, and its readers hash what they read (Digester.read)
+WORKERS = max(8, min(16, os.cpu_count() or 1))
 Place = tuple[int, int, int]  # chunk, offset, nbytes
 
 
@@ -137,10 +136,10 @@ def fill_parallel(
     piece: int = PIECE,
     digester: Digester | None = None,
 ) -> list[TensorEntry]:
-    """Fill the pool's chunks from the checkpoint on `workers` threads (default WORKERS, or
-    DIGEST_WORKERS with a digester); the entries in plan order."""
-    if workers is None:
-        workers = WORKERS if digester is None else DIGEST_WORKERS
+    """Fill the pool's chunks from the checkpoint on `workers` threads (default WORKERS);
+    the entries in plan order. `piece`: bytes per pread, per host-to-device copy; a
+    multiple of the digest's piece."""
+    workers = workers or WORKERS
 
     per_plan: list[list[Place]] = []
     it = iter(places)
