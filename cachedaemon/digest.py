@@ -38,8 +38,9 @@ ALGO = "blake3 of blake3(header), blake3(each 64 MiB piece of each tensor, file 
 WORKERS = max(2, min(32, os.cpu_count() or 2))
 HELD = 512 << 20  # bytes waiting to be hashed, at most (one piece more when it is larger)
 # Digester.read's slice: read, then hashed by the thread that read it while it is still in
-# that core's cache (an H100 host's 64 MiB piece hashed by another thread came back from
-# DRAM, and the load with the digest took 1.27x as long as without: bench/results/load_digest)
+# that core's cache. On an H100 host this was no faster than add's threads hashing whole
+# pieces (the load with the digest took 1.38x as long as without, 1.27x with add's threads:
+# bench/results/load_digest); what the load waits for is not pinned down
 SLICE = 1 << 20
 
 
@@ -104,9 +105,9 @@ class Digester:
         read_into: Callable[[memoryview, int], None],
     ) -> None:
         """Fill `buf` with the tensor's bytes from `offset` by `read_into(view, offset)`, a
-        SLICE at a time, and hash each slice on this thread right after it is read: the
-        digest costs this thread's CPU and no second trip through memory. Recorded as
-        add's pieces are; `offset` on a piece's boundary, as for add."""
+        SLICE at a time, and hash each slice on this thread right after it is read, while
+        it is in this core's cache. Recorded as add's pieces are; `offset` on a piece's
+        boundary, as for add."""
         for k, piece in _pieces(info, offset, buf):
             start = k * PIECE
             hasher = blake3(max_threads=1)
