@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import runpy
 import signal
@@ -49,6 +50,26 @@ PRELOAD = (
 # inherit that (its sampler's Triton kernel then died on a seeds tensor that was no device
 # memory, on an H100)
 CPU_PRELOAD = ("vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner")
+# what a CUDA engine imports later, as it builds its worker, model runner and attention
+# backend and loads its compiled graph (Inductor, Triton), only where vLLM's platform is
+# CUDA. Should one of them initialize CUDA or replace one of TORCH_KEPT here, the server
+# starts again without them (main), as it was before they were added
+CUDA_PRELOAD = (
+    "vllm.v1.worker.gpu_worker",
+    "vllm.v1.worker.gpu.model_runner",
+    "vllm.v1.worker.gpu_model_runner",
+    "vllm.v1.attention.backends.flash_attn",
+    "vllm.vllm_flash_attn",
+    "vllm.v1.sample.sampler",
+    "vllm.compilation.backends",
+    "vllm.compilation.caching",
+    "vllm.compilation.piecewise_backend",
+    "vllm.compilation.cuda_graph",
+    "torch._inductor.compile_fx",
+    "torch._inductor.codecache",
+    "triton",
+)
+NO_CUDA_PRELOAD = "HOLDFAST_VLLM_NO_CUDA_PRELOAD"  # set when main() starts again without it
 # what a CUDA engine needs of torch as torch made it; main() refuses to serve on a non-CPU
 # platform when the imports replaced one of them by what an exec'd engine would not have
 TORCH_KEPT = (
@@ -64,7 +85,7 @@ log = structlog.get_logger("holdfast_vllm.forkserver")
 
 
 def preload() -> tuple[float, list[str]]:
-    """Import PRELOAD, and CPU_PRELOAD where vLLM's platform is the CPU; the seconds taken
+    """Import PRELOAD, and CPU_PRELOAD or CUDA_PRELOAD by vLLM's platform; the seconds taken
     and what could not be imported (a vLLM version without one of them: its forks import
     it themselves, slower)."""
     t0 = time.perf_counter()
@@ -75,6 +96,8 @@ def preload() -> tuple[float, list[str]]:
 
     if current_platform.is_cpu():
         names += CPU_PRELOAD
+    elif current_platform.is_cuda() and os.environ.get(NO_CUDA_PRELOAD) != "1":
+        names += CUDA_PRELOAD
     for name in names:
         try:
             importlib.import_module(name)
@@ -104,6 +127,54 @@ def torch_replaced(before: dict[str, object]) -> list[str]:
         for name, now in torch_as_found().items()
         if now is not before[name] and getattr(now, "__module__", None) not in EVERY_ENGINE
     ]
+
+
+def warm(model: str) -> tuple[float, list[str]]:
+    """Load `model`'s tokenizer, and the chat template its API server looks up, into vLLM's
+    own caches (the lru_caches of vllm.tokenizers.registry and
+    vllm.transformers_utils.processor), asked with the arguments an API server started
+    with `--model model` and no tokenizer flags asks them with: each fork then finds them
+    loaded. A forked API server on an H100 loaded its tokenizer before its EngineCore
+    started and again, through the processor, after it was ready. An engine started with
+    other tokenizer flags misses these caches and loads its own, as without them. The
+    seconds taken and what could not be warmed."""
+    from types import SimpleNamespace
+
+    t0 = time.perf_counter()
+    failed = []
+    try:
+        from vllm.tokenizers.registry import cached_tokenizer_from_config
+
+        tokenizer = cached_tokenizer_from_config(
+            SimpleNamespace(  # the ModelConfig fields it reads, as vLLM's defaults set them
+                skip_tokenizer_init=False,
+                hf_config=None,
+                tokenizer=model,
+                runner_type="generate",
+                tokenizer_mode="auto",
+                tokenizer_revision=None,
+                trust_remote_code=False,
+            )
+        )
+    except Exception as e:  # the fork then loads it itself
+        return time.perf_counter() - t0, [f"tokenizer: {type(e).__name__}: {e}"]
+    try:
+        from vllm.renderers.hf import resolve_chat_template
+
+        model_type = json.loads((Path(model) / "config.json").read_text()).get("model_type")
+        config = SimpleNamespace(
+            model=model,
+            tokenizer=model,
+            tokenizer_revision=None,
+            revision=None,
+            code_revision=None,
+            trust_remote_code=False,
+            hf_config=SimpleNamespace(model_type=model_type),
+        )
+        resolve_chat_template(tokenizer, None, None, model_config=config)
+    except Exception as e:
+        failed.append(f"chat template: {type(e).__name__}: {e}")
+    return time.perf_counter() - t0, failed
 
 
 def cuda_initialized() -> bool:
@@ -146,6 +217,17 @@ def run_api_server(argv: list[str], t0: float, spare_ms: float) -> int:
     return 0
 
 
+def again_without_cuda_preload(driver: bool | None, replaced: list[str]) -> None:
+    """This server, started again in place (same pid) without CUDA_PRELOAD, which did what
+    a fork cannot inherit."""
+    what = [*(["the CUDA driver"] if driver else []), *replaced] or ["a CUDA context"]
+    log.warning("starting again without the CUDA preload", initialized_or_replaced=what)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.environ[NO_CUDA_PRELOAD] = "1"
+    os.execv(sys.executable, [sys.executable, "-m", "holdfast_vllm.forkserver", *sys.argv[1:]])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m holdfast_vllm.forkserver",
@@ -154,6 +236,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--socket", required=True, type=Path, help="unix socket to listen on")
+    p.add_argument(
+        "--warm-model",
+        metavar="DIR",
+        help="load this checkpoint's tokenizer and chat template before forking (warm())",
+    )
     p.add_argument("--log-format", choices=["console", "json"], default="console")
     args = p.parse_args(argv)
     from engine.errors import EngineError
@@ -177,7 +264,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     for what in missing:
         log.warning("not preloaded", module=what)
+    from vllm.platforms import current_platform
+
+    cuda_preload = current_platform.is_cuda() and os.environ.get(NO_CUDA_PRELOAD) != "1"
     driver = cuda_driver_initialized()
+    replaced = torch_replaced(torch_before)
+    if cuda_preload and (cuda_initialized() or driver or replaced):
+        again_without_cuda_preload(driver, replaced)  # does not return
     if cuda_initialized() or driver:
         what = "a CUDA context" if cuda_initialized() else "the CUDA driver (cuInit)"
         print(
@@ -186,9 +279,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    from vllm.platforms import current_platform
-
-    replaced = torch_replaced(torch_before)
     if replaced and not current_platform.is_cpu():
         print(
             f"holdfast_vllm.forkserver: error: importing vLLM replaced {', '.join(replaced)} "
@@ -197,6 +287,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    warm_s, not_warmed = warm(args.warm_model) if args.warm_model else (0.0, [])
+    for what in not_warmed:
+        log.warning("not warmed", what=what)
     try:
         server = Server(bind(args.socket), spares="off", program=run_api_server)
     except EngineError as e:
@@ -207,6 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "forkserver ready",
         socket=str(args.socket),
         preload_s=round(seconds, 3),
+        cuda_preload=cuda_preload,
+        warm_s=round(warm_s, 3),
         cuda_driver_initialized=driver,
         platform=current_platform.device_name,
         torch_replaced=",".join(replaced) or "none",

@@ -96,11 +96,9 @@ def _reference_forks(p: Policy) -> Forks | None:
 
 
 def _vllm_forks(p: Policy) -> Forks | None:
-    """holdfast_vllm.forkserver in the vLLM venv, unless the policy says false; on a CUDA
-    device only where it says true (an engine forked from it failed its start on an H100:
-    bench/results/vllm-gpu/README.md), so each is exec'd as vLLM's own command."""
-    on_cuda = any(d.startswith("cuda") for d in p.devices.ids)
-    if p.engines.forkserver is False or (on_cuda and p.engines.forkserver is not True):
+    """holdfast_vllm.forkserver in the vLLM venv, on the CPU and on a CUDA device, unless the
+    policy says false (then each engine is exec'd as vLLM's own command)."""
+    if p.engines.forkserver is False:
         return None
     server, serves = vllm_kind.forkserver(p)
     return Forks(server, serves, "vllm-forkserver")

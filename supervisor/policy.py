@@ -77,8 +77,7 @@ class EnginesSpec(_Spec, frozen=True):
     env: dict[str, str] = msgspec.field(default_factory=dict)
     # fork engines from a process that has imported them already; None: whenever the
     # command is `{python} -m engine ...` (others are started with exec either way), and
-    # for kind vllm on the CPU (holdfast_vllm.forkserver in the vLLM venv; on a CUDA
-    # device only with true)
+    # for kind vllm (holdfast_vllm.forkserver in the vLLM venv)
     forkserver: bool | None = None
     health: Literal["agent", "http"] = "agent"
     primary: int = 1

@@ -89,7 +89,8 @@ def forkserver(p: Policy) -> tuple[list[str], list[str]]:
     """The vLLM fork server's command (its socket is added), and the head of the engine
     commands it serves."""
     py = python_of(p.engines.vllm)
-    return [py, "-m", FORKSERVER], [py, "-m", MODULE]
+    warm = ["--warm-model", p.model.path] if p.model.path else []  # its tokenizer, loaded once
+    return [py, "-m", FORKSERVER, *warm], [py, "-m", MODULE]
 
 
 def _device(p: Policy) -> str:

@@ -88,7 +88,8 @@ def test_kind_vllm_expands_to_the_api_server_with_the_plugin(tmp_path: Path) -> 
     # forked from the vLLM fork server, which serves exactly this command's head, and the
     # EngineCore forked in turn
     forks = engine_kinds.forks(policy)
-    assert forks is not None and forks.server == [VLLM_PYTHON, "-m", "holdfast_vllm.forkserver"]
+    assert forks is not None and forks.server[:3] == [VLLM_PYTHON, "-m", "holdfast_vllm.forkserver"]
+    assert forks.server[3:] == ["--warm-model", policy.model.path]  # its tokenizer, loaded once
     assert forks.serves == cmd[:3]
     assert policy.engines.env["HOLDFAST_VLLM_FORK"] == "1"
 
@@ -102,17 +103,18 @@ def test_kind_vllm_forks_nothing_when_the_policy_says_so(tmp_path: Path) -> None
     assert "HOLDFAST_VLLM_FORK" not in policy.engines.env
 
 
-def test_kind_vllm_on_a_cuda_device_execs_each_engine_unless_the_policy_asks_for_forks(
+def test_kind_vllm_on_a_cuda_device_forks_each_engine_warmed_with_the_models_tokenizer(
     tmp_path: Path,
 ) -> None:
     gpu = load_policy(REPO / "policies" / "vllm-gpu.yaml", schema_only=True)
     assert gpu.devices.ids == ["cuda:0"] and gpu.engines.forkserver is None
-    assert engine_kinds.forks(gpu) is None  # each engine is vLLM's own command, exec'd
+    forks = engine_kinds.forks(gpu)
+    assert forks is not None
+    assert forks.server[1:] == ["-m", "holdfast_vllm.forkserver", "--warm-model", gpu.model.path]
     raw = yaml.safe_load((REPO / "policies" / "vllm-gpu.yaml").read_text())
-    raw["engines"]["forkserver"] = True
-    (tmp_path / "forked.yaml").write_text(yaml.safe_dump(raw))
-    forks = engine_kinds.forks(load_policy(tmp_path / "forked.yaml", schema_only=True))
-    assert forks is not None and forks.server[1:] == ["-m", "holdfast_vllm.forkserver"]
+    raw["engines"]["forkserver"] = False
+    (tmp_path / "execd.yaml").write_text(yaml.safe_dump(raw))
+    assert engine_kinds.forks(load_policy(tmp_path / "execd.yaml", schema_only=True)) is None
 
 
 def test_kind_vllm_with_a_command_of_its_own_is_refused(tmp_path: Path) -> None:

@@ -80,3 +80,31 @@ def test_the_cpu_worker_is_preloaded_only_where_vllms_platform_is_the_cpu() -> N
     platform, loaded = out.strip().splitlines()[-2:]
     assert platform == "cpu"
     assert loaded.split(",") == ["vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner"]
+
+
+def test_warm_loads_the_tokenizer_and_chat_template_an_api_server_then_finds(
+    tiny_model: Path,
+) -> None:
+    out = run_vllm_python(
+        f"""
+        from holdfast_vllm.forkserver import warm
+        seconds, failed = warm({str(tiny_model)!r})
+        assert failed == [], failed
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.renderers.hf import resolve_chat_template
+        from vllm.tokenizers.registry import cached_get_tokenizer, cached_tokenizer_from_config
+        from vllm.transformers_utils.processor import cached_get_processor
+        loads = cached_get_tokenizer.cache_info().misses, cached_get_processor.cache_info().misses
+        # what the API server does, with the ModelConfig its own flags make
+        config = EngineArgs(model={str(tiny_model)!r}).create_model_config()
+        tokenizer = cached_tokenizer_from_config(config)
+        template = resolve_chat_template(tokenizer, None, None, model_config=config)
+        print(loads, cached_get_tokenizer.cache_info().misses,
+              cached_get_processor.cache_info().misses, cached_get_tokenizer.cache_info().hits,
+              template is not None)
+        """
+    )
+    loads, tokenizers, processors, hits, template = out.strip().splitlines()[-1].rsplit(" ", 4)
+    assert loads == "(1, 1)"  # warm loaded each once
+    assert (tokenizers, processors) == ("1", "1")  # and the server's calls loaded none again
+    assert hits == "1" and template == "True"
