@@ -19,10 +19,13 @@ the whole run. Each API server is started as the supervisor starts a vLLM engine
   each server's process tree and, on a GPU, nvidia-smi's memory per process.
 - restart: process start to the first 200 on /health, --trials per loader, alternating;
   medians, and where the time goes (bench/vllm_startup.py's log phases and timeline).
-  Three ways to start: `auto` (vLLM's default loader, `python -m` its API server),
-  `holdfast` (the same command, --load-format holdfast) and `forked` (holdfast, the engine
-  forked from `holdfast_vllm.forkserver`, which has imported vLLM: how the supervisor
-  starts a vLLM engine, `engines.forkserver` at its default).
+  Four ways to start: `stock` (vLLM's default loader as vLLM ships it: `python -m` its API
+  server with vLLM's own process defaults, its EngineCore a spawned process that imports
+  vLLM again), `auto` (the default loader in the environment holdfast gives its vLLM
+  engines: vLLM's in-process engine switched off and the EngineCore forked from its API
+  server by the plugin, so imported once), `holdfast` (that, with --load-format holdfast)
+  and `forked` (holdfast, the engine forked from `holdfast_vllm.forkserver`, which has
+  imported vLLM and loaded the tokenizer: how the supervisor starts a vLLM engine).
 The JSON is rewritten as each stage ends: a stage that fails leaves the earlier results
 (and its error). Each server's output is kept in --logs.
 """
@@ -61,7 +64,10 @@ REPO = Path(__file__).resolve().parent.parent
 STAGES = ("parity", "memory", "restart")
 # restart: how an engine is started (the docstring); the supervisor's way first, so a run
 # that runs out of time has it (one on an H100 reached only the other two)
-STARTS = ("forked", "auto", "holdfast")
+STARTS = ("forked", "auto", "holdfast", "stock")
+# what vllm_kind.environment sets that is holdfast's way of running vLLM's processes, not a
+# choice vLLM makes itself: `stock` starts without them
+HOLDFAST_PROCESS_ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING", "HOLDFAST_VLLM_FORK")
 BAR = 0.01  # private weight bytes per engine, as a share of the pool's
 # what vLLM logs on a GPU beside bench/vllm_startup.PHASES (0.26 says "takes", 0.32 "took")
 GPU_PHASES = {
@@ -226,17 +232,22 @@ class Bench:
         vllm = {"loader": loader, "layout": "vllm", "mode": "zero_copy", "fallback": False,
                 "kv_cache_gb": a.kv_cache_gb, "max_model_len": a.max_model_len,
                 "enforce_eager": a.eager or not self.cuda,
-                "gpu_memory_utilization": a.gpu_memory_utilization}  # fmt: skip
+                "gpu_memory_utilization": a.gpu_memory_utilization,
+                "args": a.engine_args}  # fmt: skip
         raw = {"model": {"path": str(a.model_dir), "dtype": a.dtype},
                "devices": {"ids": [a.device]}, "engines": {"kind": "vllm", "vllm": vllm}}  # fmt: skip
         return msgspec.convert(raw, Policy)
 
     def argv(self, loader: str, port: int | str) -> list[str]:
         values = {"model": str(self.args.model_dir), "port": str(port)}
-        return [arg.format_map(values) for arg in vllm_kind.command(self.policy(loader))]
+        policy = self.policy("auto" if loader == "stock" else loader)
+        return [arg.format_map(values) for arg in vllm_kind.command(policy)]
 
     def env(self, loader: str) -> dict[str, str]:
-        env = {**os.environ, **vllm_kind.environment(self.policy(loader))}
+        own = vllm_kind.environment(self.policy("auto" if loader == "stock" else loader))
+        if loader == "stock":
+            own = {k: v for k, v in own.items() if k not in HOLDFAST_PROCESS_ENV}
+        env = {**os.environ, **own}
         env.update(PYTHONUNBUFFERED="1", PYTHONPATH=python_path())
         env.pop("HOLDFAST_DAEMONS", None)
         if loader == "holdfast":
@@ -257,7 +268,8 @@ class Bench:
         """holdfast_vllm.forkserver on the vLLM python, started once; its socket."""
         if self.forker is not None and self.forker.poll() is None:
             return self.fork_socket
-        argv = [self.python, "-m", vllm_kind.FORKSERVER, "--socket", str(self.fork_socket)]
+        server, _ = vllm_kind.forkserver(self.policy("holdfast"))  # as the supervisor's
+        argv = [*server, "--socket", str(self.fork_socket)]
         log = self.logs / f"forkserver-{int(time.time())}.log"
         self.fork_socket.unlink(missing_ok=True)
         t0 = time.perf_counter()
@@ -535,11 +547,12 @@ def restart(b: Bench, res: dict[str, Any]) -> None:
             b.save()
     res["median"] = median = {x: medians(runs, x) for x in a.starts}
     res["where_the_time_goes"] = {x: breakdown(m) for x, m in median.items()}
-    if "auto" in median:  # how many times faster than vLLM's default loader each start is
-        res["ready_ratio_auto_over"] = {
-            x: round(median["auto"]["ready_s"] / m["ready_s"], 2) for x, m in median.items()
-            if x != "auto"
-        }  # fmt: skip
+    for base in ("auto", "stock"):  # how many times faster than the default loader's start
+        if base in median:
+            res[f"ready_ratio_{base}_over"] = {
+                x: round(median[base]["ready_s"] / m["ready_s"], 2) for x, m in median.items()
+                if x != base
+            }  # fmt: skip
 
 
 def medians(runs: list[dict[str, Any]], loader: str) -> dict[str, float]:
@@ -599,7 +612,8 @@ def summary(report: dict[str, Any]) -> str:
         r = s["restart"]
         ready = {x: r["median"][x].get("ready_s") for x in r["median"]}
         lines.append(f"restart: median ready_s {ready}, "
-                     f"auto over each: {r.get('ready_ratio_auto_over')}")  # fmt: skip
+                     f"auto over each: {r.get('ready_ratio_auto_over')}, "
+                     f"stock over each: {r.get('ready_ratio_stock_over')}")  # fmt: skip
     lines += [f"{k}: ...{v['error'][-300:]}" for k, v in s.items() if "error" in v]
     return "\n".join(lines)
 
@@ -631,6 +645,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--eager", action="store_true", help="on cuda: --enforce-eager (no CUDA graphs)"
     )
+    ap.add_argument(
+        "--engine-args",
+        default="",
+        help="more vLLM flags for every engine, whatever its loader (engines.vllm.args), "
+        'e.g. "--max-num-seqs 32"',
+    )
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--deadline-s", type=float, help="per start (default: 300 on cuda, 900 on cpu)")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/holdfast-vllm-bench"))
@@ -641,6 +661,7 @@ def parse_args() -> argparse.Namespace:
     cuda = a.device.startswith("cuda")
     a.stages = [x for x in a.stages.split(",") if x]
     a.starts = [x for x in a.starts.split(",") if x]
+    a.engine_args = shlex.split(a.engine_args)
     if bad := [x for x in a.stages if x not in STAGES] or a.trials < 1:
         ap.error(f"--stages takes {','.join(STAGES)} ({bad} unknown) and --trials at least 1")
     if bad := [x for x in a.starts if x not in STARTS] or not a.starts:
