@@ -10,6 +10,7 @@
 #   chaos / chaos-tp2 (chaos/scenarios/gpu.yaml / gpu-tp2.yaml; results in $OUT/chaos-gpu*),
 #   scenario=FILE (any chaos scenario file; results in $OUT/chaos-NAME),
 #   load-digest (the daemon's llama-8b load with and without the content digest: bench/load_digest.py),
+#   digest-tests (tests/test_blake3_gpu.py: the digest hashed on the GPU equals the CPU's),
 #   vllm-part (keep the carried part of vLLM, .vllm/part-NN, in /tmp/holdfast-vllm-cuda/parts),
 #   vllm (once every part is kept: reassemble and check it; the stages after it run with
 #     vLLM importable and HOLDFAST_VLLM_VENV set, so engines.kind vllm policies find it)
@@ -115,6 +116,8 @@ for stage in $stages; do
         python3 -m pip list 2>/dev/null | grep -iE "^(torch|safetensors|numpy|cuda|msgspec|pyzmq|structlog|prometheus_client|aiomqtt|paho|rich|pytest|aiohttp|pyyaml) "
         sync; echo 3 > /proc/sys/vm/drop_caches && echo "drop_caches: ok"
       } 2>&1 | tee "$OUT/env.txt" ;;
+    digest-tests)  # the GPU's BLAKE3 against the CPU's
+      timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_blake3_gpu.py 2>&1 | tee "$OUT/tests_digest.txt" ;;
     checksum-tests)
       timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_backend.py -k checksum 2>&1 | tee "$OUT/tests_checksum.txt" ;;
     tests)

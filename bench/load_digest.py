@@ -66,7 +66,7 @@ def evict(model: Path) -> None:
             os.close(fd)
 
 
-def one_load(model: Path, device: str, cold: bool = False, digest: bool = True) -> dict[str, float]:
+def one_load(model: Path, device: str, cold: bool = False, digest: bool = True) -> dict[str, Any]:
     from cachedaemon.backends import get_backend
     from cachedaemon.config import LoadOptions, config_for
     from cachedaemon.pool import build_pool
@@ -83,8 +83,18 @@ def one_load(model: Path, device: str, cold: bool = False, digest: bool = True) 
 
         torch.cuda.synchronize()
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    files = pool.manifest.files
     pool.close()
-    return {"seconds": seconds, "cpu_seconds": cpu, "gb_per_s": nbytes / seconds / 1e9}
+    out: dict[str, Any] = {
+        "seconds": seconds,
+        "cpu_seconds": cpu,
+        "gb_per_s": nbytes / seconds / 1e9,
+    }
+    if digest:  # the load's digest against the files read again on the CPU (digest_dir)
+        from cachedaemon.digest import differences, digest_dir
+
+        out["digest_differences"] = differences(files, digest_dir(model))
+    return out
 
 
 def main() -> int:
@@ -128,13 +138,14 @@ def main() -> int:
         readers = cuda_load.WORKERS
     model = ensure_checkpoint(Path(args.models), args.preset)
     one_load(model, args.device)  # warm the page cache and the imports
-    baseline: list[dict[str, float]] = []
-    runs: list[dict[str, float]] = []
+    baseline: list[dict[str, Any]] = []
+    runs: list[dict[str, Any]] = []
     for _ in range(args.runs):
         if args.compare:
             baseline.append(one_load(model, args.device, args.cold, digest=False))
         runs.append(one_load(model, args.device, args.cold))
     seconds = [r["seconds"] for r in runs]
+    differ = sorted({d for r in runs for d in r.pop("digest_differences")})
     commit = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
@@ -155,6 +166,9 @@ def main() -> int:
         "cpu_seconds": [round(r["cpu_seconds"], 3) for r in runs],
         "median_cpu_s": round(statistics.median(r["cpu_seconds"] for r in runs), 3),
         "median_gb_per_s": round(statistics.median(r["gb_per_s"] for r in runs), 3),
+        # every load's digest equal to the CPU's of the files (cachedaemon verify's)
+        "digest_equal_to_cpu": not differ,
+        "digest_differences": differ,
     }
     if baseline:
         base = [r["seconds"] for r in baseline]

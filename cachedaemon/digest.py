@@ -10,7 +10,9 @@ digest costs CPU on other threads, not another read. config.json is hashed whole
 that no tensor covers (padding) are not in the digest: no weight is made of them.
 
 `Digester` is the load's side: `add` hashes what `CheckpointReader.read_into` read on
-digest threads of its own; `read` reads and hashes on the caller's thread (the GPU readers);
+digest threads of its own; `read` reads and hashes on the caller's thread (a GPU reader of
+a tensor it transforms); `put` records a piece hashed elsewhere (the GPU load hashes what
+it copied into the pool: cachedaemon.blake3_gpu);
 `digest_dir` reads a dir's files for `cachedaemon verify` and `verify: content`.
 Imports no torch.
 """
@@ -116,6 +118,11 @@ class Digester:
                 read_into(part, start + s)
                 hasher.update(part)
             self._sums[(info.path, info.start, k)] = hasher.digest()
+
+    def put(self, info: TensorInfo, k: int, digest: bytes) -> None:
+        """Record piece `k` of the tensor, hashed elsewhere (on the GPU: blake3_gpu) as
+        add and read hash it."""
+        self._sums[(info.path, info.start, k)] = digest
 
     def _reserve(self, n: int) -> None:
         with self._room:
