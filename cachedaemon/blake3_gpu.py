@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from blake3 import blake3
 
 CHUNK = 1024
 MAX_LEN = 1 << 30  # bytes of one range at most: in-kernel offsets stay in int32
@@ -392,3 +393,29 @@ def digests(buf: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> list[bytes]
     """BLAKE3 of buf[start:start+n] for each (start, n) in ranges; buf a 1-D uint8 tensor
     (CUDA, or CPU only when Triton runs in its interpreter); one digest (32 bytes) each."""
     return to_bytes(enqueue(buf, ranges))
+
+
+def disagrees(device: torch.device) -> str | None:
+    """None when this device's digests of a few ranges of pseudo-random bytes (one chunk,
+    two, and trees of three and five levels) equal the blake3 package's; else what differed
+    or failed. The loader asks once per device before it trusts the GPU's digests: a Triton,
+    driver or card these kernels have not run on hashes its own way or not at all."""
+    lengths = (1, CHUNK + 1, 5 * CHUNK + 7, 70 * CHUNK + 3)
+    ranges, size = [], 0
+    for n in lengths:
+        ranges.append((size, n))
+        size += (n + 3) // 4 * 4 + 4  # the byte after each range is another range's
+    host = torch.randint(
+        1, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)
+    )
+    try:
+        got = digests(host.to(device), ranges)
+    except Exception as e:  # a kernel Triton cannot build or run here
+        return f"{type(e).__name__}: {e}"
+    data = host.numpy().tobytes()
+    bad = [
+        n
+        for (start, n), digest in zip(ranges, got, strict=True)
+        if digest != blake3(data[start : start + n], max_threads=1).digest()
+    ]
+    return f"digests of {bad} bytes differ from the CPU's BLAKE3" if bad else None

@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import structlog
 import torch
 
 from cachedaemon.backends.base import Backend, OwnedChunk
@@ -37,6 +38,7 @@ from cachedaemon.strides import contiguous_stride
 # 0.78 s with 16 against 0.90 s with 8
 WORKERS = max(8, min(16, os.cpu_count() or 1))
 Place = tuple[int, int, int]  # chunk, offset, nbytes
+log = structlog.get_logger("cachedaemon.cuda_load")
 
 
 class _Stager:
@@ -158,7 +160,7 @@ def fill_parallel(
     fds = {p: os.open(p, os.O_RDONLY | os.O_CLOEXEC) for p in {sp.info.path for sp in plans}}
     if digester is not None and piece % PIECE:
         raise CheckpointError(f"piece {piece} must be a multiple of the digest's {PIECE} bytes")
-    gpu_digest = digester is not None and gpu_hashing()
+    gpu_digest = digester is not None and gpu_hashing(torch.device(opts.device))
     job = _Job(opts, chunks, fds, piece, digester, gpu_digest)
     try:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="holdfast-load") as ex:
@@ -194,14 +196,26 @@ def fill_parallel(
     ]
 
 
-def gpu_hashing() -> bool:
-    """Whether the digest can be hashed on the GPU here (blake3_gpu needs Triton, which
-    CUDA builds of torch bring); else each reader hashes what it reads."""
-    try:
-        from cachedaemon import blake3_gpu  # noqa: F401
-    except ImportError:
-        return False
-    return True
+_gpu_hashing: dict[torch.device, bool] = {}
+
+
+def gpu_hashing(device: torch.device) -> bool:
+    """Whether the digest is hashed on `device` (blake3_gpu needs Triton, which CUDA builds
+    of torch bring, and its digests must equal the CPU's there: blake3_gpu.disagrees, asked
+    once per device); else each reader hashes what it reads."""
+    if device not in _gpu_hashing:
+        try:
+            from cachedaemon import blake3_gpu
+        except ImportError:
+            _gpu_hashing[device] = False
+        else:
+            why = blake3_gpu.disagrees(device)
+            if why is not None:
+                log.warning(
+                    "the GPU's BLAKE3 is not used: the readers hash", device=str(device), why=why
+                )
+            _gpu_hashing[device] = why is None
+    return _gpu_hashing[device]
 
 
 def digest_in_pool(

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -56,8 +57,10 @@ CHILD = textwrap.dedent(
     builder = getattr(interp, "interpreter_builder", None)
     if builder is not None and hasattr(builder.options, "sanitize_overflow"):
         builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+    from cachedaemon.blake3_gpu import disagrees
     batches = json.loads(sys.argv[1])
-    print(json.dumps({name: run_batch(torch.device("cpu"), *b) for name, b in batches.items()}))
+    out = {name: run_batch(torch.device("cpu"), *b) for name, b in batches.items()}
+    print(json.dumps({**out, "disagrees": disagrees(torch.device("cpu"))}))
     """
 )
 
@@ -93,9 +96,12 @@ def run_batch(
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[str, list]:
+def results() -> dict[str, Any]:
     if torch.cuda.is_available():
-        return {name: run_batch(torch.device("cuda"), *b) for name, b in BATCHES.items()}
+        from cachedaemon.blake3_gpu import disagrees
+
+        out = {name: run_batch(torch.device("cuda"), *b) for name, b in BATCHES.items()}
+        return {**out, "disagrees": disagrees(torch.device("cuda"))}
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, json.dumps(BATCHES)],
@@ -109,8 +115,12 @@ def results() -> dict[str, list]:
     return dict(json.loads(proc.stdout.splitlines()[-1]))
 
 
+def test_the_loaders_own_check_finds_the_digests_equal(results: dict[str, Any]) -> None:
+    assert results["disagrees"] is None  # blake3_gpu.disagrees: what cuda_load asks first
+
+
 @pytest.mark.parametrize("batch", list(BATCHES))
-def test_digests_equal_blake3(results: dict[str, list], batch: str) -> None:
+def test_digests_equal_blake3(results: dict[str, Any], batch: str) -> None:
     rows = results[batch]
     assert [n for n, _, _ in rows] == BATCHES[batch][2]
     wrong = [(n, got, want) for n, got, want in rows if got != want]
@@ -178,7 +188,7 @@ def test_a_gpu_loads_digest_is_the_cpu_digest_of_the_files(tiny_model: Path, dty
     from cachedaemon.digest import differences, digest_dir
     from cachedaemon.pool import build_pool
 
-    assert gpu_hashing()  # Triton is here: the bfloat16 load hashes on the GPU
+    assert gpu_hashing(torch.device("cuda:0"))  # the bfloat16 load hashes on the GPU
     opts = LoadOptions(dtype=dtype, device="cuda:0")
     config = config_for(tiny_model, opts)
     pool, _ = build_pool(
