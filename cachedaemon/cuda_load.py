@@ -205,7 +205,7 @@ def gpu_hashing(device: torch.device) -> bool:
     once per device); else each reader hashes what it reads."""
     if device not in _gpu_hashing:
         try:
-            from cachedaemon import blake3_gpu
+            import cachedaemon.blake3_gpu as blake3_gpu
         except ImportError:
             _gpu_hashing[device] = False
         else:
@@ -227,7 +227,7 @@ def digest_in_pool(
     """The digest's pieces of every tensor copied into the pool as the file holds it,
     hashed there on the GPU (blake3_gpu: the same BLAKE3 as the CPU's), one batch per pool
     chunk; the rest were hashed as they were read."""
-    from cachedaemon import blake3_gpu
+    import cachedaemon.blake3_gpu as blake3_gpu
 
     ranges: dict[int, list[tuple[int, int]]] = {}
     keys: dict[int, list[tuple[TensorInfo, int]]] = {}
