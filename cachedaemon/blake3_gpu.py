@@ -126,16 +126,36 @@ def _merge(left, right, has_right, root):  # type: ignore[no-untyped-def]
     z = left[0] * 0
     iv = (z + _IV0, z + _IV1, z + _IV2, z + _IV3, z + _IV4, z + _IV5, z + _IV6, z + _IV7)
     flags = z + tl.where(root, _PARENT | _ROOT, _PARENT).to(tl.uint32)
-    p = _compress(iv, left + right, z, z + 64, flags)
+    return _select(has_right, _compress(iv, left + right, z, z + 64, flags), left)
+
+
+@_jit
+def _select(cond, a, b):  # type: ignore[no-untyped-def]
+    """Of two nodes (8-word tuples), a where cond, else b, word by word."""
     return (
-        tl.where(has_right, p[0], left[0]),
-        tl.where(has_right, p[1], left[1]),
-        tl.where(has_right, p[2], left[2]),
-        tl.where(has_right, p[3], left[3]),
-        tl.where(has_right, p[4], left[4]),
-        tl.where(has_right, p[5], left[5]),
-        tl.where(has_right, p[6], left[6]),
-        tl.where(has_right, p[7], left[7]),
+        tl.where(cond, a[0], b[0]),
+        tl.where(cond, a[1], b[1]),
+        tl.where(cond, a[2], b[2]),
+        tl.where(cond, a[3], b[3]),
+        tl.where(cond, a[4], b[4]),
+        tl.where(cond, a[5], b[5]),
+        tl.where(cond, a[6], b[6]),
+        tl.where(cond, a[7], b[7]),
+    )
+
+
+@_jit
+def _load_node(at, mask):  # type: ignore[no-untyped-def]
+    """The node (8 uint32 words) stored as int32 at `at`; 0 where not mask."""
+    return (
+        tl.load(at, mask=mask, other=0).to(tl.uint32, bitcast=True),
+        tl.load(at + 1, mask=mask, other=0).to(tl.uint32, bitcast=True),
+        tl.load(at + 2, mask=mask, other=0).to(tl.uint32, bitcast=True),
+        tl.load(at + 3, mask=mask, other=0).to(tl.uint32, bitcast=True),
+        tl.load(at + 4, mask=mask, other=0).to(tl.uint32, bitcast=True),
+        tl.load(at + 5, mask=mask, other=0).to(tl.uint32, bitcast=True),
+        tl.load(at + 6, mask=mask, other=0).to(tl.uint32, bitcast=True),
+        tl.load(at + 7, mask=mask, other=0).to(tl.uint32, bitcast=True),
     )
 
 
@@ -177,18 +197,7 @@ def _chunk_cv(words, ci, n, nfull, tail, root, LANES: tl.constexpr):  # type: ig
         )
         block_len = tl.minimum(tl.maximum(clen - b * 64, 0), 64).to(tl.uint32)
         flags = tl.where(b == 0, _CHUNK_START, 0) | tl.where(b == nblocks - 1, end, 0)
-        o = _compress(h, m, counter, block_len, flags.to(tl.uint32))
-        keep = b < nblocks
-        h = (
-            tl.where(keep, o[0], h[0]),
-            tl.where(keep, o[1], h[1]),
-            tl.where(keep, o[2], h[2]),
-            tl.where(keep, o[3], h[3]),
-            tl.where(keep, o[4], h[4]),
-            tl.where(keep, o[5], h[5]),
-            tl.where(keep, o[6], h[6]),
-            tl.where(keep, o[7], h[7]),
-        )
+        h = _select(b < nblocks, _compress(h, m, counter, block_len, flags.to(tl.uint32)), h)
     return h
 
 
@@ -248,26 +257,8 @@ def _level_kernel(table, progs, nodes_in, nodes_out, out, PAIRS: tl.constexpr): 
     left_at = nodes_in + (tl.load(row) + 2 * idx) * 8
     live = 2 * idx < count
     has_right = 2 * idx + 1 < count
-    left = (
-        tl.load(left_at, mask=live, other=0).to(tl.uint32, bitcast=True),
-        tl.load(left_at + 1, mask=live, other=0).to(tl.uint32, bitcast=True),
-        tl.load(left_at + 2, mask=live, other=0).to(tl.uint32, bitcast=True),
-        tl.load(left_at + 3, mask=live, other=0).to(tl.uint32, bitcast=True),
-        tl.load(left_at + 4, mask=live, other=0).to(tl.uint32, bitcast=True),
-        tl.load(left_at + 5, mask=live, other=0).to(tl.uint32, bitcast=True),
-        tl.load(left_at + 6, mask=live, other=0).to(tl.uint32, bitcast=True),
-        tl.load(left_at + 7, mask=live, other=0).to(tl.uint32, bitcast=True),
-    )
-    right = (
-        tl.load(left_at + 8, mask=has_right, other=0).to(tl.uint32, bitcast=True),
-        tl.load(left_at + 9, mask=has_right, other=0).to(tl.uint32, bitcast=True),
-        tl.load(left_at + 10, mask=has_right, other=0).to(tl.uint32, bitcast=True),
-        tl.load(left_at + 11, mask=has_right, other=0).to(tl.uint32, bitcast=True),
-        tl.load(left_at + 12, mask=has_right, other=0).to(tl.uint32, bitcast=True),
-        tl.load(left_at + 13, mask=has_right, other=0).to(tl.uint32, bitcast=True),
-        tl.load(left_at + 14, mask=has_right, other=0).to(tl.uint32, bitcast=True),
-        tl.load(left_at + 15, mask=has_right, other=0).to(tl.uint32, bitcast=True),
-    )
+    left = _load_node(left_at, live)
+    right = _load_node(left_at + 8, has_right)
     h = _merge(left, right, has_right, count == 2)
     parents = (count + 1) // 2
     at = tl.load(row + 3) + idx
