@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from cachedaemon.version import __version__
 
 __all__ = ["CacheConfig", "attach_model", "attach_state_dict", "__version__"]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import msgspec
 
-from cachedaemon import protocol
+import cachedaemon.protocol as protocol
 from cachedaemon.config import BACKENDS, DTYPES, QUANTIZATIONS, LoadOptions
 from cachedaemon.layouts import LAYOUTS
 from holdfast_contract import logs

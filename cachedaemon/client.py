@@ -10,7 +10,8 @@ import msgspec
 import structlog
 import torch
 
-from cachedaemon import protocol, readonly
+import cachedaemon.protocol as protocol
+import cachedaemon.readonly as readonly
 from cachedaemon.backends import Mapping, get_backend
 from cachedaemon.config import CacheConfig, LoadOptions, checkpoint_changes
 from cachedaemon.digest import FileDigest, differences, digest_dir

@@ -18,8 +18,9 @@ from typing import Any
 
 import msgspec
 
-from cachedaemon import layouts
+import cachedaemon.layouts as layouts
 from cachedaemon.sharding import Rule
+from cachedaemon.version import __version__
 from holdfast_contract.formats import DTYPES as DTYPES
 from holdfast_contract.formats import QUANTIZATIONS as QUANTIZATIONS
 
@@ -157,8 +158,6 @@ def env_stamp(device: str) -> EnvStamp:
         index = torch.device(device).index or 0
         major, minor = torch.cuda.get_device_capability(index)
         capability = f"{major}.{minor}"
-    from cachedaemon import __version__
-
     return EnvStamp(torch_version, cuda_version, capability, __version__)
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import structlog
 
-from cachedaemon import protocol
+import cachedaemon.protocol as protocol
 from holdfast_contract import wire
 from holdfast_contract.errors import ProtocolError
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import structlog
 
-from cachedaemon import protocol
+import cachedaemon.protocol as protocol
 from cachedaemon.frameserver import FrameServer, Reply
 from cachedaemon.manifest import Manifest
 from cachedaemon.rundir import claim, listen, prepare, write_json_atomic

@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 import torch
 
-from cachedaemon import quant
+import cachedaemon.quant as quant
 from cachedaemon.checkpoint import CheckpointReader, TensorInfo
 from cachedaemon.config import DTYPES, LoadOptions
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from cachedaemon import protocol
+import cachedaemon.protocol as protocol
 from cachedaemon.client import attach_state_dict
 from cachedaemon.config import LoadOptions
 from cachedaemon.loader import load_state_dict

@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 import structlog
 
-from cachedaemon import protocol
+import cachedaemon.protocol as protocol
 from cachedaemon.backends import Backend, get_backend
 from cachedaemon.config import CacheConfig, LoadOptions, checkpoint_changes, checkpoint_identity
 from cachedaemon.digest import differences

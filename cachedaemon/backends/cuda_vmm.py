@@ -18,7 +18,7 @@ from typing import Any
 import structlog
 import torch
 
-from cachedaemon import cuda_driver as drv
+import cachedaemon.cuda_driver as drv
 from cachedaemon.backends.base import Backend, Mapping, OwnedChunk
 from cachedaemon.cuda_checksum import ALGO, gpu_checksum, gpu_checksums
 from cachedaemon.errors import CacheError
