@@ -33,7 +33,7 @@ from supervisor.priority import renice
 from supervisor.realtime import RealtimeSection
 from supervisor.router import PrimaryView, Target
 from supervisor.states import ENGINE, EngineState, move
-from supervisor.units import READY_STATES, Engine, Incarnation, engines_of
+from supervisor.units import READY_STATES, Engine, Incarnation, Want, engines_of
 from supervisor.wiring import Commands, Daemons, Launcher
 
 log = structlog.get_logger("supervisor")
@@ -142,7 +142,7 @@ class Cluster:
             )
         )
 
-    def want(self, wants: Mapping[str, decisions.Want]) -> None:
+    def want(self, wants: Mapping[str, Want]) -> None:
         """What the rules want of each engine now, by name (`BatchGovernor.wants`): kept
         for its status, and its retained state published again where it changed (no
         event: its state did not move)."""

@@ -12,11 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from holdfast_contract.control import Wanted, WantedReason, WantedState
 from supervisor.pace import SchedState
 from supervisor.policy import LoadSpec, Policy
 from supervisor.states import EngineState
-from supervisor.units import Engine
+from supervisor.units import Engine, Want
 
 
 @dataclass(frozen=True)
@@ -204,24 +203,7 @@ def admission_victims(engines: Sequence[Engine], need: int, cap: int) -> list[En
     return victims
 
 
-# ---- what the rules want of each engine; batch engines: evict under load, respawn ----
-@dataclass(frozen=True)
-class Want:
-    """What the rules want of one engine now, and why (`control.Wanted`, on the monotonic
-    clock): `until` is when `reason` ends (a backoff, a respawn hold), None when only a
-    change (of load, memory, state) ends it."""
-
-    state: WantedState
-    reason: WantedReason
-    detail: str
-    until: float | None = None
-
-    def wire(self, now: float, wall: float) -> Wanted:
-        """As published: `until` on the wall clock, `wall` being `now` on it."""
-        until = None if self.until is None else round(wall + self.until - now, 3)
-        return Wanted(self.state, self.reason, self.detail, until)
-
-
+# ---- what the rules want of each engine (`units.Want`); batch engines: evict, respawn ----
 RUNS = Want("running", "policy", "the policy runs it")
 STOPPING = Want("stopped", "stopping", "the supervisor stops")
 

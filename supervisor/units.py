@@ -9,15 +9,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-from holdfast_contract.control import EngineStatus
+from holdfast_contract.control import EngineStatus, Wanted, WantedReason, WantedState
 from supervisor.backoff import RestartBook
 from supervisor.policy import Policy
 from supervisor.states import RUNNING, DaemonState, EngineState
-
-if TYPE_CHECKING:
-    from supervisor.decisions import Want
 
 # what an engine's agent reports once it may be routed to (its own states, not ours)
 READY_STATES = frozenset({"ready", "serving"})
@@ -70,6 +67,23 @@ class Incarnation:
     def tail(self, limit: int = 1024) -> str:
         """Rank 0's last output lines, warnings and errors first (see `Proc.tail`)."""
         return self.procs[0].tail(limit) if self.procs else ""
+
+
+@dataclass(frozen=True)
+class Want:
+    """What the rules want of one engine now, and why (`control.Wanted`, on the monotonic
+    clock): `until` is when `reason` ends (a backoff, a respawn hold), None when only a
+    change (of load, memory, state) ends it. Decided by `decisions.BatchGovernor.wants`."""
+
+    state: WantedState
+    reason: WantedReason
+    detail: str
+    until: float | None = None
+
+    def wire(self, now: float, wall: float) -> Wanted:
+        """As published: `until` on the wall clock, `wall` being `now` on it."""
+        until = None if self.until is None else round(wall + self.until - now, 3)
+        return Wanted(self.state, self.reason, self.detail, until)
 
 
 @dataclass

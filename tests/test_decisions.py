@@ -13,7 +13,6 @@ from supervisor.decisions import (
     BatchGovernor,
     Fence,
     Overdue,
-    Want,
     Windows,
     admission_victims,
     best_standby,
@@ -26,7 +25,7 @@ from supervisor.decisions import (
 from supervisor.policy import LoadSpec, RestartSpec, RouterSpec
 from supervisor.router import Target, attempts, choose
 from supervisor.states import EngineState
-from supervisor.units import Engine, Incarnation
+from supervisor.units import Engine, Incarnation, Want
 from tests.supervisor_fakes import FakeProc
 
 E = EngineState
