@@ -18,7 +18,8 @@ from chaos.scenario import Plan
 from chaos.stagepolicy import load_stage_policy, policy_data
 from supervisor import schema
 from supervisor.errors import PolicyError
-from supervisor.policy import Policy, semantic_errors
+from supervisor.policy import Policy
+from supervisor.policy_file import rule_errors
 
 
 def preflight(
@@ -69,7 +70,7 @@ def schema_policy(path: Path, overrides: dict[str, Any] | None = None) -> Policy
     model = policy.model
     if model.path is not None:  # stands in for the checkpoint: its files are not checked
         model = msgspec.structs.replace(model, path=None, preset=model.preset or "tiny")
-    errors = semantic_errors(msgspec.structs.replace(policy, model=model), schema_only=True)
+    errors = rule_errors(msgspec.structs.replace(policy, model=model), schema_only=True)
     if errors:
         raise PolicyError(errors, str(path))
     return policy

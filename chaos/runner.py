@@ -34,7 +34,8 @@ from chaos.preflight import preflight
 from chaos.recorder import EventRecorder, EventRow, MqttTarget
 from chaos.scenario import FaultSpec, Plan, Stage
 from chaos.trial import Harness, not_injected, run_trial, wait_ready
-from supervisor.policy import MqttSpec, load_policy
+from supervisor.policy import MqttSpec
+from supervisor.policy_file import load_policy
 
 log = structlog.get_logger("chaos.runner")
 

@@ -13,7 +13,8 @@ from typing import Any
 import yaml
 
 from supervisor.errors import PolicyError
-from supervisor.policy import Policy, load_policy, parse_policy
+from supervisor.policy import Policy
+from supervisor.policy_file import load_policy, parse_policy
 
 
 def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

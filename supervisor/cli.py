@@ -27,7 +27,7 @@ from holdfast_contract.control import (
 from holdfast_contract.errors import HoldfastError
 from supervisor.control import request
 from supervisor.errors import ControlError, PolicyError
-from supervisor.policy import load_policy
+from supervisor.policy_file import load_policy
 
 EXAMPLES = """examples:
   supervisor run                          # the demo policy: tiny CPU model, 1+1+1 engines

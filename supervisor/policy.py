@@ -1,27 +1,21 @@
-"""The supervisor's policy: a YAML file validated by this schema, the only home of defaults.
+"""The supervisor's policy schema: frozen structs, the only home of defaults, and the
+rules between their fields (`semantic_errors`).
 
-`load_policy(path)` returns a frozen `Policy` or raises `PolicyError` listing every problem
-with its path in the file (`$.engines.standby: expected int, got str`). Unknown keys are
-errors. `load_policy(None)` reads the embedded demo policy (`policies/demo.yaml`).
-`schema_only=True` skips what depends on this machine (whether model.path holds a
-checkpoint), for policies written for another one.
+A policy file is read into a `Policy` by supervisor/policy_file.py (`load_policy`), which
+also applies the engine kind's own resolve and rules: the schema names the kinds
+(`EnginesSpec.kind`) but imports none of them.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
-import yaml
 
 from holdfast_contract.command import FORKABLE, is_forkable, template_errors
 from holdfast_contract.env import DEFAULT_HEARTBEAT_MS
 from holdfast_contract.formats import Dtype, Quantization
-from supervisor import engine_kinds, schema
-from supervisor.errors import PolicyError
 from supervisor.fleet_spec import ClusterSpec, advertise_errors, cluster_errors
 from supervisor.vllm_spec import VllmSpec
 
@@ -167,83 +161,16 @@ class Policy(_Spec, frozen=True):
     source: str = ""  # the file it came from; set by load_policy (a value in the file is ignored)
 
 
-def demo_path() -> Path:
-    """The embedded default policy: the repo's policies/ dir, or where an install put it."""
-    candidates = [
-        Path(__file__).resolve().parents[1] / "policies" / "demo.yaml",
-        Path(sys.prefix) / "share" / "holdfast" / "policies" / "demo.yaml",
-    ]
-    return next((c for c in candidates if c.is_file()), candidates[0])
-
-
-def load_policy(path: str | os.PathLike[str] | None = None, *, schema_only: bool = False) -> Policy:
-    """Read, validate and resolve a policy file; None reads the demo policy."""
-    src = Path(path) if path is not None else demo_path()
-    try:
-        text = src.read_text()
-    except OSError as e:
-        raise PolicyError(
-            [f"cannot read {src}: {e.strerror}; pass an existing policy file"], str(src)
-        ) from e
-    return parse_policy(text, src, schema_only=schema_only)
-
-
-def parse_policy(text: str, src: Path, *, schema_only: bool = False) -> Policy:
-    try:
-        data: Any = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise PolicyError([f"$: not valid YAML: {e}"], str(src)) from e
-    data = {} if data is None else data
-    if not isinstance(data, dict):
-        raise PolicyError(
-            [f"$: expected a mapping at the top, got {type(data).__name__}"], str(src)
-        )
-    errors = schema.check(data, Policy)
-    usable = schema.salvage(data, Policy) if errors else data
-    if usable is None:  # a required key missing or wrong: nothing to check the rules on
-        raise PolicyError(errors, str(src))
-    policy = _resolve(msgspec.convert({**usable, "source": str(src)}, Policy), src.parent)
-    # the rules between fields run on what converted, so one run reports every error
-    errors += [
-        e
-        for e in semantic_errors(policy, schema_only=schema_only)
-        if not any(_same_place(e, bad) for bad in errors)
-    ]
-    if errors:
-        raise PolicyError(errors, str(src))
-    if policy.cluster is not None and not policy.cluster.advertise:
-        cluster = msgspec.structs.replace(policy.cluster, advertise=policy.router.listen)
-        policy = msgspec.structs.replace(policy, cluster=cluster)
-    return policy
-
-
-def _same_place(error: str, other: str) -> bool:
-    """Whether two `$.path: message` lines are about the same value (or one inside the
-    other): a rule is not reported on a value whose type was wrong already."""
-    a, b = error.partition(":")[0], other.partition(":")[0]
-    return a == b or a.startswith((b + ".", b + "[")) or b.startswith((a + ".", a + "["))
-
-
 def miss_window_s(p: Policy) -> float:
     """How long the primary may stay silent before it is fenced, in seconds."""
     return p.heartbeat.interval_ms * p.heartbeat.miss_limit / 1000
 
 
-def _resolve(policy: Policy, base: Path) -> Policy:
-    model = policy.model
-    if model.path is not None:
-        model = msgspec.structs.replace(model, path=str((base / model.path).resolve()))
-    run = str(Path(os.path.expandvars(os.path.expanduser(policy.cache.runtime_dir))).absolute())
-    cache = msgspec.structs.replace(policy.cache, runtime_dir=run)
-    resolved = msgspec.structs.replace(policy, model=model, cache=cache)
-    return engine_kinds.kind_of(resolved).resolve(resolved)
-
-
 def semantic_errors(p: Policy, *, schema_only: bool = False) -> list[str]:
     """Cross-field rules msgspec cannot express, each naming the key to change; with
-    `schema_only`, none that look at this machine's files."""
+    `schema_only`, none that look at this machine's files. The engine kind's own rules are
+    its `errors` (`policy_file.rule_errors` runs both)."""
     errors = _model_errors(p, schema_only) + _engine_errors(p.engines)
-    errors += engine_kinds.kind_of(p).errors(p, schema_only=schema_only)
     if not schema_only:
         errors += _runtime_dir_errors(p.cache.runtime_dir)
     for path, value in (("$.router.listen", p.router.listen), ("$.api.listen", p.api.listen)):

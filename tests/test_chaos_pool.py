@@ -17,7 +17,7 @@ from chaos.pool import absent_batch, coming_batch, kept_out, missing
 from holdfast_contract.control import ClusterStatus, DaemonStatus, EngineStatus
 from supervisor.backoff import RestartBook
 from supervisor.decisions import BatchGovernor, load_of
-from supervisor.policy import load_policy
+from supervisor.policy_file import load_policy
 from supervisor.states import EngineState
 from supervisor.units import Engine, Incarnation
 from tests.supervisor_fakes import FakeProc

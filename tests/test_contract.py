@@ -24,7 +24,8 @@ from holdfast_contract.errors import EnvError, ForkServerError
 from supervisor.backoff import RestartBook
 from supervisor.engines import EngineLauncher
 from supervisor.errors import PolicyError
-from supervisor.policy import Policy, RestartSpec, parse_policy
+from supervisor.policy import Policy, RestartSpec
+from supervisor.policy_file import parse_policy
 from supervisor.units import Engine
 
 REPO = Path(__file__).resolve().parents[1]

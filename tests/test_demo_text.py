@@ -83,7 +83,7 @@ def test_a_cached_checkpoint_of_an_older_generation_is_made_again(
     import asyncio
 
     from holdfast_contract.formats import GENERATED_MARK, GENERATION
-    from supervisor.policy import parse_policy
+    from supervisor.policy_file import parse_policy
     from supervisor.service import ensure_model, models_cache
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

@@ -24,7 +24,7 @@ from engine.launch import EngineProcess
 from holdfast_contract import forkserver as fs
 from holdfast_contract.errors import ForkServerError
 from supervisor.errors import PolicyError
-from supervisor.policy import load_policy
+from supervisor.policy_file import load_policy
 from tests.as_user import as_user
 
 

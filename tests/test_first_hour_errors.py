@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.errors import PolicyError, RuntimeDirError
-from supervisor.policy import parse_policy
+from supervisor.policy_file import parse_policy
 from supervisor.runtime import RuntimeDir
 from tests.engines.harness import Supervisor, env, write_policy
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.errors import PolicyError
-from supervisor.policy import parse_policy
+from supervisor.policy_file import parse_policy
 
 FIX = "point it at a Hugging Face checkpoint dir (config.json + *.safetensors)"
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from supervisor.errors import PolicyError
-from supervisor.policy import Policy, load_policy, parse_policy
+from supervisor.policy import Policy
+from supervisor.policy_file import load_policy, parse_policy
 from tests.engines.harness import REPO, env
 
 

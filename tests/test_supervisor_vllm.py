@@ -21,7 +21,7 @@ import yaml
 
 from holdfast_contract.wire import free_port
 from supervisor import engine_kinds, vllm_kind
-from supervisor.policy import load_policy
+from supervisor.policy_file import load_policy
 from supervisor.vllm_kind import MODULE, Sample, load_of, parse_metrics, python_of
 from supervisor.vllm_spec import VllmSpec
 from tests.engines.harness import Load, Supervisor, complete, env, get, pid_alive, write_policy

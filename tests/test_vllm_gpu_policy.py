@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from holdfast_vllm import TESTED_VLLM, UNTESTED_ENV
-from supervisor.policy import load_policy
+from supervisor.policy_file import load_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 
