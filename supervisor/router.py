@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from typing import Any
 
 import aiohttp
 import structlog
@@ -39,6 +37,7 @@ from supervisor.routing import (
     NOT_LEADER,
     NOT_LEADER_WAIT_S,
     UPSTREAM_ERRORS,
+    Emit,
     LeadershipEnded,
     NotLeader,
     PrimaryView,
@@ -57,7 +56,6 @@ __all__ = ["LeadershipEnded", "NotLeader", "PrimaryView", "Router", "Target", "a
 log = structlog.get_logger("supervisor.router")
 MAX_BODY = 64 * 1024 * 1024  # bytes of one request body
 STOPPING_RETRY_AFTER_S = 1  # Retry-After of the 503 a stopping router answers
-Emit = Callable[..., Any]  # EventBus.emit
 
 
 class Router:
@@ -78,7 +76,7 @@ class Router:
         self.in_flight = 0
         self._stopped = asyncio.Event()
         self.streams = StreamRelay(self)
-        self.warmer = Warmer(self)
+        self.warmer = Warmer(spec.warm_every, view, self.client)
         self._session: aiohttp.ClientSession | None = None
 
     def stop(self) -> None:

@@ -32,6 +32,7 @@ HOP_BY_HOP = frozenset(
 )
 FORWARDED_BY = "X-Holdfast-Forwarded-By"  # set on a request one router sends to another
 NOT_LEADER = "X-Holdfast-Not-Leader"  # on a 421: the receiving node no longer leads
+Emit = Callable[..., Any]  # EventBus.emit: where the router's events go
 
 
 class NotLeader(Exception):

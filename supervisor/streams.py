@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import aiohttp
 import structlog
@@ -20,24 +20,25 @@ from aiohttp import web
 
 from supervisor import migration
 from supervisor.answers import Answer, ClientGone, JsonAnswer, SseAnswer, as_it_came
-from supervisor.migration import Stream, StreamCut
+from supervisor.migration import Stalls, Stream, StreamCut
+from supervisor.policy import RouterSpec
 from supervisor.routing import (
     FORWARDED_BY,
     HOP_BY_HOP,
     NOT_LEADER,
     NOT_LEADER_WAIT_S,
     UPSTREAM_ERRORS,
+    Emit,
     LeadershipEnded,
     NotLeader,
+    PrimaryView,
     Target,
     attempts,
     error,
     gave_up,
     not_leader,
 )
-
-if TYPE_CHECKING:
-    from supervisor.router import Router
+from supervisor.warming import Warmer
 
 log = structlog.get_logger("supervisor.router")
 BUSY_WAIT_S = 0.01  # a continuation answered 503 (busy) is asked again this much later
@@ -58,10 +59,34 @@ class Refused(Exception):
         self.status = status
 
 
+class Relaying(Protocol):
+    """What a `StreamRelay` uses of its router (`router.Router`): where and when to send,
+    and the counts it keeps."""
+
+    spec: RouterSpec
+    view: PrimaryView
+    warmer: Warmer
+    node: str
+    emit: Emit | None
+    stopping: bool
+    stalls: Stalls
+    forwarded: int
+    retried: int
+    failed: int
+    broken: int
+    migrations: dict[str, int]
+
+    def client(self) -> aiohttp.ClientSession: ...
+
+    async def first(self, deadline: float) -> Target | None: ...
+
+    async def next_primary(self, epoch: int, deadline: float) -> Target | None: ...
+
+
 class StreamRelay:
     """The streams of one `Router`, and the upstream answers they read, by epoch."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Relaying) -> None:
         self.r = router
         # upstream streams by the local primary's epoch: cut at once when another is routed
         self._upstreams: dict[int, set[aiohttp.ClientResponse]] = {}

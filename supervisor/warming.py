@@ -31,17 +31,14 @@ import asyncio
 import time
 import uuid
 import weakref
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import aiohttp
 import structlog
 
 from supervisor.migration import COMPLETIONS, Stream
-from supervisor.routing import UPSTREAM_ERRORS, Target
-
-if TYPE_CHECKING:
-    from supervisor.router import Router
+from supervisor.routing import UPSTREAM_ERRORS, PrimaryView, Target
 
 log = structlog.get_logger("supervisor.router")
 PATH = "/holdfast/warm"
@@ -50,9 +47,15 @@ RESUMING_S = 1.0  # a stream cut this long ago holds back no heir's warming any 
 
 
 class Warmer:
-    def __init__(self, router: Router) -> None:
-        self.r = router
-        self.every = router.spec.warm_every
+    """The warming of one router (`router.warm_every`): its heir is `view.heir`, its
+    requests go out on the router's `client()`."""
+
+    def __init__(
+        self, every: int, view: PrimaryView, client: Callable[[], aiohttp.ClientSession]
+    ) -> None:
+        self.every = every
+        self.view = view
+        self.client = client
         self.sent = 0  # warm requests answered 200
         self.failed = 0
         self._tasks: set[asyncio.Future[object]] = set()
@@ -61,7 +64,7 @@ class Warmer:
 
     def arrived(self, st: Stream) -> None:
         """A stream is about to start: its prompt goes to the heir now, if it is token ids."""
-        heir = self.r.view.heir
+        heir = self.view.heir
         ids = _prompt_ids(st.request) if st.path == COMPLETIONS else None
         if not self.every or heir is None or ids is None:
             return
@@ -74,7 +77,7 @@ class Warmer:
         """After a chunk of `st` reached its client: its past goes to the heir when
         `every` tokens came since the last (at once on a new heir), and with it the past
         of every other stream `every // 2` tokens on."""
-        heir = self.r.view.heir
+        heir = self.view.heir
         if not self.every or heir is None or st.prompt_ids is None:
             return
         self._live[id(st)] = st
@@ -129,7 +132,7 @@ class Warmer:
             self._forget(st)
 
     def _forget(self, st: Stream) -> None:
-        heir = self.r.view.heir
+        heir = self.view.heir
         if st.warmed and heir is not None and heir.name == st.warmed_on:
             st.warmed = 0
             self._spawn(self._post(heir, {"key": st.warm_key, "forget": True}))
@@ -153,7 +156,7 @@ class Warmer:
         url = f"http://{heir.host}:{heir.port}{PATH}"
         timeout = aiohttp.ClientTimeout(total=TIMEOUT_S)
         try:
-            async with self.r.client().post(url, json=body, timeout=timeout) as resp:
+            async with self.client().post(url, json=body, timeout=timeout) as resp:
                 await resp.read()
                 ok = resp.status == 200
         except (TimeoutError, *UPSTREAM_ERRORS) as e:
