@@ -10,7 +10,7 @@ owner watch and exit reports as the reference engine's fork server; no spares). 
 runs the API server module as `python -m` would, with the flags the request carries.
 
 With `HOLDFAST_VLLM_FORK=1` in the request's environment (the supervisor sets it for every
-vLLM engine) the API server forks its EngineCore too (holdfast_vllm.plugin.fork_engine_core):
+vLLM engine) the API server forks its EngineCore too (holdfast_vllm.core_fork.fork_engine_core):
 then neither process of an engine imports vLLM, and a start is the engine's own work only
 (config, building the model, the attach, the KV cache). Without it the EngineCore is
 spawned as vLLM does on the CPU and imports vLLM again.
@@ -203,10 +203,10 @@ def run_api_server(argv: list[str], t0: float, spare_ms: float) -> int:
     """In a fork: vLLM's API server with `argv`, as `python -m MODULE argv...` runs it."""
     import os
 
-    from holdfast_vllm import plugin
+    from holdfast_vllm import core_fork
 
-    if os.environ.get(plugin.FORK_ENV) == "1":  # vLLM loaded its plugins here already,
-        plugin.fork_engine_core()  # in this server, whose environment did not ask it
+    if os.environ.get(core_fork.FORK_ENV) == "1":  # vLLM loaded its plugins here already,
+        core_fork.fork_engine_core()  # in this server, whose environment did not ask it
     sys.argv = [MODULE, *argv]  # run_module puts the module's file first, as -m does
     try:
         runpy.run_module(MODULE, run_name="__main__", alter_sys=True)

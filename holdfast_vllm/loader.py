@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import time
 from typing import Any
 
@@ -32,19 +31,11 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 from cachedaemon.client import Attached, attach
 from cachedaemon.errors import CacheError, CacheMismatch, DaemonUnavailable
 from holdfast_vllm import check_version, identity, layout, placement
+from holdfast_vllm.core_fork import engine_core_start
 from holdfast_vllm.errors import PluginError
 from holdfast_vllm.options import LoaderOptions, parse
 
 log = structlog.get_logger("holdfast_vllm.loader")
-
-
-def engine_core_start() -> str:
-    """How this process (vLLM's EngineCore, the worker inside it) was started: "forked"
-    from an API server that put fork back (holdfast_vllm.plugin.fork_engine_core), else
-    "spawned" (or the API server itself, where vLLM runs the engine in-process)."""
-    from holdfast_vllm import plugin
-
-    return "forked" if plugin.forked_from not in (0, os.getpid()) else "spawned"
 
 
 class HoldfastModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM is untyped here

