@@ -5,7 +5,7 @@ fork of it.
 
 It runs in the vLLM venv. It imports what `python -m vllm.entrypoints.openai.api_server`
 imports, and what that server's EngineCore imports, then serves the requests of
-`holdfast_contract.forkserver` with engine.forkserver's server (the same requests, fds,
+`holdfast_contract.forkserver` with holdfast_fork's server (the same requests, fds,
 owner watch and exit reports as the reference engine's fork server; no spares). Each fork
 runs the API server module as `python -m` would, with the flags the request carries.
 
@@ -243,9 +243,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--log-format", choices=["console", "json"], default="console")
     args = p.parse_args(argv)
-    from engine.errors import EngineError
-    from engine.forkserver import Server, bind
     from holdfast_contract import logs
+    from holdfast_fork.errors import ForkError
+    from holdfast_fork.listener import bind
+    from holdfast_fork.server import Server
 
     logs.setup(args.log_format)
     # torch.cuda.is_available() (which imports ask) from NVML, not from cudaGetDeviceCount:
@@ -291,8 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for what in not_warmed:
         log.warning("not warmed", what=what)
     try:
-        server = Server(bind(args.socket), spares="off", program=run_api_server)
-    except EngineError as e:
+        server = Server(bind(args.socket), run_api_server)
+    except ForkError as e:
         print(f"holdfast_vllm.forkserver: error: {e}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -13,8 +13,9 @@ ready() {
     [ -x "$PY" ] && (cd / && "$PY" -I - "$REPO") <<'PY' 2>/dev/null
 import importlib.metadata as md, importlib.util as u, pathlib, sys
 assert u.find_spec("vllm") and u.find_spec("structlog") and u.find_spec("aiomqtt")
-import holdfast_vllm
-assert pathlib.Path(holdfast_vllm.__file__).resolve().is_relative_to(pathlib.Path(sys.argv[1]))
+import holdfast_fork, holdfast_vllm  # an install older than a package of this repo lacks it
+for package in (holdfast_fork, holdfast_vllm):
+    assert pathlib.Path(package.__file__).resolve().is_relative_to(pathlib.Path(sys.argv[1]))
 assert any(e.name == "holdfast" for e in md.entry_points(group="vllm.general_plugins"))
 PY
 }

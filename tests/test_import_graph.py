@@ -8,7 +8,15 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("cachedaemon", "supervisor", "engine", "chaos", "holdfast_contract", "holdfast_vllm")
+PACKAGES = (
+    "cachedaemon",
+    "supervisor",
+    "engine",
+    "chaos",
+    "holdfast_contract",
+    "holdfast_fork",
+    "holdfast_vllm",
+)
 
 
 def module_name(path: Path) -> str:
@@ -131,3 +139,23 @@ def test_no_module_imports_itself_back() -> None:
     assert not found, "import circles (a way round each, then all it joins):\n" + "\n".join(
         f"{' -> '.join(one_circle(graph, c))}  [{', '.join(c)}]" for c in found
     )
+
+
+# packages that must not import one another, wherever the import stands: the fork server
+# serves both engine kinds, and neither engine kind imports the other
+APART = {
+    "holdfast_fork": ("engine", "holdfast_vllm", "supervisor", "chaos"),
+    "engine": ("holdfast_vllm", "supervisor"),
+    "holdfast_vllm": ("engine", "supervisor"),
+}
+
+
+def test_the_fork_server_and_the_engine_kinds_keep_apart() -> None:
+    graph = import_graph()
+    found = sorted(
+        f"{name} imports {dep}"
+        for name, deps in graph.items()
+        for dep in deps
+        if dep.split(".")[0] in APART.get(name.split(".")[0], ())
+    )
+    assert not found, "\n".join(found)
