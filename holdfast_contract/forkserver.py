@@ -5,8 +5,9 @@ environment and working directory; stdin, stdout and stderr ride beside it as SC
 file descriptors) and gets `Started(pid)` at once, or `Refused(message)`; `Exited(code)`
 follows on the same connection when the engine ends. Each message is one frame of
 `holdfast_contract.wire`: a length header, then a tagged msgpack struct. The server is
-`python -m engine.forkserver`; the supervisor starts it as a process and speaks to it
-through this module only.
+holdfast_fork's, run as `python -m engine.forkserver` (or, for vLLM,
+`python -m holdfast_vllm.forkserver`); the supervisor starts it as a process and speaks to
+it through this module only.
 """
 
 from __future__ import annotations
