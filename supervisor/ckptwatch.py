@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from holdfast_contract.events import EventName as N
 from supervisor.events import EventBus
 from supervisor.fswatch import CHANGES, DirWatch
 from supervisor.states import DaemonState
@@ -76,7 +77,7 @@ class CheckpointWatch:
             files=list(changed),
         )
         self.bus.emit(
-            "daemon", str(d.rank), "checkpoint_changed", self.epoch(), files=list(changed)
+            "daemon", str(d.rank), N.CHECKPOINT_CHANGED, self.epoch(), files=list(changed)
         )
 
     def before_handout(self, daemons: Sequence[Daemon], engine: str) -> None:
@@ -92,7 +93,7 @@ class CheckpointWatch:
                 files=files,
             )
             self.bus.emit(
-                "daemon", str(d.rank), "stale_handout", self.epoch(), engine=engine, files=files
+                "daemon", str(d.rank), N.STALE_HANDOUT, self.epoch(), engine=engine, files=files
             )
 
     async def run(self, daemons: Sequence[Daemon]) -> None:

@@ -22,6 +22,7 @@ import structlog
 
 from holdfast_contract.agent_protocol import Ack, Drain, Heartbeat, Hello, Promote, StateChange
 from holdfast_contract.control import ClusterStatus, DaemonStatus
+from holdfast_contract.events import EventName as N
 from supervisor import decisions
 from supervisor.engine_kinds import kind_of
 from supervisor.errors import ControlError, StartupError
@@ -102,7 +103,7 @@ class Cluster:
         self.warms = policy.router.warm_every > 0 and kind_of(policy).warms
 
     # ---- the one way an engine's state changes ----
-    def _move(self, e: Engine, event: str, to: EngineState | None = None, **data: Any) -> None:
+    def _move(self, e: Engine, event: N, to: EngineState | None = None, **data: Any) -> None:
         """Make the move the table has for (e.state, event[, to]) and publish `event`;
         raises IllegalTransition when there is no such row."""
         move(e, ENGINE, event, to)
@@ -173,7 +174,7 @@ class Cluster:
         except ProcessLookupError:
             ours = False
         if not ours:
-            self.bus.emit("engine", e.name, "stray-hello", self.epoch, pid=msg.pid)
+            self.bus.emit("engine", e.name, N.STRAY_HELLO, self.epoch, pid=msg.pid)
             return
         inc.hello = True
         if thread_runs(msg.pid, msg.tid) is not None:
@@ -218,7 +219,7 @@ class Cluster:
             self.bus.emit(
                 "engine",
                 msg.name,
-                "command-failed",
+                N.COMMAND_FAILED,
                 self.epoch,
                 command=msg.command,
                 detail=msg.detail,
@@ -236,7 +237,7 @@ class Cluster:
             return
         inc.ready = True
         to = S.STANDBY if e.serving else S.BATCH
-        self._move(e, "ready", to, start_ms=round((time.monotonic() - inc.started) * 1000, 1))
+        self._move(e, N.READY, to, start_ms=round((time.monotonic() - inc.started) * 1000, 1))
         self.wake.set()
 
     # ---- failures ----
@@ -303,7 +304,7 @@ class Cluster:
         if counted and e.book.record():
             self._move(
                 e,
-                "quarantined",
+                N.QUARANTINED,
                 cause=cause,
                 detail=detail,
                 tail=tail,
@@ -312,7 +313,7 @@ class Cluster:
             )
         else:
             e.next_start = time.monotonic() + (e.book.delay() if counted else 0.0)
-            self._move(e, "died", cause=cause, detail=detail, tail=tail, pid=inc.pid)
+            self._move(e, N.DIED, cause=cause, detail=detail, tail=tail, pid=inc.pid)
         e.role = "batch" if not e.serving else "standby"  # published as it died
         self.wake.set()
 
@@ -340,7 +341,7 @@ class Cluster:
             if primary:
                 self.realtime.enter()
         # before any promotion `down` makes: the event order shows the fence came first
-        self.publish(e, "fenced", cause=cause, detail=detail, pid=inc.pid, confirmed=confirmed)
+        self.publish(e, N.FENCED, cause=cause, detail=detail, pid=inc.pid, confirmed=confirmed)
         self.down(e, inc, cause=cause, detail=detail, t_detect=t_detect, counted=counted)
         self.realtime.leave()  # (no standby was promoted)
 
@@ -388,7 +389,7 @@ class Cluster:
         (`promote_cpu_ms`; the rest it waited, descheduled or blocked): what tells a slow
         promotion from a descheduled one; `promote_realtime`: whether it ran as
         SCHED_FIFO (`supervisor.realtime`)."""
-        ENGINE.lookup(s.state, "promoted")  # raises before anything is done for `s`
+        ENGINE.lookup(s.state, N.PROMOTED)  # raises before anything is done for `s`
         self.epoch += 1
         s.role = "primary"
         self.primary = s
@@ -401,7 +402,7 @@ class Cluster:
             renice([p.pid for p in s.inc.procs], self.policy.engines.primary_nice)
         self._move(
             s,
-            "promoted",
+            N.PROMOTED,
             previous=old,
             cause=cause,
             told=told,
@@ -431,7 +432,7 @@ class Cluster:
         if p is None or p.state != S.PRIMARY:
             return
         told = self._route_to(p)
-        self._move(p, "epoch-raised", cluster_epoch=cluster_epoch, told=told)
+        self._move(p, N.EPOCH_RAISED, cluster_epoch=cluster_epoch, told=told)
 
     async def hand_over(self, new: Engine) -> None:
         """`supervisor promote NEW`: fence the primary (it restarts at once, as a standby,
@@ -449,7 +450,7 @@ class Cluster:
             await self._kill(old, inc)
             self.primary = None
             old.next_start = time.monotonic()
-            self._move(old, "fenced", cause="operator-promote", pid=inc.pid)
+            self._move(old, N.FENCED, cause="operator-promote", pid=inc.pid)
             old.role = "standby"  # it restarts as one; `fenced` says what it was
         self.promote(new, t0, cause="operator", old=old.name if old else None)
         self.wake.set()
@@ -461,18 +462,18 @@ class Cluster:
         e.held = held or e.held
         inc = e.inc
         if e.state in (S.DEAD, S.QUARANTINED):
-            self._move(e, "evicted", reason=reason)
+            self._move(e, N.EVICTED, reason=reason)
             return
         if inc is None or inc.handled or not e.running:
             return  # evicted already, or on its way out (draining, being fenced)
         inc.handled = True
-        self._move(e, "draining", reason=reason)
+        self._move(e, N.DRAINING, reason=reason)
         grace = self.policy.engines.stop_grace_s
         self.hub.send(e.name, Drain(grace_s=grace))
         await asyncio.gather(*(p.terminate(grace) for p in inc.procs))
         e.in_flight = 0
         if e.state == S.DRAINING:  # not stopped meanwhile (the supervisor stops)
-            self._move(e, "evicted", reason=reason)
+            self._move(e, N.EVICTED, reason=reason)
 
     async def restart(self, e: Engine) -> None:
         """`supervisor restart NAME`: fence it if it runs (uncounted), forget its restart
@@ -486,7 +487,7 @@ class Cluster:
         e.held = False
         e.next_start = time.monotonic()
         e.book.reset()
-        self._move(e, "restarting")
+        self._move(e, N.RESTARTING)
         self.wake.set()
 
     # ---- status ----
@@ -531,11 +532,11 @@ class Cluster:
             inc = await self.launcher.spawn(e, self.epoch)
         except StartupError as err:
             e.book.record()
-            self._move(e, "quarantined", cause="spawn", detail=str(err))
+            self._move(e, N.QUARANTINED, cause="spawn", detail=str(err))
             return
         e.inc, e.last_beat, e.held = inc, 0.0, False
         e.in_flight = e.queued = 0
-        self._move(e, "starting", restarts=e.book.total)
+        self._move(e, N.STARTING, restarts=e.book.total)
         early = self.early_hellos.pop(e.name, None)
         if early is not None:
             self.on_hello(early)
@@ -559,5 +560,5 @@ class Cluster:
         )
         for e in self.engines.values():
             if e.running:
-                self._move(e, "stopped")
+                self._move(e, N.STOPPED)
         self.view.set(None)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from holdfast_contract.errors import ProtocolError
+from holdfast_contract.events import EventName as N
 from holdfast_contract.ready import DaemonReady, daemon_ready_path, read_daemon_ready
 from supervisor import decisions, pace, vllm_kind
 from supervisor.backoff import RestartBook
@@ -183,7 +184,7 @@ class DaemonPool:
     def follow(self, d: Daemon, inc: Incarnation, **data: Any) -> None:
         """dead -> starting: follow `inc` (a new process, or the spare that took over)."""
         d.inc = inc
-        self._move(d, "starting", **data)
+        self._move(d, N.STARTING, **data)
         self.watcher.watch(
             inc, lambda _, code: self.exited(d, inc, code, time.monotonic()), one_for_all=False
         )
@@ -220,7 +221,7 @@ class DaemonPool:
         ms = (now - d.died_at) * 1000 if d.died_at else None
         self._move(
             d,
-            "serving",
+            N.SERVING,
             adopted=d.adopted,
             pool_bytes=d.pool_bytes,
             fingerprint=d.fingerprint,
@@ -235,7 +236,7 @@ class DaemonPool:
     async def _probe(self, d: Daemon, inc: Incarnation) -> None:
         """Ping a serving daemon every heartbeat interval; one that leaves its pings
         unanswered (stopped at once; asleep, not run since the first ping it left
-        unanswered was written to it, for max(0.5 s, interval x miss_limit); busy for
+        unanswered was written to it, for max(0.5 s, heartbeat.miss_window_s); busy for
         heartbeat.busy_silence_ms, the supervisor's own stalls not counted:
         `decisions.daemon_hung`) is fenced with SIGKILL, so its spare or a restart takes
         over."""
@@ -244,7 +245,7 @@ class DaemonPool:
 
         hb = self.policy.heartbeat
         period = max(0.05, hb.interval_ms / 1000)
-        deadline = max(0.5, hb.interval_ms * hb.miss_limit / 1000)
+        deadline = max(0.5, hb.miss_window_s)
         sock = str(self.run / f"daemon-{d.rank}.sock")
         silent_since: float | None = None  # first unanswered ping of the current run
         runs_then = 0  # how often its threads had been given a CPU at that ping
@@ -282,7 +283,7 @@ class DaemonPool:
                 self.bus.emit(
                     "daemon",
                     str(d.rank),
-                    "hung",
+                    N.HUNG,
                     self._epoch(),
                     pid=inc.pid,
                     silent_ms=round((now - silent_since) * 1000, 1),
@@ -312,7 +313,7 @@ class DaemonPool:
 
         ok = await until_ready(self.run, check, self.policy.cache.ready_timeout_s)
         if ok and d.spare is inc:
-            self.bus.emit("daemon", str(d.rank), "spare_ready", self._epoch(), pid=inc.pid)
+            self.bus.emit("daemon", str(d.rank), N.SPARE_READY, self._epoch(), pid=inc.pid)
 
     def _drop_spare_file(self, d: Daemon, inc: Incarnation) -> None:
         """Remove rank d's .spare file once the spare that wrote it (`inc`) has exited; a
@@ -343,11 +344,11 @@ class DaemonPool:
         inc.handled = True
         d.died_at = now
         if d.book.record(now):
-            self._move(d, "quarantined", exit_code=code, tail=inc.tail())
+            self._move(d, N.QUARANTINED, exit_code=code, tail=inc.tail())
             self._kick()
             return
         d.next_start = now + d.book.delay(now)
-        self._move(d, "dead", exit_code=code, tail=inc.tail())
+        self._move(d, N.DEAD, exit_code=code, tail=inc.tail())
         spare = d.spare
         if spare is not None and spare.procs[0].alive:
             d.spare = None  # the spare is taking over already: follow it
@@ -367,7 +368,7 @@ class DaemonPool:
                 due = d.next_start if due is None else min(due, d.next_start)
         return due
 
-    def _move(self, d: Daemon, event: str, **data: Any) -> None:
+    def _move(self, d: Daemon, event: N, **data: Any) -> None:
         """The one way a daemon's state changes: the row of `states.DAEMON` for (its
         state, `event`), published as `daemon.<rank>.<event>`."""
         move(d, DAEMON, event)
@@ -397,7 +398,7 @@ class DaemonPool:
                 for p in d.inc.procs:
                     await p.terminate(grace=5.0)
             if d.state != DaemonState.STOPPED:
-                self._move(d, "stopped")
+                self._move(d, N.STOPPED)
         await self.watcher.stop()
         if self.keeper is not None:
             self.keeper.close()

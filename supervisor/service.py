@@ -32,6 +32,7 @@ import zmq
 from aiohttp import web
 
 from holdfast_contract.control import ControlReply, Request
+from holdfast_contract.events import EventName as N
 from holdfast_contract.formats import GENERATED_MARK, GENERATION
 from supervisor import engine_kinds, reconcile, sdnotify
 from supervisor.agent_hub import AgentHub
@@ -160,9 +161,9 @@ class Service:
                 await self._loop(self.cluster)
             return 0
         finally:
-            bus.emit("supervisor", "main", "stopping", self.epoch)
+            bus.emit("supervisor", "main", N.STOPPING, self.epoch)
             await self._teardown()
-            bus.emit("supervisor", "main", "stopped", self.epoch)
+            bus.emit("supervisor", "main", N.STOPPED, self.epoch)
             await bus.close()
             rd.release()
 
@@ -188,7 +189,7 @@ class Service:
         bus.emit(
             "supervisor",
             "main",
-            "starting",
+            N.STARTING,
             0,
             pid=os.getpid(),
             policy=self.policy.source,
@@ -240,7 +241,7 @@ class Service:
         bus.emit(
             "supervisor",
             "main",
-            "daemons-ready",
+            N.DAEMONS_READY,
             c.epoch,
             ms=round((time.monotonic() - t0) * 1000, 1),
         )
@@ -249,7 +250,7 @@ class Service:
         bus.emit(
             "supervisor",
             "main",
-            "started",
+            N.STARTED,
             c.epoch,
             router=self.policy.router.listen,
             api=self.policy.api.listen,
