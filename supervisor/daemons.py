@@ -14,7 +14,6 @@ import functools
 import json
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +31,7 @@ from supervisor.policy import Policy
 from supervisor.states import DAEMON, DaemonState, move
 from supervisor.units import Daemon, Incarnation
 from supervisor.watcher import Command, Watcher, not_ready, until, until_ready
+from supervisor.wiring import Term
 
 if TYPE_CHECKING:  # torch-free, but imported only where they are used
     from cachedaemon.keeper import Keeper
@@ -67,15 +67,13 @@ class DaemonPool:
         run: Path,
         model_dir: str,
         bus: EventBus,
-        kick: Callable[[], None],
-        epoch: Callable[[], int],
+        term: Term,
     ) -> None:
         self.policy = policy
         self.run = run
         self.model_dir = model_dir
         self.bus = bus
-        self._kick = kick
-        self._epoch = epoch
+        self.term = term  # the cluster's: its epoch, and the wake-up of its loop
         self.keeper: Keeper | None = None  # started by start_keeper
         self.pace: pace.LoopPace | None = None  # the supervisor's stalls, not a daemon's
         self.keeper_path = run / "keeper.sock"
@@ -85,7 +83,7 @@ class DaemonPool:
         ]
         self.watcher = Watcher()  # every daemon's and spare's exit watch, readiness, pings
         self._changed = asyncio.Event()
-        self.checkpoint = CheckpointWatch(Path(model_dir), bus, epoch)
+        self.checkpoint = CheckpointWatch(Path(model_dir), bus, term)
 
     def all_serving(self) -> bool:
         return all(d.state == DaemonState.SERVING for d in self.daemons)
@@ -227,7 +225,7 @@ class DaemonPool:
             fingerprint=d.fingerprint,
             down_ms=ms,
         )
-        self._kick()
+        self.term.wake.set()
 
     def before_handout(self, engine: str) -> None:
         """Say so when `engine` is about to start against a pool whose checkpoint changed."""
@@ -284,7 +282,7 @@ class DaemonPool:
                     "daemon",
                     str(d.rank),
                     N.HUNG,
-                    self._epoch(),
+                    self.term.epoch,
                     pid=inc.pid,
                     silent_ms=round((now - silent_since) * 1000, 1),
                     detail=why,
@@ -313,7 +311,7 @@ class DaemonPool:
 
         ok = await until_ready(self.run, check, self.policy.cache.ready_timeout_s)
         if ok and d.spare is inc:
-            self.bus.emit("daemon", str(d.rank), N.SPARE_READY, self._epoch(), pid=inc.pid)
+            self.bus.emit("daemon", str(d.rank), N.SPARE_READY, self.term.epoch, pid=inc.pid)
 
     def _drop_spare_file(self, d: Daemon, inc: Incarnation) -> None:
         """Remove rank d's .spare file once the spare that wrote it (`inc`) has exited; a
@@ -345,7 +343,7 @@ class DaemonPool:
         d.died_at = now
         if d.book.record(now):
             self._move(d, N.QUARANTINED, exit_code=code, tail=inc.tail())
-            self._kick()
+            self.term.wake.set()
             return
         d.next_start = now + d.book.delay(now)
         self._move(d, N.DEAD, exit_code=code, tail=inc.tail())
@@ -353,7 +351,7 @@ class DaemonPool:
         if spare is not None and spare.procs[0].alive:
             d.spare = None  # the spare is taking over already: follow it
             self.follow(d, spare, spare=True)
-        self._kick()
+        self.term.wake.set()
 
     def reconcile(self, now: float) -> float | None:
         """Restart dead daemons whose backoff ran out; the next time one is due, or None."""
@@ -373,7 +371,7 @@ class DaemonPool:
         state, `event`), published as `daemon.<rank>.<event>`."""
         move(d, DAEMON, event)
         self._changed.set()
-        epoch = self._epoch()
+        epoch = self.term.epoch
         self.bus.emit("daemon", str(d.rank), event, epoch, pid=d.pid, **data)
         self.bus.state(
             UnitState(
