@@ -59,7 +59,9 @@ class Owned:
         tb: TracebackType | None,
     ) -> None:
         await cancel_all(list(self._tasks.values()))
-        await self._group.__aexit__(et, exc, tb)
+        # every task has ended; the block's own exception (if any) goes on as it is, not
+        # wrapped in an ExceptionGroup by the TaskGroup
+        await self._group.__aexit__(None, None, None)
 
     def start(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
         """Run `coro` as the task `name` until it ends or the block does."""
