@@ -1,8 +1,8 @@
 """Starting, watching and stopping engine processes (one process per tp rank).
 
 An engine is a group of rank processes; if one rank dies the whole group is dead
-(one_for_all). Exits are reported to `spawn`'s `into.on_exit(engine, incarnation, detail)` the moment
-the event loop's child watcher sees them. Spawning, the exit watch and owning the tasks are
+(one_for_all). Exits are reported to the `into` given to `spawn` (`into.on_exit(engine,
+incarnation, detail)`) the moment the event loop's child watcher sees them. Spawning, the exit watch and owning the tasks are
 `watcher.Watcher`'s; the start command is the engine kind's, rendered per rank here; its
 readiness and health probes are `engine_kinds.probes`.
 """
