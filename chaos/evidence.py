@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from chaos.recorder import EventRow
+from holdfast_contract.events import EventName
 
 BYTES_READ = re.compile(r"checkpoint_bytes_read\"?\s*[=:]\s*(\d+)")  # key=value or JSON
 
@@ -18,11 +19,11 @@ def fence_before_promote(events: Sequence[EventRow], victim: str, since: float) 
     in the supervisor's own stream (zmq, in publish order); 0.0 when the promotion came
     first or no fence was published; None when nothing was promoted."""
     stream = [e for e in events if e.source == "zmq" and e.ts >= since]
-    promoted = next((i for i, e in enumerate(stream) if e.event == "promoted"), None)
+    promoted = next((i for i, e in enumerate(stream) if e.event == EventName.PROMOTED), None)
     if promoted is None:
         return None
     fenced = next(
-        (i for i, e in enumerate(stream) if e.event == "fenced" and e.name == victim), None
+        (i for i, e in enumerate(stream) if e.event == EventName.FENCED and e.name == victim), None
     )
     return 1.0 if fenced is not None and fenced < promoted else 0.0
 

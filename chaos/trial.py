@@ -21,6 +21,7 @@ from chaos.procs import ProcRef
 from chaos.recorder import EventRecorder, EventRow
 from chaos.scenario import FaultSpec, Scenario
 from holdfast_contract.control import ClusterStatus
+from holdfast_contract.events import EventName
 
 log = structlog.get_logger("chaos.trial")
 
@@ -207,7 +208,7 @@ def _about(injection: Injection) -> Callable[[EventRow], bool]:
         # a daemon's death or hang is what detects a daemon fault; a spare standing by or
         # a pool serving again are not
         return (ev.kind, ev.name) in targets or (
-            daemon and ev.kind == "daemon" and ev.event in ("dead", "hung")
+            daemon and ev.kind == "daemon" and ev.event in (EventName.DEAD, EventName.HUNG)
         )
 
     return match
@@ -215,7 +216,7 @@ def _about(injection: Injection) -> Callable[[EventRow], bool]:
 
 def _promoted(since: float) -> Callable[[EventRow], bool]:
     def match(ev: EventRow) -> bool:
-        return ev.ts >= since and ev.kind == "engine" and ev.event == "promoted"
+        return ev.ts >= since and ev.kind == "engine" and ev.event == EventName.PROMOTED
 
     return match
 

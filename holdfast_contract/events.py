@@ -1,11 +1,48 @@
 """Supervisor events as they travel: JSON on the zmq PUB socket `ipc://<run>/events` and
-on MQTT; the chaos suite and tests read them back with `decode_event`."""
+on MQTT; the chaos suite and tests read them back with `decode_event`. `EventName` names
+every event the supervisor publishes, for the supervisor, its metrics and the chaos suite
+alike."""
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
 
 import msgspec
+
+
+class EventName(StrEnum):
+    """The `<event>` of `<kind>.<name>.<event>`. A `StrEnum`: each compares equal to, and
+    is published as, its value, which MQTT consumers match: a value never changes."""
+
+    # engines' and daemons' moves (the rows of supervisor/states.py `ENGINE`, `DAEMON`)
+    STARTING = "starting"
+    READY = "ready"
+    PROMOTED = "promoted"
+    EPOCH_RAISED = "epoch-raised"
+    DIED = "died"
+    QUARANTINED = "quarantined"
+    FENCED = "fenced"
+    DRAINING = "draining"
+    EVICTED = "evicted"
+    RESTARTING = "restarting"
+    STOPPED = "stopped"
+    SERVING = "serving"
+    DEAD = "dead"
+    # an engine's, beside its moves (and `reported-<state>`, what its agent reported)
+    STRAY_HELLO = "stray-hello"
+    COMMAND_FAILED = "command-failed"
+    # a daemon's, beside its moves
+    HUNG = "hung"
+    SPARE_READY = "spare_ready"
+    CHECKPOINT_CHANGED = "checkpoint_changed"
+    STALE_HANDOUT = "stale_handout"
+    # the supervisor's own (`supervisor.main.<event>`; also `starting`, `stopped`)
+    DAEMONS_READY = "daemons-ready"
+    STARTED = "started"
+    STOPPING = "stopping"
+    # the router's
+    MIGRATING = "migrating"
 
 
 class Event(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -2,7 +2,7 @@
 
 Engines connect with a DEALER whose identity is their name. A restarted engine reuses its
 name, so the ROUTER hands the identity over to the newest connection. Garbage frames are
-dropped and counted; each decoded message goes to the one handler for its type. A message
+dropped and counted; each decoded message goes to the one handler for its type (the `AgentReports` given to `serve`). A message
 its handler cannot take (a pid past the kernel's range, say) is dropped, counted and logged:
 no peer's message ends the hub.
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
 
 import msgspec
 import structlog
@@ -26,6 +25,7 @@ import zmq
 
 from holdfast_contract import agent_protocol as wire
 from holdfast_contract.agent_protocol import Ack, Heartbeat, Hello, StateChange
+from supervisor.wiring import AgentReports
 
 log = structlog.get_logger("supervisor.agent_hub")
 
@@ -33,57 +33,46 @@ DRAIN_BUDGET = 256  # frames taken in one go before the rest of the loop gets a 
 
 
 class AgentHub:
-    def __init__(
-        self,
-        endpoint: str,
-        *,
-        on_hello: Callable[[Hello], None],
-        on_heartbeat: Callable[[Heartbeat], None],
-        on_state: Callable[[StateChange], None],
-        on_ack: Callable[[Ack], None],
-    ) -> None:
+    def __init__(self, endpoint: str) -> None:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.bind(endpoint)
-        self._on_hello = on_hello
-        self._on_heartbeat = on_heartbeat
-        self._on_state = on_state
-        self._on_ack = on_ack
         self.malformed = 0
         self._readable = asyncio.Event()  # the socket may hold frames: drain it
 
-    async def serve(self) -> None:
+    async def serve(self, into: AgentReports) -> None:
+        """Deliver what the agents send to `into`, until cancelled."""
         loop = asyncio.get_running_loop()
         fd = self._sock.fileno()  # ZMQ_FD
         loop.add_reader(fd, self._readable.set)
         try:
             while True:
                 self._readable.clear()
-                if self._drain():
+                if self._drain(into):
                     await asyncio.sleep(0)  # more may wait: let the rest of the loop run first
                     self._readable.set()
                 await self._readable.wait()
         finally:
             loop.remove_reader(fd)
 
-    def drain(self) -> None:
-        """Take in what waits on the socket now, before a silence is judged."""
-        self._drain()
+    def drain(self, into: AgentReports) -> None:
+        """Deliver to `into` what waits on the socket now, before a silence is judged."""
+        self._drain(into)
 
-    def _drain(self, budget: int = DRAIN_BUDGET) -> bool:
+    def _drain(self, into: AgentReports, budget: int = DRAIN_BUDGET) -> bool:
         """Take up to `budget` frames off the socket; True if it stopped at the budget."""
         for _ in range(budget):
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return False
-            self._take(frames)
+            self._take(frames, into)
         return True
 
-    def _take(self, frames: list[bytes]) -> None:
+    def _take(self, frames: list[bytes], into: AgentReports) -> None:
         if len(frames) != 2:
             self.malformed += 1
             return
@@ -97,20 +86,10 @@ class AgentHub:
             self.malformed += 1  # a name that is not the sender's identity
             return
         try:
-            self._dispatch(msg)
+            _dispatch(msg, into)
         except (ValueError, OverflowError, OSError) as e:
             self.malformed += 1
             log.warning("agent message dropped", agent=ident.decode(errors="replace"), error=str(e))
-
-    def _dispatch(self, msg: Hello | Heartbeat | StateChange | Ack) -> None:
-        if isinstance(msg, Heartbeat):
-            self._on_heartbeat(msg)
-        elif isinstance(msg, Hello):
-            self._on_hello(msg)
-        elif isinstance(msg, StateChange):
-            self._on_state(msg)
-        else:
-            self._on_ack(msg)
 
     def send(self, name: str, cmd: wire.Promote | wire.Drain | wire.Stop) -> bool:
         """Queue a command for `name`; False when that agent is not connected (or its queue
@@ -127,3 +106,14 @@ class AgentHub:
     def close(self) -> None:
         with contextlib.suppress(zmq.ZMQError):
             self._sock.close(linger=0)
+
+
+def _dispatch(msg: Hello | Heartbeat | StateChange | Ack, into: AgentReports) -> None:
+    if isinstance(msg, Heartbeat):
+        into.on_heartbeat(msg)
+    elif isinstance(msg, Hello):
+        into.on_hello(msg)
+    elif isinstance(msg, StateChange):
+        into.on_state(msg)
+    else:
+        into.on_ack(msg)

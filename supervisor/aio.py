@@ -1,10 +1,12 @@
-"""Ending tasks for sure. A single `Task.cancel()` can be lost: on Python 3.11,
+"""Owning tasks, and ending them for sure. A single `Task.cancel()` can be lost: on Python 3.11,
 `asyncio.wait_for` returns the result instead of raising when its future completes in the
 same step as the cancellation (CPython gh-86296), and libraries wrap their waits in it."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
+from types import TracebackType
 from typing import Any
 
 import structlog
@@ -31,3 +33,51 @@ async def finish(task: asyncio.Task[Any], grace: float) -> bool:
 async def cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
     """Cancel every task and wait until each has ended, re-cancelling lost cancellations."""
     await asyncio.gather(*(finish(t, 0) for t in tasks))
+
+
+class Owned:
+    """Tasks that live as long as the block that owns them (`async with Owned() as
+    tasks`), as an `asyncio.TaskGroup`'s, and are cancelled for sure (`cancel_all`) as
+    the block ends. A task that fails does not cancel its owner, whatever it is doing (a
+    stop under way is not cut short): its failure is kept in `failures`, and `failed` is
+    set for the owner to look."""
+
+    def __init__(self) -> None:
+        self._group = asyncio.TaskGroup()
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self.failed = asyncio.Event()
+        self.failures: list[tuple[str, Exception]] = []
+
+    async def __aenter__(self) -> Owned:
+        await self._group.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        et: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await cancel_all(list(self._tasks.values()))
+        # every task has ended; the block's own exception (if any) goes on as it is, not
+        # wrapped in an ExceptionGroup by the TaskGroup
+        await self._group.__aexit__(None, None, None)
+
+    def start(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+        """Run `coro` as the task `name` until it ends or the block does."""
+        self._tasks[name] = self._group.create_task(self._kept(coro, name), name=name)
+
+    async def stop(self, name: str) -> None:
+        """End the task `name` now, if it was started."""
+        task = self._tasks.get(name)
+        if task is not None:
+            await cancel_all([task])
+
+    async def _kept(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+        try:
+            await coro
+        except Exception as e:  # (a cancellation is no failure)
+            self.failures.append((name, e))
+            self.failed.set()
+        finally:
+            coro.close()  # one cancelled before its first step was never awaited

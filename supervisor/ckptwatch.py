@@ -10,16 +10,18 @@ stats them. Torch-free.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import structlog
 
+from holdfast_contract.events import EventName as N
 from supervisor.events import EventBus
 from supervisor.fswatch import CHANGES, DirWatch
 from supervisor.states import DaemonState
 from supervisor.units import Daemon
+from supervisor.wiring import Term
 
 if TYPE_CHECKING:
     from cachedaemon.config import CacheConfig
@@ -31,10 +33,10 @@ log = structlog.get_logger("supervisor.ckptwatch")
 class CheckpointWatch:
     """Which files each rank's pool was loaded from, and whether they are still those."""
 
-    def __init__(self, model_dir: Path, bus: EventBus, epoch: Callable[[], int]) -> None:
+    def __init__(self, model_dir: Path, bus: EventBus, term: Term) -> None:
         self.model_dir = model_dir
         self.bus = bus
-        self.epoch = epoch
+        self.term = term  # the epoch its events carry
         self._loaded: dict[int, CacheConfig] = {}
 
     def loaded(self, d: Daemon, status: StatusReply | None) -> None:
@@ -76,7 +78,7 @@ class CheckpointWatch:
             files=list(changed),
         )
         self.bus.emit(
-            "daemon", str(d.rank), "checkpoint_changed", self.epoch(), files=list(changed)
+            "daemon", str(d.rank), N.CHECKPOINT_CHANGED, self.term.epoch, files=list(changed)
         )
 
     def before_handout(self, daemons: Sequence[Daemon], engine: str) -> None:
@@ -92,7 +94,7 @@ class CheckpointWatch:
                 files=files,
             )
             self.bus.emit(
-                "daemon", str(d.rank), "stale_handout", self.epoch(), engine=engine, files=files
+                "daemon", str(d.rank), N.STALE_HANDOUT, self.term.epoch, engine=engine, files=files
             )
 
     async def run(self, daemons: Sequence[Daemon]) -> None:

@@ -28,34 +28,34 @@ Handler = Callable[[Request], Awaitable[ControlReply]]
 
 
 class ControlServer:
-    """Answers control requests with `handler`; runs as one task owned by the supervisor."""
+    """Answers control requests with the handler given to `serve`, which runs as one task
+    owned by the supervisor."""
 
-    def __init__(self, endpoint: str, handler: Handler) -> None:
+    def __init__(self, endpoint: str) -> None:
         self._ctx = zmq.asyncio.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(endpoint)
-        self._handler = handler
         self.malformed = 0
 
-    async def serve(self) -> None:
+    async def serve(self, handler: Handler) -> None:
         while True:
             frames = await self._sock.recv_multipart()
             if len(frames) != 3 or frames[1] != b"":
                 self.malformed += 1
                 continue
             ident, _, body = frames
-            reply = await self._answer(body)
+            reply = await self._answer(handler, body)
             await self._sock.send_multipart([ident, b"", encode(reply)])
 
-    async def _answer(self, body: bytes) -> ControlReply:
+    async def _answer(self, handler: Handler, body: bytes) -> ControlReply:
         try:
             req = decode_request(body)
         except msgspec.DecodeError as e:
             self.malformed += 1
             return ControlReply(ok=False, message=f"malformed control request: {e}")
         try:
-            return await self._handler(req)
+            return await handler(req)
         except ControlError as e:
             return ControlReply(ok=False, message=str(e))
 

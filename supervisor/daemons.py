@@ -14,13 +14,13 @@ import functools
 import json
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from holdfast_contract.errors import ProtocolError
+from holdfast_contract.events import EventName as N
 from holdfast_contract.ready import DaemonReady, daemon_ready_path, read_daemon_ready
 from supervisor import decisions, pace, vllm_kind
 from supervisor.backoff import RestartBook
@@ -31,6 +31,7 @@ from supervisor.policy import Policy
 from supervisor.states import DAEMON, DaemonState, move
 from supervisor.units import Daemon, Incarnation
 from supervisor.watcher import Command, Watcher, not_ready, until, until_ready
+from supervisor.wiring import Term
 
 if TYPE_CHECKING:  # torch-free, but imported only where they are used
     from cachedaemon.keeper import Keeper
@@ -66,15 +67,13 @@ class DaemonPool:
         run: Path,
         model_dir: str,
         bus: EventBus,
-        kick: Callable[[], None],
-        epoch: Callable[[], int],
+        term: Term,
     ) -> None:
         self.policy = policy
         self.run = run
         self.model_dir = model_dir
         self.bus = bus
-        self._kick = kick
-        self._epoch = epoch
+        self.term = term  # the cluster's: its epoch, and the wake-up of its loop
         self.keeper: Keeper | None = None  # started by start_keeper
         self.pace: pace.LoopPace | None = None  # the supervisor's stalls, not a daemon's
         self.keeper_path = run / "keeper.sock"
@@ -84,7 +83,7 @@ class DaemonPool:
         ]
         self.watcher = Watcher()  # every daemon's and spare's exit watch, readiness, pings
         self._changed = asyncio.Event()
-        self.checkpoint = CheckpointWatch(Path(model_dir), bus, epoch)
+        self.checkpoint = CheckpointWatch(Path(model_dir), bus, term)
 
     def all_serving(self) -> bool:
         return all(d.state == DaemonState.SERVING for d in self.daemons)
@@ -183,7 +182,7 @@ class DaemonPool:
     def follow(self, d: Daemon, inc: Incarnation, **data: Any) -> None:
         """dead -> starting: follow `inc` (a new process, or the spare that took over)."""
         d.inc = inc
-        self._move(d, "starting", **data)
+        self._move(d, N.STARTING, **data)
         self.watcher.watch(
             inc, lambda _, code: self.exited(d, inc, code, time.monotonic()), one_for_all=False
         )
@@ -220,13 +219,13 @@ class DaemonPool:
         ms = (now - d.died_at) * 1000 if d.died_at else None
         self._move(
             d,
-            "serving",
+            N.SERVING,
             adopted=d.adopted,
             pool_bytes=d.pool_bytes,
             fingerprint=d.fingerprint,
             down_ms=ms,
         )
-        self._kick()
+        self.term.wake.set()
 
     def before_handout(self, engine: str) -> None:
         """Say so when `engine` is about to start against a pool whose checkpoint changed."""
@@ -235,7 +234,7 @@ class DaemonPool:
     async def _probe(self, d: Daemon, inc: Incarnation) -> None:
         """Ping a serving daemon every heartbeat interval; one that leaves its pings
         unanswered (stopped at once; asleep, not run since the first ping it left
-        unanswered was written to it, for max(0.5 s, interval x miss_limit); busy for
+        unanswered was written to it, for max(0.5 s, heartbeat.miss_window_s); busy for
         heartbeat.busy_silence_ms, the supervisor's own stalls not counted:
         `decisions.daemon_hung`) is fenced with SIGKILL, so its spare or a restart takes
         over."""
@@ -244,7 +243,7 @@ class DaemonPool:
 
         hb = self.policy.heartbeat
         period = max(0.05, hb.interval_ms / 1000)
-        deadline = max(0.5, hb.interval_ms * hb.miss_limit / 1000)
+        deadline = max(0.5, hb.miss_window_s)
         sock = str(self.run / f"daemon-{d.rank}.sock")
         silent_since: float | None = None  # first unanswered ping of the current run
         runs_then = 0  # how often its threads had been given a CPU at that ping
@@ -282,8 +281,8 @@ class DaemonPool:
                 self.bus.emit(
                     "daemon",
                     str(d.rank),
-                    "hung",
-                    self._epoch(),
+                    N.HUNG,
+                    self.term.epoch,
                     pid=inc.pid,
                     silent_ms=round((now - silent_since) * 1000, 1),
                     detail=why,
@@ -312,7 +311,7 @@ class DaemonPool:
 
         ok = await until_ready(self.run, check, self.policy.cache.ready_timeout_s)
         if ok and d.spare is inc:
-            self.bus.emit("daemon", str(d.rank), "spare_ready", self._epoch(), pid=inc.pid)
+            self.bus.emit("daemon", str(d.rank), N.SPARE_READY, self.term.epoch, pid=inc.pid)
 
     def _drop_spare_file(self, d: Daemon, inc: Incarnation) -> None:
         """Remove rank d's .spare file once the spare that wrote it (`inc`) has exited; a
@@ -343,16 +342,16 @@ class DaemonPool:
         inc.handled = True
         d.died_at = now
         if d.book.record(now):
-            self._move(d, "quarantined", exit_code=code, tail=inc.tail())
-            self._kick()
+            self._move(d, N.QUARANTINED, exit_code=code, tail=inc.tail())
+            self.term.wake.set()
             return
         d.next_start = now + d.book.delay(now)
-        self._move(d, "dead", exit_code=code, tail=inc.tail())
+        self._move(d, N.DEAD, exit_code=code, tail=inc.tail())
         spare = d.spare
         if spare is not None and spare.procs[0].alive:
             d.spare = None  # the spare is taking over already: follow it
             self.follow(d, spare, spare=True)
-        self._kick()
+        self.term.wake.set()
 
     def reconcile(self, now: float) -> float | None:
         """Restart dead daemons whose backoff ran out; the next time one is due, or None."""
@@ -367,12 +366,12 @@ class DaemonPool:
                 due = d.next_start if due is None else min(due, d.next_start)
         return due
 
-    def _move(self, d: Daemon, event: str, **data: Any) -> None:
+    def _move(self, d: Daemon, event: N, **data: Any) -> None:
         """The one way a daemon's state changes: the row of `states.DAEMON` for (its
         state, `event`), published as `daemon.<rank>.<event>`."""
         move(d, DAEMON, event)
         self._changed.set()
-        epoch = self._epoch()
+        epoch = self.term.epoch
         self.bus.emit("daemon", str(d.rank), event, epoch, pid=d.pid, **data)
         self.bus.state(
             UnitState(
@@ -397,7 +396,7 @@ class DaemonPool:
                 for p in d.inc.procs:
                     await p.terminate(grace=5.0)
             if d.state != DaemonState.STOPPED:
-                self._move(d, "stopped")
+                self._move(d, N.STOPPED)
         await self.watcher.stop()
         if self.keeper is not None:
             self.keeper.close()

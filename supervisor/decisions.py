@@ -23,7 +23,7 @@ class Windows:
     """How long an engine may take: to get ready, and between heartbeats."""
 
     ready_timeout_s: float
-    hang_s: float  # heartbeat.interval_ms x miss_limit, once ready
+    hang_s: float  # heartbeat.miss_window_s, once ready
     starting_silence_s: float  # heartbeat.starting_silence_ms, while it starts
     busy_silence_s: float  # heartbeat.busy_silence_ms: silent, but runnable
     recheck_s: float  # how soon an overdue, runnable engine is looked at again
@@ -34,7 +34,7 @@ class Windows:
         hb = policy.heartbeat
         return cls(
             ready_timeout_s=policy.engines.ready_timeout_s,
-            hang_s=hb.interval_ms * hb.miss_limit / 1000.0,
+            hang_s=hb.miss_window_s,
             starting_silence_s=hb.starting_silence_ms / 1000.0,
             busy_silence_s=hb.busy_silence_ms / 1000.0,
             recheck_s=hb.interval_ms / 2000.0,

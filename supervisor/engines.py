@@ -1,8 +1,8 @@
 """Starting, watching and stopping engine processes (one process per tp rank).
 
 An engine is a group of rank processes; if one rank dies the whole group is dead
-(one_for_all). Exits are reported through `on_exit(engine, incarnation, detail)` the moment
-the event loop's child watcher sees them. Spawning, the exit watch and owning the tasks are
+(one_for_all). Exits are reported to the `into` given to `spawn` (`into.on_exit(engine,
+incarnation, detail)`) the moment the event loop's child watcher sees them. Spawning, the exit watch and owning the tasks are
 `watcher.Watcher`'s; the start command is the engine kind's, rendered per rank here; its
 readiness and health probes are `engine_kinds.probes`.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -20,16 +19,15 @@ from holdfast_contract.command import Placeholders, render
 from holdfast_contract.env import EngineEnv, to_environ, var
 from holdfast_contract.wire import free_port
 from supervisor import engine_kinds
-from supervisor.engine_kinds import BeatFn, Forks
+from supervisor.engine_kinds import Forks
 from supervisor.errors import StartupError
 from supervisor.policy import Policy
 from supervisor.procs import Proc
 from supervisor.units import Engine, Incarnation
 from supervisor.watcher import Command, Watcher, until_ready
+from supervisor.wiring import Reports
 
 log = structlog.get_logger("supervisor.engines")
-
-ExitFn = Callable[[Engine, Incarnation, str], None]
 
 
 class ForkServer:
@@ -77,8 +75,6 @@ class EngineLauncher:
         run: Path,
         model_dir: str,
         daemons: list[str],
-        on_exit: ExitFn,
-        on_beat: BeatFn,
         forks: ForkServer | None = None,
     ) -> None:
         self.policy = policy
@@ -86,8 +82,6 @@ class EngineLauncher:
         self.run = run
         self.model_dir = model_dir
         self.daemons = daemons
-        self.on_exit = on_exit
-        self.on_beat = on_beat
         self._next_port = policy.engines.port_base
         self.watcher = Watcher()  # every exit watch and probe of every engine
         self.probes = engine_kinds.probes(policy)  # readiness, health, the kind's own
@@ -147,8 +141,9 @@ class EngineLauncher:
         )
         return render(e.command, values)
 
-    async def spawn(self, e: Engine, epoch: int) -> Incarnation:
-        """Start every rank of `e`; raises StartupError when the command cannot start."""
+    async def spawn(self, e: Engine, epoch: int, into: Reports) -> Incarnation:
+        """Start every rank of `e`; its exit and its health probes' beats are reported to
+        `into`. Raises StartupError when the command cannot start."""
         e.port = self._port()
         procs: list[Proc] = []
         try:
@@ -159,9 +154,11 @@ class EngineLauncher:
                 await p.fence()
             raise
         inc = Incarnation(procs)
-        self.watcher.watch(inc, lambda rank, code: self._exited(e, inc, rank, code))
+        self.watcher.watch(
+            inc, lambda rank, code: into.on_exit(e, inc, _exit_detail(inc, rank, code))
+        )
         for probe in self.probes:
-            self.watcher.own(probe(e, inc, self.policy, self.on_beat))
+            self.watcher.own(probe(e, inc, self.policy, into.on_http_beat))
         return inc
 
     async def _start(self, cmd: Command) -> Proc:
@@ -179,11 +176,12 @@ class EngineLauncher:
                 log.warning("fork server did not answer; starting with exec", error=str(err))
         return await Watcher.spawn(cmd)
 
-    def _exited(self, e: Engine, inc: Incarnation, rank: int, code: int | None) -> None:
-        detail = f"rank {rank} exited with {code}"
-        if not inc.ready:  # it never answered: a start-up failure, its log tail says why
-            detail += " during start-up, before it was ready"
-        self.on_exit(e, inc, detail)
-
     async def stop(self) -> None:
         await self.watcher.stop()
+
+
+def _exit_detail(inc: Incarnation, rank: int, code: int | None) -> str:
+    detail = f"rank {rank} exited with {code}"
+    if not inc.ready:  # it never answered: a start-up failure, its log tail says why
+        detail += " during start-up, before it was ready"
+    return detail

@@ -18,6 +18,7 @@ import zmq
 
 from holdfast_contract.control import Wanted
 from holdfast_contract.events import Event, encode_event
+from holdfast_contract.events import EventName as N
 from supervisor.mqtt import MqttPublisher
 from supervisor.policy import EventsSpec
 
@@ -43,12 +44,12 @@ class EngineUnitState(UnitState, frozen=True):
 
 
 # events a person should notice; every other event is logged at info
-LEVELS = {
-    "died": "warning",
-    "fenced": "warning",
-    "dead": "warning",
-    "quarantined": "error",
-    "migrating": "warning",
+LEVELS: dict[str, str] = {
+    N.DIED: "warning",
+    N.FENCED: "warning",
+    N.DEAD: "warning",
+    N.QUARANTINED: "error",
+    N.MIGRATING: "warning",
 }
 
 

@@ -32,14 +32,17 @@ from prometheus_client.core import (
 )
 
 from holdfast_contract.events import Event
+from holdfast_contract.events import EventName as N
 from supervisor.aio import cancel_all
 from supervisor.events import EventBus
 from supervisor.migration import Stalls
+from supervisor.states import DaemonState
 from supervisor.warming import Warmer
 
 PREFIX = "holdfast_supervisor_"
 KINDS = ("daemon", "engine")
-DAEMON_STATES = frozenset({"starting", "serving", "dead", "quarantined"})
+# a daemon's event named for the state it enters (all but `stopped`, as the supervisor ends)
+DAEMON_STATES = frozenset(DaemonState) - {DaemonState.STOPPED}
 # upper bounds (s) of the state-duration histogram's buckets
 BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
 QUEUE = 100_000  # events the metrics task may fall behind by before it misses some
@@ -123,15 +126,15 @@ class SupervisorMetrics:
 
     def count(self, ev: Event) -> None:
         unit = (ev.kind, ev.name)
-        if ev.event == "promoted":
+        if ev.event == N.PROMOTED:
             self.promotions[str(ev.data.get("cause", ""))] += 1
-        elif ev.event == "fenced" or (ev.kind == "daemon" and ev.event == "hung"):
+        elif ev.event == N.FENCED or (ev.kind == "daemon" and ev.event == N.HUNG):
             self.fences[(ev.kind, str(ev.data.get("cause", "hang")))] += 1
-        elif ev.event == "quarantined":
+        elif ev.event == N.QUARANTINED:
             self.quarantines[ev.kind] += 1
-        elif ev.event == "evicted":
+        elif ev.event == N.EVICTED:
             self.evictions[_reason(ev.data.get("reason"))] += 1
-        elif ev.event == "starting":
+        elif ev.event == N.STARTING:
             if unit in self._started:
                 self.restarts[ev.kind] += 1
             self._started.add(unit)

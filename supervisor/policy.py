@@ -103,6 +103,12 @@ class HeartbeatSpec(_Spec, frozen=True):
     # normal priority
     realtime_promotion: bool = True
 
+    @property
+    def miss_window_s(self) -> float:
+        """How long a ready engine may stay silent before it is fenced (the hang window):
+        interval_ms x miss_limit, in seconds."""
+        return self.interval_ms * self.miss_limit / 1000
+
 
 class RestartSpec(_Spec, frozen=True):
     initial_s: float = 0.05
@@ -161,11 +167,6 @@ class Policy(_Spec, frozen=True):
     source: str = ""  # the file it came from; set by load_policy (a value in the file is ignored)
 
 
-def miss_window_s(p: Policy) -> float:
-    """How long the primary may stay silent before it is fenced, in seconds."""
-    return p.heartbeat.interval_ms * p.heartbeat.miss_limit / 1000
-
-
 def semantic_errors(p: Policy, *, schema_only: bool = False) -> list[str]:
     """Cross-field rules msgspec cannot express, each naming the key to change; with
     `schema_only`, none that look at this machine's files. The engine kind's own rules are
@@ -194,7 +195,7 @@ def semantic_errors(p: Policy, *, schema_only: bool = False) -> list[str]:
     if p.router.warm_every < 0:
         errors.append("$.router.warm_every: must be 0 (off) or more tokens")
     if p.cluster is not None:
-        errors += cluster_errors(p.cluster, miss_window_s(p))
+        errors += cluster_errors(p.cluster, p.heartbeat.miss_window_s)
         if not p.cluster.advertise:
             errors += advertise_errors(p.router.listen, "router.listen")
     return errors

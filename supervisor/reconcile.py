@@ -50,7 +50,7 @@ async def _check_liveness(c: Cluster, now: float) -> float | None:
         stalled = c.pace.stalled_s(e.last_beat, now) if e.last_beat else 0.0
         verdict = decisions.liveness(e, now, c.windows, refused, stalled)
         if isinstance(verdict, decisions.Overdue):
-            c.hub.drain()  # a heartbeat that came but waits unread is no silence
+            c.hub.drain(c)  # a heartbeat that came but waits unread is no silence
             verdict = decisions.liveness(e, now, c.windows, None, stalled)
         if isinstance(verdict, decisions.Overdue):
             inc = e.inc  # an overdue engine has one

@@ -1,13 +1,18 @@
 """`supervisor run`: bring everything up in order, reconcile until told to stop, tear down.
 
-Order (`run`, then `_start`): runtime dir (lock) -> events (MQTT: refused if another live
-supervisor holds the prefix) -> model (generated from a preset when model.path is unset)
--> agents + control sockets, router + health API (a busy port fails here, before anything
+`Service.run` is one structured block: each part is entered as an async context (or its
+cleanup pushed on one `AsyncExitStack`) as it starts, so teardown is start-up's order
+reversed, and covers what started, and only that. Order: runtime dir (lock) -> events
+(MQTT: refused if another live supervisor holds the prefix) -> agents + control sockets
+-> the supervisor's own tasks (`aio.Owned`) -> model (generated from a preset when
+model.path is unset) -> the cluster over the daemon pool and the launcher, its tasks
+(agents, control, pace) -> router + health API (a busy port fails here, before anything
 loads) -> MQTT's connection (events queued until then) -> fork server (imports while the
-daemons load) -> keeper and daemons (ready) -> MQTT's birth and retained states, READY=1
--> engines via the reconcile loop (`_loop`). SIGINT/SIGTERM or `supervisor stop` stop
-what was started, and only that: engines, then the fork server and the daemons side by
-side (each logged as `part_stopped` with how long it took), keeper, sockets. A start
+daemons load) -> keeper and daemons (ready) -> engines (the reconcile loop starts them)
+-> fleet -> MQTT's birth and retained states, READY=1 -> the reconcile loop (`_loop`).
+SIGINT/SIGTERM or `supervisor stop` stop what was started: the router refuses new
+requests, the fleet is left, engines, then the fork server and the daemons side by side
+(each logged as `part_stopped` with how long it took), HTTP, tasks, sockets. A start
 that fails before the broker connection leaves the broker untouched, and its log ends
 with `supervisor.main.stopped`.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -23,7 +29,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,11 +37,11 @@ import structlog
 import zmq
 from aiohttp import web
 
-from holdfast_contract.control import ControlReply, Request
+from holdfast_contract.events import EventName as N
 from holdfast_contract.formats import GENERATED_MARK, GENERATION
 from supervisor import engine_kinds, reconcile, sdnotify
 from supervisor.agent_hub import AgentHub
-from supervisor.aio import cancel_all
+from supervisor.aio import Owned
 from supervisor.api import HealthApi
 from supervisor.control import ControlServer
 from supervisor.core import Cluster
@@ -49,10 +55,11 @@ from supervisor.metrics import SupervisorMetrics
 from supervisor.policy import Policy, split_listen
 from supervisor.router import PrimaryView, Router
 from supervisor.runtime import RuntimeDir
-from supervisor.wiring import Inbox
+from supervisor.wiring import Term
 
 log = structlog.get_logger("supervisor")
 T = TypeVar("T")
+B = TypeVar("B", AgentHub, ControlServer)
 HTTP_SHUTDOWN_S = 1.0  # the router's and health API's last connections, at the very end
 
 
@@ -116,30 +123,38 @@ class Service:
         self.stop = asyncio.Event()
         spec = policy.cluster
         self.view = FleetView(spec.node) if spec is not None else PrimaryView()
-        self.node: Node | None = None  # this node in its cluster, with a `cluster:` section
-        self._tasks: list[asyncio.Task[Any]] = []
-        self._runners: list[web.AppRunner] = []
-        # what `_start` has built so far, torn down by `_teardown` whatever got built
-        self.forks: ForkServer | None = None
-        self.hub: AgentHub | None = None
-        self.daemons: DaemonPool | None = None
-        self.launcher: EngineLauncher | None = None
-        self.cluster: Cluster | None = None
-        self._control_server: ControlServer | None = None
-        self.router: Router | None = None
-
-    def _own(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
-        self._tasks.append(asyncio.get_running_loop().create_task(coro, name=name))
-
-    @property
-    def epoch(self) -> int:
-        return self.cluster.epoch if self.cluster is not None else 0
+        self.term = Term()  # the cluster's epoch and wake-up, shared with the daemon pool
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stop.set)
         os.umask(0o077)  # every socket and file we create is ours alone
+        async with self._events() as (rd, bus), contextlib.AsyncExitStack() as stack:
+            try:
+                bus.emit(
+                    "supervisor",
+                    "main",
+                    N.STARTING,
+                    0,
+                    pid=os.getpid(),
+                    policy=self.policy.source,
+                    run=str(rd.path),
+                )
+                hub = stack.enter_context(self._bind(rd, "agents", AgentHub))
+                control = stack.enter_context(self._bind(rd, "control", ControlServer))
+                tasks = await stack.enter_async_context(Owned())
+                c = await self._until_stopped(self._start(bus, rd, hub, control, tasks, stack))
+                if c is not None:
+                    await self._loop(c, tasks)
+                return 0
+            finally:
+                bus.emit("supervisor", "main", N.STOPPING, self.term.epoch)
+
+    @contextlib.asynccontextmanager
+    async def _events(self) -> AsyncIterator[tuple[RuntimeDir, EventBus]]:
+        """The runtime dir (locked) and the event bus, its MQTT prefix claimed; at the
+        end `supervisor.main.stopped`, the bus closed, the dir released."""
         rd = RuntimeDir.acquire(self.policy.cache.runtime_dir)
         try:
             node = self.policy.cluster.node if self.policy.cluster is not None else ""
@@ -149,25 +164,18 @@ class Service:
             raise StartupError(
                 f"cannot listen on {rd.endpoint('events')}: {e}; set cache.runtime_dir"
             ) from e
-        try:  # one supervisor per MQTT prefix: refused before anything is published
-            await bus.claim()
-        except StartupError:
-            await bus.close()
-            rd.release()
-            raise
         try:
-            if await self._until_stopped(self._start(bus, rd)) and self.cluster is not None:
-                await self._loop(self.cluster)
-            return 0
+            await bus.claim()  # one supervisor per MQTT prefix: refused before any publish
+            try:
+                yield rd, bus
+            finally:
+                bus.emit("supervisor", "main", N.STOPPED, self.term.epoch)
         finally:
-            bus.emit("supervisor", "main", "stopping", self.epoch)
-            await self._teardown()
-            bus.emit("supervisor", "main", "stopped", self.epoch)
             await bus.close()
             rd.release()
 
-    async def _until_stopped(self, coro: Coroutine[Any, Any, None]) -> bool:
-        """Run `coro` unless a stop comes first (then cancel it); True if it finished."""
+    async def _until_stopped(self, coro: Coroutine[Any, Any, T]) -> T | None:
+        """Run `coro` unless a stop comes first (then cancel it); its result, or None."""
         work = asyncio.ensure_future(coro)
         stop = asyncio.ensure_future(self.stop.wait())
         try:
@@ -178,117 +186,112 @@ class Service:
             work.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await work
-            return False
-        work.result()  # re-raise a startup error
-        return True
+            return None
+        return work.result()  # re-raises a startup error
 
-    async def _start(self, bus: EventBus, rd: RuntimeDir) -> None:
-        """Build the parts (agents socket, daemon pool, launcher), then the cluster over
-        them; listen; start the daemons and wait until they serve."""
-        bus.emit(
-            "supervisor",
-            "main",
-            "starting",
-            0,
-            pid=os.getpid(),
-            policy=self.policy.source,
-            run=str(rd.path),
+    async def _start(
+        self,
+        bus: EventBus,
+        rd: RuntimeDir,
+        hub: AgentHub,
+        control: ControlServer,
+        tasks: Owned,
+        stack: contextlib.AsyncExitStack,
+    ) -> Cluster:
+        """Build the cluster over the daemon pool and the launcher; serve; start the fork
+        server and the daemons and wait until they serve. Each part that needs stopping
+        goes on `stack` as it starts."""
+        p = self.policy
+        model_dir = await ensure_model(p)
+        forks_spec = engine_kinds.forks(p)
+        forks = (
+            ForkServer(rd.path, {**os.environ, **p.engines.env}, forks_spec)
+            if forks_spec is not None
+            else None
         )
-        model_dir = await ensure_model(self.policy)
-        inbox = Inbox()  # the hub, launcher and daemons report to the cluster built last
-        self.hub = hub = self._bind(
-            rd,
-            lambda: AgentHub(
-                rd.endpoint("agents"),
-                on_hello=inbox.hello,
-                on_heartbeat=inbox.heartbeat,
-                on_state=inbox.state,
-                on_ack=inbox.ack,
-            ),
-        )
-        forks = engine_kinds.forks(self.policy)
-        if forks is not None:
-            env = {**os.environ, **self.policy.engines.env}
-            self.forks = ForkServer(rd.path, env, forks)
-        daemons = DaemonPool(
-            self.policy, rd.path, model_dir, bus, kick=inbox.kick, epoch=inbox.epoch
-        )
-        self.launcher = launcher = EngineLauncher(
-            self.policy,
-            rd.path,
-            model_dir,
-            daemons.sockets(),
-            on_exit=inbox.exit,
-            on_beat=inbox.http_beat,
-            forks=self.forks,
-        )
-        self.cluster = c = Cluster(
-            self.policy, bus, self.view, hub=hub, launcher=launcher, daemons=daemons
-        )
-        inbox.attach(c)
+        daemons = DaemonPool(p, rd.path, model_dir, bus, self.term)
+        launcher = EngineLauncher(p, rd.path, model_dir, daemons.sockets(), forks=forks)
+        c = Cluster(p, bus, self.view, self.term, hub=hub, launcher=launcher, daemons=daemons)
         daemons.pace = c.pace  # its stalls are no daemon's silence
-        self._own(c.pace.run(), "pace")
-        if self.policy.cluster is not None and isinstance(self.view, FleetView):
-            self.node = Node(self.policy.cluster, self.policy.api.listen, bus, c, self.view)
-        await self._listen(c, rd, hub)
+        tasks.start(c.pace.run(), "pace")
+        node = (
+            Node(p.cluster, p.api.listen, bus, c, self.view)
+            if p.cluster is not None and isinstance(self.view, FleetView)
+            else None
+        )
+        tasks.start(hub.serve(c), "agents")
+        tasks.start(
+            control.serve(functools.partial(reconcile.handle, c, stop=self.stop)), "control"
+        )
+        router = await self._listen(c, hub, control, node, stack)
         bus.start()  # the broker hears from a supervisor that could listen
-        if self.forks is not None:
-            await self.forks.start()  # imports while the daemons load
         t0 = time.monotonic()
-        self.daemons = daemons  # from now on there are daemons to stop
-        await daemons.start()
+        await stack.enter_async_context(_children(forks, daemons))
         bus.emit(
             "supervisor",
             "main",
-            "daemons-ready",
+            N.DAEMONS_READY,
             c.epoch,
             ms=round((time.monotonic() - t0) * 1000, 1),
         )
-        if self.node is not None:  # joins now; campaigns once the pool can serve
-            self._own(self.node.run(daemons.daemons[0].fingerprint), "fleet")
+        stack.push_async_callback(_stop_engines, c, launcher)
+        if node is not None:  # joins now; campaigns once the pool can serve
+            tasks.start(node.run(daemons.daemons[0].fingerprint), "fleet")
+            # leave the cluster first (the lease is revoked): another node takes over at once
+            stack.push_async_callback(tasks.stop, "fleet")
+        stack.callback(router.stop)  # new requests: 503 now; those under way go on
         bus.emit(
             "supervisor",
             "main",
-            "started",
+            N.STARTED,
             c.epoch,
-            router=self.policy.router.listen,
-            api=self.policy.api.listen,
+            router=p.router.listen,
+            api=p.api.listen,
         )
         bus.go_live()  # MQTT's birth and retained states: only a started supervisor's
-        sdnotify.ready(f"daemons serve; router {self.policy.router.listen}")
+        sdnotify.ready(f"daemons serve; router {p.router.listen}")
         # what start-up built lives as long as the supervisor: out of the collector's
         # sight, a full collection no longer walks it in the middle of a promotion
         gc.freeze()
+        return c
 
-    def _bind(self, rd: RuntimeDir, make: Callable[[], T]) -> T:
+    @contextlib.contextmanager
+    def _bind(self, rd: RuntimeDir, name: str, make: Callable[[str], B]) -> Iterator[B]:
+        """The socket `make` binds at `ipc://<run>/<name>`, closed at the end."""
         try:
-            return make()
+            sock = make(rd.endpoint(name))
         except zmq.ZMQError as e:
             raise StartupError(
                 f"cannot listen in {rd.path}: {e}; set cache.runtime_dir to another dir"
             ) from e
+        try:
+            yield sock
+        finally:
+            sock.close()
 
-    async def _listen(self, c: Cluster, rd: RuntimeDir, hub: AgentHub) -> None:
-        """Serve the agents and control sockets, the router and the health API."""
-        self._own(hub.serve(), "agents")
-        control = self._bind(
-            rd, lambda: ControlServer(rd.endpoint("control"), lambda r: self._control(c, r))
-        )
-        self._control_server = control
-        self._own(control.serve(), "control")
+    async def _listen(
+        self,
+        c: Cluster,
+        hub: AgentHub,
+        control: ControlServer,
+        node: Node | None,
+        stack: contextlib.AsyncExitStack,
+    ) -> Router:
+        """Serve the router and the health API."""
         spec = self.policy.cluster
         router = Router(self.policy.router, self.view, spec.node if spec else "", c.bus.emit)
-        self.router = router
         # a client that hangs up cancels its routed request, so the engine stops generating
-        await self._serve_http(router.app(), "router.listen", cancel_on_hangup=True)
+        await self._serve_http(router.app(), "router.listen", stack, cancel_on_hangup=True)
         metrics = SupervisorMetrics(c.bus, router=router, agents=hub, control=control)
-        await self._serve_http(HealthApi(c.snapshot, metrics, self.node).app(), "api.listen")
-
-    async def _control(self, c: Cluster, req: Request) -> ControlReply:
-        return await reconcile.handle(c, req, self.stop)
+        await self._serve_http(HealthApi(c.snapshot, metrics, node).app(), "api.listen", stack)
+        return router
 
     async def _serve_http(
-        self, app: web.Application, key: str, cancel_on_hangup: bool = False
+        self,
+        app: web.Application,
+        key: str,
+        stack: contextlib.AsyncExitStack,
+        cancel_on_hangup: bool = False,
     ) -> None:
         """Serve `app` on the policy's `key` (router.listen or api.listen)."""
         listen = self.policy.router.listen if key == "router.listen" else self.policy.api.listen
@@ -302,7 +305,7 @@ class Service:
             shutdown_timeout=HTTP_SHUTDOWN_S,
         )
         await runner.setup()
-        self._runners.append(runner)
+        stack.push_async_callback(runner.cleanup)
         try:
             await web.TCPSite(runner, host, port, reuse_address=True).start()
         except OSError as e:
@@ -311,58 +314,60 @@ class Service:
                 f"cannot listen on {listen} ({key}): {why.lower()}; change {key} in the policy"
             ) from e
 
-    async def _loop(self, c: Cluster) -> None:
+    async def _loop(self, c: Cluster, tasks: Owned) -> None:
         interval = self.policy.heartbeat.interval_ms / 1000.0
         stop = asyncio.ensure_future(self.stop.wait())
+        failed = asyncio.ensure_future(tasks.failed.wait())
         try:
             while not self.stop.is_set():
                 c.wake.clear()
                 due = await reconcile.tick(c)
                 left = interval if due is None else max(0.0, min(interval, due - time.monotonic()))
                 wake = asyncio.ensure_future(c.wake.wait())
-                await asyncio.wait([wake, stop], timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    [wake, stop, failed], timeout=left, return_when=asyncio.FIRST_COMPLETED
+                )
                 wake.cancel()
-                self._check_tasks()
+                _raise_failure(tasks)
         finally:
             stop.cancel()
-
-    def _check_tasks(self) -> None:
-        for t in self._tasks:
-            if t.done() and not t.cancelled() and t.exception() is not None:
-                if isinstance(t.exception(), JoinRefused):
-                    raise t.exception()  # type: ignore[misc]  # the refusal, as it was worded
-                raise StartupError(f"supervisor task {t.get_name()} failed") from t.exception()
-
-    def _parts_to_stop(self) -> list[tuple[str, Callable[[], Coroutine[Any, Any, None]]]]:
-        parts: list[tuple[str, Callable[[], Coroutine[Any, Any, None]]]] = []
-        if self.forks is not None and self.forks.proc is not None:
-            parts.append(("forkserver", self.forks.stop))
-        if self.daemons is not None:
-            parts.append(("daemons", self.daemons.stop))
-        return parts
-
-    async def _teardown(self) -> None:
-        if self.router is not None:  # new requests: 503 now; those under way go on
-            self.router.stop()
-        # leave the cluster first (the lease is revoked): another node takes over at once
-        await cancel_all([t for t in self._tasks if t.get_name() == "fleet"])
-        if self.cluster is not None:
-            await self.cluster.stop_all()
-        if self.launcher is not None:
-            await self.launcher.stop()
-        # the fork server and the daemons go down side by side (each may use its SIGTERM
-        # grace), each logged as it is down, so a slow one is named
-        await asyncio.gather(*[_stopped(part, stop) for part, stop in self._parts_to_stop()])
-        for runner in self._runners:
-            await runner.cleanup()
-        await cancel_all(self._tasks)
-        if self.hub is not None:
-            self.hub.close()
-        if self._control_server is not None:
-            self._control_server.close()
+            failed.cancel()
 
 
-async def _stopped(part: str, stop: Callable[[], Coroutine[Any, Any, None]]) -> None:
+def _raise_failure(tasks: Owned) -> None:
+    """Raise the first failure of the supervisor's own tasks: a fleet's refusal as it was
+    worded, any other as the StartupError that names the task."""
+    if not tasks.failures:
+        return
+    name, exc = tasks.failures[0]
+    if isinstance(exc, JoinRefused):
+        raise exc
+    raise StartupError(f"supervisor task {name} failed") from exc
+
+
+@contextlib.asynccontextmanager
+async def _children(forks: ForkServer | None, daemons: DaemonPool) -> AsyncIterator[None]:
+    """The fork server (it imports while the daemons load), then the keeper and daemons,
+    serving; at the end, those started go down side by side (each may use its SIGTERM
+    grace), each logged as it is down, so a slow one is named."""
+    started: list[tuple[str, Callable[[], Awaitable[None]]]] = []
+    try:
+        if forks is not None:
+            await forks.start()
+            started.append(("forkserver", forks.stop))
+        started.append(("daemons", daemons.stop))  # from now on there are daemons to stop
+        await daemons.start()
+        yield
+    finally:
+        await asyncio.gather(*[_stopped(part, stop) for part, stop in started])
+
+
+async def _stop_engines(c: Cluster, launcher: EngineLauncher) -> None:
+    await c.stop_all()
+    await launcher.stop()
+
+
+async def _stopped(part: str, stop: Callable[[], Awaitable[None]]) -> None:
     """Run `stop`, then log how long `part` took to stop."""
     t0 = time.monotonic()
     await stop()

@@ -2,7 +2,8 @@
 
 Each row is (from, event, to, action): in state `from`, the supervisor's method `action`
 carries out `event`, the unit enters `to`, and `event` is published under that name
-(`engine.<name>.<event>`, `daemon.<rank>.<event>`). `move()` is the only code that
+(`engine.<name>.<event>`, `daemon.<rank>.<event>`; the names are
+`holdfast_contract.events.EventName`). `move()` is the only code that
 changes a unit's state; a move that is not a row raises `IllegalTransition`, which is
 a supervisor bug, never an operator error. `Table` is generic in the states and the
 events: the fleet's roles use it too (`supervisor/fleet/roles.py`, events an enum).
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Generic, Protocol, TypeVar
 
+from holdfast_contract.events import EventName
 from supervisor.errors import SupervisorError
 
 
@@ -106,53 +108,54 @@ def move(unit: Stateful[S], table: Table[S, V], event: V, dst: S | None = None) 
 
 
 E = EngineState
+N = EventName
 _RUNNING_ENGINE = (E.STARTING, E.STANDBY, E.BATCH, E.PRIMARY)
 
-ENGINE = Table[EngineState, str](
+ENGINE = Table[EngineState, EventName](
     "engine",
     [
         # a start: a new incarnation spawned (a restart, a respawn after eviction)
-        (E.DEAD, "starting", E.STARTING, "spawn"),
-        (E.EVICTED, "starting", E.STARTING, "spawn"),
-        (E.DEAD, "quarantined", E.QUARANTINED, "spawn"),  # its command cannot start
-        (E.EVICTED, "quarantined", E.QUARANTINED, "spawn"),
+        (E.DEAD, N.STARTING, E.STARTING, "spawn"),
+        (E.EVICTED, N.STARTING, E.STARTING, "spawn"),
+        (E.DEAD, N.QUARANTINED, E.QUARANTINED, "spawn"),  # its command cannot start
+        (E.EVICTED, N.QUARANTINED, E.QUARANTINED, "spawn"),
         # ready: attached, warmed up and listening; routed only once promoted
-        (E.STARTING, "ready", E.STANDBY, "ready"),
-        (E.STARTING, "ready", E.BATCH, "ready"),
-        (E.STANDBY, "promoted", E.PRIMARY, "promote"),
+        (E.STARTING, N.READY, E.STANDBY, "ready"),
+        (E.STARTING, N.READY, E.BATCH, "ready"),
+        (E.STANDBY, N.PROMOTED, E.PRIMARY, "promote"),
         # a new epoch from the fleet (this node's term won or resumed): told, routed again
-        (E.PRIMARY, "epoch-raised", E.PRIMARY, "raise_epoch"),
+        (E.PRIMARY, N.EPOCH_RAISED, E.PRIMARY, "raise_epoch"),
         # losses: a rank exited, or the supervisor fenced it (hang, not ready, refused)
-        *[(s, "died", E.DEAD, "down") for s in _RUNNING_ENGINE],
-        *[(s, "quarantined", E.QUARANTINED, "down") for s in _RUNNING_ENGINE],
-        (E.PRIMARY, "fenced", E.DEAD, "hand_over"),  # `supervisor promote` of another
+        *[(s, N.DIED, E.DEAD, "down") for s in _RUNNING_ENGINE],
+        *[(s, N.QUARANTINED, E.QUARANTINED, "down") for s in _RUNNING_ENGINE],
+        (E.PRIMARY, N.FENCED, E.DEAD, "hand_over"),  # `supervisor promote` of another
         # batch engines leave for load or admission, or by hand (`supervisor evict`)
-        (E.STARTING, "draining", E.DRAINING, "evict"),
-        (E.BATCH, "draining", E.DRAINING, "evict"),
-        (E.DRAINING, "evicted", E.EVICTED, "evict"),
-        (E.DEAD, "evicted", E.EVICTED, "evict"),
-        (E.QUARANTINED, "evicted", E.EVICTED, "evict"),
+        (E.STARTING, N.DRAINING, E.DRAINING, "evict"),
+        (E.BATCH, N.DRAINING, E.DRAINING, "evict"),
+        (E.DRAINING, N.EVICTED, E.EVICTED, "evict"),
+        (E.DEAD, N.EVICTED, E.EVICTED, "evict"),
+        (E.QUARANTINED, N.EVICTED, E.EVICTED, "evict"),
         # `supervisor restart NAME`: back to dead, due now, its restart count forgotten
-        (E.DEAD, "restarting", E.DEAD, "restart"),  # one that died, or was fenced by it
-        (E.EVICTED, "restarting", E.DEAD, "restart"),
-        (E.QUARANTINED, "restarting", E.DEAD, "restart"),
+        (E.DEAD, N.RESTARTING, E.DEAD, "restart"),  # one that died, or was fenced by it
+        (E.EVICTED, N.RESTARTING, E.DEAD, "restart"),
+        (E.QUARANTINED, N.RESTARTING, E.DEAD, "restart"),
         # the supervisor stops
-        *[(s, "stopped", E.STOPPED, "stop_all") for s in (*_RUNNING_ENGINE, E.DRAINING)],
+        *[(s, N.STOPPED, E.STOPPED, "stop_all") for s in (*_RUNNING_ENGINE, E.DRAINING)],
     ],
 )
 
 D = DaemonState
-DAEMON = Table[DaemonState, str](
+DAEMON = Table[DaemonState, EventName](
     "daemon",
     [
-        (D.DEAD, "starting", D.STARTING, "follow"),  # a new process, or its spare took over
-        (D.STARTING, "serving", D.SERVING, "served"),
-        (D.STARTING, "dead", D.DEAD, "exited"),
-        (D.SERVING, "dead", D.DEAD, "exited"),
-        (D.STARTING, "quarantined", D.QUARANTINED, "exited"),
-        (D.SERVING, "quarantined", D.QUARANTINED, "exited"),
-        *[(s, "stopped", D.STOPPED, "stop") for s in (D.STARTING, D.SERVING, D.DEAD)],
-        (D.QUARANTINED, "stopped", D.STOPPED, "stop"),
+        (D.DEAD, N.STARTING, D.STARTING, "follow"),  # a new process, or its spare took over
+        (D.STARTING, N.SERVING, D.SERVING, "served"),
+        (D.STARTING, N.DEAD, D.DEAD, "exited"),
+        (D.SERVING, N.DEAD, D.DEAD, "exited"),
+        (D.STARTING, N.QUARANTINED, D.QUARANTINED, "exited"),
+        (D.SERVING, N.QUARANTINED, D.QUARANTINED, "exited"),
+        *[(s, N.STOPPED, D.STOPPED, "stop") for s in (D.STARTING, D.SERVING, D.DEAD)],
+        (D.QUARANTINED, N.STOPPED, D.STOPPED, "stop"),
     ],
 )
 

@@ -1,12 +1,14 @@
 """How the cluster meets the parts built before it: the agents socket and the launcher it
-sends and starts through (`Commands`, `Launcher`), the daemon pool (`Daemons`), and the
-`Inbox` through which they report back to it."""
+sends and starts through (`Commands`, `Launcher`), the daemon pool (`Daemons`), what it
+shares with the daemon pool (`Term`), and what the parts report to it (`Reports`,
+handed to the agents socket's `serve` and to each `Launcher.spawn`)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from holdfast_contract.agent_protocol import (
     Ack,
@@ -17,8 +19,37 @@ from holdfast_contract.agent_protocol import (
     StateChange,
     Stop,
 )
-from supervisor.errors import SupervisorError
 from supervisor.units import Daemon, Engine, Incarnation
+
+
+@dataclass
+class Term:
+    """What the cluster and the daemon pool share: the epoch (one more with each
+    promotion) and the event that runs the reconcile loop's next tick now."""
+
+    epoch: int = 0
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class AgentReports(Protocol):
+    """What the agents report (`Cluster`), as the agents socket delivers it."""
+
+    def on_hello(self, msg: Hello) -> None: ...
+
+    def on_heartbeat(self, msg: Heartbeat) -> None: ...
+
+    def on_state(self, msg: StateChange) -> None: ...
+
+    def on_ack(self, msg: Ack) -> None: ...
+
+
+class Reports(AgentReports, Protocol):
+    """All the parts report (`Cluster`): the agents, and an engine's exit or answered
+    health check, as the launcher delivers them."""
+
+    def on_exit(self, e: Engine, inc: Incarnation, detail: str) -> None: ...
+
+    def on_http_beat(self, e: Engine, inc: Incarnation) -> None: ...
 
 
 class Commands(Protocol):
@@ -26,14 +57,15 @@ class Commands(Protocol):
 
     def send(self, name: str, cmd: Promote | Drain | Stop) -> bool: ...
 
-    def drain(self) -> None:
-        """Take in now what the agents sent that is waiting to be read."""
+    def drain(self, into: AgentReports) -> None:
+        """Deliver to `into` now what the agents sent that is waiting to be read."""
 
 
 class Launcher(Protocol):
     """What starts an engine's processes (`EngineLauncher`)."""
 
-    async def spawn(self, e: Engine, epoch: int) -> Incarnation: ...
+    async def spawn(self, e: Engine, epoch: int, into: Reports) -> Incarnation:
+        """Start `e`'s processes; its exit and health checks are reported to `into`."""
 
 
 class Daemons(Protocol):
@@ -47,77 +79,3 @@ class Daemons(Protocol):
     def reconcile(self, now: float) -> float | None: ...
 
     def before_handout(self, engine: str) -> None: ...
-
-
-class WiringError(SupervisorError):
-    """Something was delivered to an `Inbox` before its cluster was attached."""
-
-
-class Inbox:
-    """What the agent hub, the launcher and the daemon pool report, delivered to the
-    cluster. They are built before the `Cluster` (it sends and starts through them), so
-    they are handed this inbox's methods; `attach` names the cluster once it exists."""
-
-    def __init__(self) -> None:
-        self._cluster: Handler | Detached = Detached()
-
-    def attach(self, c: Handler) -> None:
-        self._cluster = c
-
-    def hello(self, msg: Hello) -> None:
-        self._cluster.on_hello(msg)
-
-    def heartbeat(self, msg: Heartbeat) -> None:
-        self._cluster.on_heartbeat(msg)
-
-    def state(self, msg: StateChange) -> None:
-        self._cluster.on_state(msg)
-
-    def ack(self, msg: Ack) -> None:
-        self._cluster.on_ack(msg)
-
-    def exit(self, e: Engine, inc: Incarnation, detail: str) -> None:
-        self._cluster.on_exit(e, inc, detail)
-
-    def http_beat(self, e: Engine, inc: Incarnation) -> None:
-        self._cluster.on_http_beat(e, inc)
-
-    def kick(self) -> None:
-        self._cluster.wake.set()
-
-    def epoch(self) -> int:
-        return self._cluster.epoch
-
-
-class Detached:
-    """An inbox's cluster before `Inbox.attach`: any delivery is a wiring bug."""
-
-    @property
-    def wake(self) -> asyncio.Event:
-        raise WiringError("the daemon pool woke the cluster before Inbox.attach")
-
-    @property
-    def epoch(self) -> int:
-        raise WiringError("the epoch was read before Inbox.attach")
-
-    def __getattr__(self, name: str) -> Any:
-        raise WiringError(f"{name} was delivered before Inbox.attach")
-
-
-class Handler(Protocol):
-    """What an `Inbox` delivers to (`Cluster`)."""
-
-    wake: asyncio.Event
-    epoch: int
-
-    def on_hello(self, msg: Hello) -> None: ...
-
-    def on_heartbeat(self, msg: Heartbeat) -> None: ...
-
-    def on_state(self, msg: StateChange) -> None: ...
-
-    def on_ack(self, msg: Ack) -> None: ...
-
-    def on_exit(self, e: Engine, inc: Incarnation, detail: str) -> None: ...
-
-    def on_http_beat(self, e: Engine, inc: Incarnation) -> None: ...

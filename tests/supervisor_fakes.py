@@ -29,6 +29,7 @@ from supervisor.policy import (
 )
 from supervisor.router import PrimaryView
 from supervisor.units import Daemon, Engine, Incarnation
+from supervisor.wiring import AgentReports, Reports, Term
 
 _pids = itertools.count(4_000_000)
 
@@ -98,7 +99,7 @@ class FakeHub:
         self.sent.append((name, cmd))
         return self.connected
 
-    def drain(self) -> None:
+    def drain(self, into: AgentReports) -> None:
         """Nothing waits unread: this hub has no socket."""
 
 
@@ -107,7 +108,7 @@ class FakeLauncher:
     fail: str = ""  # the StartupError message of the next spawns, when set
     started: list[Incarnation] = field(default_factory=list)
 
-    async def spawn(self, e: Engine, epoch: int) -> Incarnation:
+    async def spawn(self, e: Engine, epoch: int, into: Reports) -> Incarnation:
         if self.fail:
             raise StartupError(self.fail)
         e.port = 9000 + len(self.started)
@@ -189,6 +190,12 @@ async def rig(run: Path, p: Policy | None = None) -> AsyncIterator[Rig]:
         hub, launcher = FakeHub(), FakeLauncher()
         events = Events(bus)
         c = Cluster(
-            p or policy(), bus, PrimaryView(), hub=hub, launcher=launcher, daemons=NoDaemons()
+            p or policy(),
+            bus,
+            PrimaryView(),
+            Term(),
+            hub=hub,
+            launcher=launcher,
+            daemons=NoDaemons(),
         )
         yield Rig(c, hub, launcher, events, bus)

@@ -190,7 +190,7 @@ def launcher(tmp_path: Path, command: list[str]) -> tuple[EngineLauncher, Engine
         Policy(), heartbeat=msgspec.structs.replace(Policy().heartbeat, interval_ms=30)
     )
     sockets = [str(tmp_path / "daemon-0.sock")]
-    launch = EngineLauncher(policy, tmp_path, "/models/m", sockets, print, print)
+    launch = EngineLauncher(policy, tmp_path, "/models/m", sockets)
     engine = Engine("e2", "serving", "standby", RestartBook(RestartSpec()), command=command)
     engine.port = 9123
     return launch, engine

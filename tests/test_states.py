@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import supervisor
-from holdfast_contract.agent_protocol import Drain, Hello, Promote
+from holdfast_contract.agent_protocol import Drain, Promote
 from holdfast_contract.ready import DaemonReady
 from supervisor.backoff import RestartBook
 from supervisor.core import Cluster
@@ -32,7 +32,7 @@ from supervisor.states import (
     move,
 )
 from supervisor.units import Daemon, Engine, Incarnation
-from supervisor.wiring import Inbox, WiringError
+from supervisor.wiring import Term
 from tests.supervisor_fakes import FakeProc, Rig, bus_at, policy, rig
 
 E = EngineState
@@ -328,17 +328,24 @@ def test_table_lookup_names_what_is_wrong() -> None:
     assert move(unit, DAEMON, "starting").dst == D.STARTING and unit.state == D.STARTING
 
 
-def test_an_inbox_refuses_deliveries_until_a_cluster_is_attached(tmp_path: Path) -> None:
+def test_the_daemon_pool_wakes_the_cluster_it_shares_a_term_with(tmp_path: Path) -> None:
     async def go() -> None:
-        inbox = Inbox()
-        with pytest.raises(WiringError, match="before Inbox.attach"):
-            inbox.hello(Hello(name="e1", role="standby", pid=1, port=9000, epoch=0))
-        with pytest.raises(WiringError):
-            inbox.epoch()
         async with rig(tmp_path) as g:
-            inbox.attach(g.c)
-            inbox.kick()
-            assert g.c.wake.is_set() and inbox.epoch() == 0
+            pool = DaemonPool(policy(), tmp_path, "model", g.bus, g.c.term)
+            d = pool.daemons[0]
+            try:
+                g.c.raise_epoch(4, cluster_epoch=1)  # no primary: the epoch only
+                mark = g.events.mark()
+                pool.follow(d, Incarnation([FakeProc()]))
+                g.c.wake.clear()
+                pool.served(d, DaemonReady(1, None, "s", ""), 1, time.monotonic())
+                assert g.c.wake.is_set()
+                assert [(x.event, x.epoch) for x in g.events.since(mark, "0")] == [
+                    ("starting", 4),
+                    ("serving", 4),
+                ]
+            finally:
+                await pool.stop()
 
     run(go())
 
@@ -381,8 +388,7 @@ def test_daemon_transition(row: Row[DaemonState, str], tmp_path: Path) -> None:
     async def go() -> None:
         async with bus_at(tmp_path) as bus:
             events = bus.subscribe()
-            kicks: list[int] = []
-            pool = DaemonPool(policy(), tmp_path, "model", bus, lambda: kicks.append(1), lambda: 3)
+            pool = DaemonPool(policy(), tmp_path, "model", bus, Term(epoch=3))
             d = pool.daemons[0]
             try:
                 for step in daemon_path(row.src):
@@ -410,7 +416,7 @@ def test_a_dead_daemon_with_a_live_spare_follows_the_spare_at_once(tmp_path: Pat
     async def go() -> None:
         async with bus_at(tmp_path) as bus:
             events = bus.subscribe()
-            pool = DaemonPool(policy(), tmp_path, "model", bus, lambda: None, lambda: 1)
+            pool = DaemonPool(policy(), tmp_path, "model", bus, Term(epoch=1))
             d = pool.daemons[0]
             try:
                 pool.follow(d, Incarnation([FakeProc()]))
@@ -436,7 +442,7 @@ def test_a_dead_daemon_with_a_live_spare_follows_the_spare_at_once(tmp_path: Pat
 def test_reconcile_starts_a_dead_daemon_once_when_its_backoff_ran_out(tmp_path: Path) -> None:
     async def go() -> None:
         async with bus_at(tmp_path) as bus:
-            pool = DaemonPool(policy(), tmp_path, "model", bus, lambda: None, lambda: 1)
+            pool = DaemonPool(policy(), tmp_path, "model", bus, Term(epoch=1))
             d = pool.daemons[0]
             d.next_start = 10.0
             assert pool.reconcile(now=9.0) == 10.0 and not d.spawning

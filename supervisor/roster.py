@@ -1,0 +1,110 @@
+"""The engines a supervisor runs, and the one way an engine's state changes.
+
+`Roster` holds every engine, the primary and the term it serves in (`wiring.Term`: the
+epoch, and the wake-up of the reconcile loop); each change of an engine's state is one
+row of `states.ENGINE`, made by `_move` and published as that row's event, with the
+engine's retained state. The failover core (`failover.Failover`) and the cluster
+(`core.Cluster`) build on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from holdfast_contract.events import EventName as N
+from supervisor import decisions
+from supervisor.engine_kinds import kind_of
+from supervisor.events import EngineUnitState, EventBus
+from supervisor.policy import Policy
+from supervisor.router import PrimaryView, Target
+from supervisor.states import ENGINE, EngineState, move
+from supervisor.units import Engine, Want, engines_of
+from supervisor.wiring import Term
+
+
+class Roster:
+    """The engines, the primary, the term; every state change and its event."""
+
+    def __init__(self, policy: Policy, bus: EventBus, view: PrimaryView, term: Term) -> None:
+        self.policy = policy
+        self.bus = bus
+        self.view = view
+        self.term = term
+        self.primary: Engine | None = None
+        self.windows = decisions.Windows.of(policy)
+        self.engines: dict[str, Engine] = {e.name: e for e in engines_of(policy)}
+        self.warms = policy.router.warm_every > 0 and kind_of(policy).warms
+
+    @property
+    def epoch(self) -> int:
+        return self.term.epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self.term.epoch = value
+
+    @property
+    def wake(self) -> asyncio.Event:
+        """Set to run the reconcile loop's next tick now."""
+        return self.term.wake
+
+    # ---- the one way an engine's state changes ----
+    def _move(self, e: Engine, event: N, to: EngineState | None = None, **data: Any) -> None:
+        """Make the move the table has for (e.state, event[, to]) and publish `event`;
+        raises IllegalTransition when there is no such row."""
+        move(e, ENGINE, event, to)
+        self.publish(e, event, **data)
+        self._name_heir()
+
+    def _name_heir(self) -> None:
+        """Tell the router which standby is promoted next: it keeps streams' pasts warm
+        there (router.warm_every), if this kind of engine keeps them."""
+        h = self.best_standby() if self.warms else None
+        now = self.view.heir
+        if h is None:
+            self.view.heir = None
+        elif now is None or now.name != h.name or now.port != h.port:
+            self.view.heir = Target(h.name, h.port, 0)
+
+    def best_standby(self) -> Engine | None:
+        """The standby to promote: the one the router keeps pasts warm on, if ready."""
+        heir = self.view.heir.name if self.view.heir is not None else None
+        return decisions.best_standby(
+            self.engines.values(), time.monotonic(), self.windows.hang_s, prefer=heir
+        )
+
+    def publish(self, e: Engine, event: str, **data: Any) -> None:
+        data.setdefault("pid", e.pid)
+        self.bus.emit(
+            "engine", e.name, event, self.epoch, role=e.role, state=e.state, port=e.port, **data
+        )
+        self._retain(e)
+
+    def _retain(self, e: Engine) -> None:
+        """Publish `e`'s retained state: its state and what the rules want of it."""
+        now, wall = time.monotonic(), time.time()
+        self.bus.state(
+            EngineUnitState(
+                ts=wall,
+                kind="engine",
+                name=e.name,
+                state=e.state,
+                epoch=self.epoch,
+                role=e.role,
+                pid=e.pid,
+                wanted=e.wanted.wire(now, wall) if e.wanted is not None else None,
+            )
+        )
+
+    def want(self, wants: Mapping[str, Want]) -> None:
+        """What the rules want of each engine now, by name (`BatchGovernor.wants`): kept
+        for its status, and its retained state published again where it changed (no
+        event: its state did not move)."""
+        for name, w in wants.items():
+            e = self.engines[name]
+            if e.wanted != w:
+                e.wanted = w
+                self._retain(e)
