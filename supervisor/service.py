@@ -35,7 +35,7 @@ from holdfast_contract.control import ControlReply, Request
 from holdfast_contract.formats import GENERATED_MARK, GENERATION
 from supervisor import engine_kinds, reconcile, sdnotify
 from supervisor.agent_hub import AgentHub
-from supervisor.aio import cancel_all
+from supervisor.aio import cancel_all, unless_set
 from supervisor.api import HealthApi
 from supervisor.control import ControlServer
 from supervisor.core import Cluster
@@ -168,16 +168,8 @@ class Service:
 
     async def _until_stopped(self, coro: Coroutine[Any, Any, None]) -> bool:
         """Run `coro` unless a stop comes first (then cancel it); True if it finished."""
-        work = asyncio.ensure_future(coro)
-        stop = asyncio.ensure_future(self.stop.wait())
-        try:
-            await asyncio.wait([work, stop], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-        if not work.done():
-            work.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await work
+        work = await unless_set(coro, self.stop)
+        if work is None:
             return False
         work.result()  # re-raise a startup error
         return True
