@@ -29,9 +29,9 @@ from supervisor.events import EngineUnitState, EventBus
 from supervisor.exitwatch import Death, ExitWatch, Sight, first_death, is_exiting
 from supervisor.pace import LoopPace, thread_runs
 from supervisor.policy import Policy
+from supervisor.primary import PrimaryView, Target
 from supervisor.priority import renice
 from supervisor.realtime import RealtimeSection
-from supervisor.router import PrimaryView, Target
 from supervisor.states import ENGINE, EngineState, move
 from supervisor.units import READY_STATES, Engine, Incarnation, Want, engines_of
 from supervisor.wiring import Commands, Daemons, Launcher

@@ -47,7 +47,8 @@ from supervisor.fleet.errors import JoinRefused
 from supervisor.fleet.node import FleetView, Node
 from supervisor.metrics import SupervisorMetrics
 from supervisor.policy import Policy, split_listen
-from supervisor.router import PrimaryView, Router
+from supervisor.primary import PrimaryView
+from supervisor.proxy.router import Router
 from supervisor.runtime import RuntimeDir
 from supervisor.wiring import Inbox
 

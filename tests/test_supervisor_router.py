@@ -12,7 +12,8 @@ from aiohttp import web
 
 from holdfast_contract.wire import free_port
 from supervisor.policy import RouterSpec
-from supervisor.router import PrimaryView, Router
+from supervisor.primary import PrimaryView
+from supervisor.proxy.router import Router
 
 MAX_BODY = 64 * 1024 * 1024  # the router's documented limit
 
@@ -49,3 +50,4 @@ def test_router_errors_have_the_json_error_shape() -> None:
     }
     assert (s2, t2) == (502, "application/json")
     assert j2 == {"error": {"message": "no primary is serving", "type": "upstream_error"}}
+
