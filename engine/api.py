@@ -5,7 +5,7 @@ always greedy: sampling fields set to anything but their greedy value are refuse
 `prompt_token_ids`, `ignore_eos` and `token_ids` in replies are extensions, and so is
 `return_token_ids` (vLLM's name): streamed chunks then carry the token ids of each delta and
 the first one the prompt's (`prompt_token_ids`), so a router can continue a cut stream at
-the token level (supervisor/migration.py). `max_tokens: null` means as many as fit.
+the token level (supervisor/proxy/migration.py). `max_tokens: null` means as many as fit.
 """
 
 from __future__ import annotations

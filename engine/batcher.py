@@ -16,7 +16,7 @@ arriving (the last less than `GATHER_QUIET_S` ago) the loop waits, at most `GATH
 after the first, and they prefill in one step.
 
 Warm prefills (a standby keeping streams' pasts, `warm`) arrive the same way: the router
-sends the pasts of many streams at once (supervisor/warming.py), and each step of a
+sends the pasts of many streams at once (supervisor/proxy/warming.py), and each step of a
 standby reads the weights as a decode step of the primary beside it does. So while warm
 prefills are all a standby has to run, it gathers them the same way, into one step.
 

@@ -26,7 +26,7 @@ from supervisor.events import EventBus
 from supervisor.failover import Failover
 from supervisor.pace import LoopPace, thread_runs
 from supervisor.policy import Policy
-from supervisor.router import PrimaryView
+from supervisor.primary import PrimaryView
 from supervisor.states import EngineState
 from supervisor.units import READY_STATES, Engine, Incarnation
 from supervisor.wiring import Commands, Daemons, Launcher, Term

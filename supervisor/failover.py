@@ -20,10 +20,10 @@ from supervisor.errors import ControlError
 from supervisor.events import EventBus
 from supervisor.exitwatch import Death, ExitWatch, Sight, first_death, is_exiting
 from supervisor.policy import Policy
+from supervisor.primary import PrimaryView, Target
 from supervisor.priority import renice
 from supervisor.realtime import RealtimeSection
 from supervisor.roster import Roster
-from supervisor.router import PrimaryView, Target
 from supervisor.states import ENGINE, EngineState
 from supervisor.units import Engine, Incarnation
 from supervisor.wiring import Commands, Term

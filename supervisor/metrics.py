@@ -15,11 +15,9 @@ docs/metrics.md lists every metric with its type and labels.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import collections
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from aiohttp import web
@@ -35,9 +33,10 @@ from holdfast_contract.events import Event
 from holdfast_contract.events import EventName as N
 from supervisor.aio import cancel_all
 from supervisor.events import EventBus
-from supervisor.migration import Stalls
+from supervisor.histogram import Histogram
+from supervisor.proxy.routing import Tally
+from supervisor.proxy.warming import Warmer
 from supervisor.states import DaemonState
-from supervisor.warming import Warmer
 
 PREFIX = "holdfast_supervisor_"
 KINDS = ("daemon", "engine")
@@ -53,33 +52,8 @@ class Counts(Protocol):
 
 
 class RouterCounts(Protocol):
-    forwarded: int
-    retried: int
-    failed: int
-    broken: int
-    migrations: dict[str, int]  # attempted, succeeded, failed
-    stalls: Stalls
+    tally: Tally  # forwarded, retried, failed, broken, migrations, stalls
     warmer: Warmer
-
-
-@dataclass
-class _Durations:
-    """Completed stays in one state: a histogram (bucket counts, not cumulative)."""
-
-    buckets: list[int] = field(default_factory=lambda: [0] * (len(BUCKETS) + 1))
-    total: float = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.buckets[bisect.bisect_left(BUCKETS, seconds)] += 1
-        self.total += seconds
-
-    def cumulative(self) -> list[tuple[str, float]]:
-        edges = [*(f"{b:g}" for b in BUCKETS), "+Inf"]
-        running, out = 0, []
-        for edge, n in zip(edges, self.buckets, strict=True):
-            running += n
-            out.append((edge, float(running)))
-        return out
 
 
 class SupervisorMetrics:
@@ -106,7 +80,9 @@ class SupervisorMetrics:
         self._started: set[tuple[str, str]] = set()  # units seen starting once
         self._state: dict[tuple[str, str], tuple[str, float]] = {}  # unit -> (state, since)
         self._seconds: dict[tuple[str, str, str], float] = collections.defaultdict(float)
-        self._stays: dict[tuple[str, str], _Durations] = collections.defaultdict(_Durations)
+        self._stays: dict[tuple[str, str], Histogram] = collections.defaultdict(
+            lambda: Histogram(BUCKETS)
+        )
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
@@ -252,37 +228,39 @@ class SupervisorMetrics:
             if src is not None:
                 malformed.add_metric([socket], src.malformed)
         yield malformed
-        r = self.router
-        if r is not None:
-            for key, n, help_ in (
-                ("router_forwarded", r.forwarded, "requests answered by a primary"),
-                ("router_retries", r.retried, "requests retried on the next primary"),
-                ("router_failures", r.failed, "requests answered 502: no primary could answer"),
-                ("router_broken_streams", r.broken, "responses cut off after their first byte"),
-            ):
-                yield CounterMetricFamily(PREFIX + key, help_, value=n)
-            migrations = CounterMetricFamily(
-                PREFIX + "router_migrations",
-                "cut streams continued on the next primary, by outcome",
-                labels=["outcome"],
-            )
-            for outcome, n in r.migrations.items():
-                migrations.add_metric([outcome], n)
-            yield migrations
-            warms = CounterMetricFamily(
-                PREFIX + "router_warm_requests",
-                "streams' pasts sent to the next standby to keep warm, by outcome",
-                labels=["outcome"],
-            )
-            warms.add_metric(["kept"], r.warmer.sent)
-            warms.add_metric(["failed"], r.warmer.failed)
-            yield warms
-            yield HistogramMetricFamily(
-                PREFIX + "router_stream_stall_seconds",
-                "a migrated stream's last token before the cut to its first after it",
-                buckets=r.stalls.cumulative(),
-                sum_value=r.stalls.total,
-            )
+        if self.router is not None:
+            yield from self._router(self.router.tally, self.router.warmer)
+
+    def _router(self, r: Tally, warmer: Warmer) -> Iterator[Metric]:
+        for key, n, help_ in (
+            ("router_forwarded", r.forwarded, "requests answered by a primary"),
+            ("router_retries", r.retried, "requests retried on the next primary"),
+            ("router_failures", r.failed, "requests answered 502: no primary could answer"),
+            ("router_broken_streams", r.broken, "responses cut off after their first byte"),
+        ):
+            yield CounterMetricFamily(PREFIX + key, help_, value=n)
+        migrations = CounterMetricFamily(
+            PREFIX + "router_migrations",
+            "cut streams continued on the next primary, by outcome",
+            labels=["outcome"],
+        )
+        for outcome, n in r.migrations.items():
+            migrations.add_metric([outcome], n)
+        yield migrations
+        warms = CounterMetricFamily(
+            PREFIX + "router_warm_requests",
+            "streams' pasts sent to the next standby to keep warm, by outcome",
+            labels=["outcome"],
+        )
+        warms.add_metric(["kept"], warmer.sent)
+        warms.add_metric(["failed"], warmer.failed)
+        yield warms
+        yield HistogramMetricFamily(
+            PREFIX + "router_stream_stall_seconds",
+            "a migrated stream's last token before the cut to its first after it",
+            buckets=r.stalls.cumulative(),
+            sum_value=r.stalls.total,
+        )
 
 
 def _reason(reason: object) -> str:

@@ -19,7 +19,7 @@ from supervisor import decisions
 from supervisor.engine_kinds import kind_of
 from supervisor.events import EngineUnitState, EventBus
 from supervisor.policy import Policy
-from supervisor.router import PrimaryView, Target
+from supervisor.primary import PrimaryView, Target
 from supervisor.states import ENGINE, EngineState, move
 from supervisor.units import Engine, Want, engines_of
 from supervisor.wiring import Term

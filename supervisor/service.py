@@ -41,7 +41,7 @@ from holdfast_contract.events import EventName as N
 from holdfast_contract.formats import GENERATED_MARK, GENERATION
 from supervisor import engine_kinds, reconcile, sdnotify
 from supervisor.agent_hub import AgentHub
-from supervisor.aio import Owned
+from supervisor.aio import Owned, unless_set
 from supervisor.api import HealthApi
 from supervisor.control import ControlServer
 from supervisor.core import Cluster
@@ -53,7 +53,8 @@ from supervisor.fleet.errors import JoinRefused
 from supervisor.fleet.node import FleetView, Node
 from supervisor.metrics import SupervisorMetrics
 from supervisor.policy import Policy, split_listen
-from supervisor.router import PrimaryView, Router
+from supervisor.primary import PrimaryView
+from supervisor.proxy.router import Router
 from supervisor.runtime import RuntimeDir
 from supervisor.wiring import Term
 
@@ -176,18 +177,8 @@ class Service:
 
     async def _until_stopped(self, coro: Coroutine[Any, Any, T]) -> T | None:
         """Run `coro` unless a stop comes first (then cancel it); its result, or None."""
-        work = asyncio.ensure_future(coro)
-        stop = asyncio.ensure_future(self.stop.wait())
-        try:
-            await asyncio.wait([work, stop], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-        if not work.done():
-            work.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await work
-            return None
-        return work.result()  # re-raises a startup error
+        work = await unless_set(coro, self.stop)
+        return None if work is None else work.result()  # re-raises a startup error
 
     async def _start(
         self,

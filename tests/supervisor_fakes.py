@@ -27,7 +27,7 @@ from supervisor.policy import (
     Policy,
     RestartSpec,
 )
-from supervisor.router import PrimaryView
+from supervisor.primary import PrimaryView
 from supervisor.units import Daemon, Engine, Incarnation
 from supervisor.wiring import AgentReports, Reports, Term
 

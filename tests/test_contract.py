@@ -98,14 +98,22 @@ def test_the_contract_names_no_other_package_in_its_imports() -> None:
 
 
 # the floors above the fleet: what composes a `supervisor run` (and its CLI)
-ABOVE_THE_FLEET = {"service.py", "cli.py"}
+ABOVE_THE_FLEET = {"supervisor/service.py", "supervisor/cli.py"}
+
+
+def below_the_fleet() -> list[Path]:
+    """The supervisor's modules outside `supervisor/fleet/`, its proxy's included."""
+    fleet = REPO / "supervisor" / "fleet"
+    return [p for p in sorted((REPO / "supervisor").rglob("*.py")) if fleet not in p.parents]
 
 
 def test_no_module_below_the_fleet_imports_it() -> None:
-    """`supervisor/fleet/` stands on the supervisor's core (policy, states, core, router):
-    a core module importing it would run back up a floor (the policy's `cluster:` section
-    is `supervisor/fleet_spec.py` for that reason)."""
-    for path in sorted((REPO / "supervisor").glob("*.py")):
+    """`supervisor/fleet/` stands on the supervisor's core (policy, states, core, the
+    proxy): a core module importing it would run back up a floor (the policy's `cluster:`
+    section is `supervisor/fleet_spec.py` for that reason)."""
+    paths = below_the_fleet()
+    assert REPO / "supervisor" / "proxy" / "router.py" in paths
+    for path in paths:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
@@ -116,9 +124,19 @@ def test_no_module_below_the_fleet_imports_it() -> None:
             fleet = [
                 n for n in names if n == "supervisor.fleet" or n.startswith("supervisor.fleet.")
             ]
-            assert not fleet or path.name in ABOVE_THE_FLEET, (
-                f"{path.name}:{node.lineno} imports {fleet}"
-            )
+            name = path.relative_to(REPO).as_posix()
+            assert not fleet or name in ABOVE_THE_FLEET, f"{name}:{node.lineno} imports {fleet}"
+
+
+def test_the_core_routes_without_loading_the_proxy() -> None:
+    """`supervisor.core` points `PrimaryView` (supervisor/primary.py) at the primary; the
+    HTTP proxy (supervisor/proxy/) reads it from above and the core never loads it."""
+    cp = run_fresh(
+        "import sys, supervisor.core\n"
+        "print(sorted(m for m in sys.modules if m.startswith('supervisor.proxy')))"
+    )
+    assert cp.returncode == 0, cp.stderr
+    assert cp.stdout.strip() == "[]", cp.stdout
 
 
 # ---- the environment ----

@@ -23,7 +23,8 @@ from supervisor.decisions import (
     load_of,
 )
 from supervisor.policy import LoadSpec, RestartSpec, RouterSpec
-from supervisor.router import Target, attempts, choose
+from supervisor.primary import Target, choose
+from supervisor.proxy.routing import attempts
 from supervisor.states import EngineState
 from supervisor.units import Engine, Incarnation, Want
 from tests.supervisor_fakes import FakeProc

@@ -28,8 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_router_streams import PROMPT, TOKENS, boot, get_text, migrations
 
 from holdfast_contract.wire import free_port
-from supervisor.answers import body as collected_body
-from supervisor.migration import Stream, plan
+from supervisor.proxy.answers import body as collected_body
+from supervisor.proxy.migration import Stream, plan
 from tests.engines.harness import Supervisor, get
 
 CUT_AFTER = 20  # model steps of the request run before its primary is killed

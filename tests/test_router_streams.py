@@ -267,7 +267,7 @@ def test_a_chat_stream_is_continued_at_the_token_level(
 
 
 def test_a_continuation_is_the_prompt_and_the_tokens_sent_with_the_rest_of_the_budget() -> None:
-    from supervisor.migration import Stream, plan
+    from supervisor.proxy.migration import Stream, plan
 
     body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 10}
     body |= {"temperature": 0, "seed": 7, "stop": ["\n\n"], "logprobs": True, "tools": None}
@@ -304,7 +304,7 @@ def test_a_continuation_is_the_prompt_and_the_tokens_sent_with_the_rest_of_the_b
 
 def test_a_completion_chunk_carries_the_prompt_ids_in_its_choice() -> None:
     """vLLM 0.32's completion chunk, as it streams one: the ids in the first choice."""
-    from supervisor.migration import Stream
+    from supervisor.proxy.migration import Stream
 
     st = Stream("/v1/completions", {"prompt": [3, 14], "max_tokens": 5, "stream": True})
     first = {"index": 0, "text": "k", "finish_reason": None, "stop_reason": None}
@@ -318,7 +318,7 @@ def test_a_completion_chunk_carries_the_prompt_ids_in_its_choice() -> None:
 
 
 def test_a_migrated_chat_stream_gets_usage_over_the_whole_answer() -> None:
-    from supervisor.migration import Stream
+    from supervisor.proxy.migration import Stream
 
     st = Stream("/v1/chat/completions", {"stream_options": {"include_usage": True}})
     st.seen({"id": "c", "choices": [{"delta": {}}], "prompt_token_ids": [1, 2]})
@@ -336,8 +336,8 @@ def test_a_migrated_chat_stream_gets_usage_over_the_whole_answer() -> None:
 def test_what_vllm_adds_to_a_finish_reaches_the_client_migrated_or_collected() -> None:
     """vLLM's `stop_reason` (the stop string that ended the answer) and its
     `system_fingerprint` stay in a continuation's reshaped chunks and a collected body."""
-    from supervisor.answers import body
-    from supervisor.migration import Stream
+    from supervisor.proxy.answers import body
+    from supervisor.proxy.migration import Stream
 
     st = Stream("/v1/completions", {"prompt": [3], "max_tokens": 9, "stop": ["o"]}, collect=True)
     st.seen({"id": "cmpl-1", "choices": [{"text": "a", "prompt_token_ids": [3], "token_ids": [5]}]})

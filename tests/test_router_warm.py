@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import warming
-from supervisor.migration import COMPLETIONS, Stream
 from supervisor.policy import RouterSpec
-from supervisor.router import Router
-from supervisor.routing import PrimaryView, Target
+from supervisor.primary import PrimaryView, Target
+from supervisor.proxy import warming
+from supervisor.proxy.migration import COMPLETIONS, Stream
+from supervisor.proxy.router import Router
 from tests.engines.harness import get
 from tests.test_router_streams import PROMPT, TOKENS, boot, cut_stream, get_text, stream, token_ids
 

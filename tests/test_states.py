@@ -20,7 +20,7 @@ from supervisor.backoff import RestartBook
 from supervisor.core import Cluster
 from supervisor.daemons import DaemonPool
 from supervisor.policy import RestartSpec
-from supervisor.routing import Target
+from supervisor.primary import Target
 from supervisor.states import (
     DAEMON,
     ENGINE,

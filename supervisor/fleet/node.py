@@ -31,7 +31,7 @@ from supervisor.fleet.etcd import EtcdClient
 from supervisor.fleet.roles import Change, Event, Role, StepDown
 from supervisor.fleet_spec import ClusterSpec
 from supervisor.policy import split_listen
-from supervisor.router import LeadershipEnded, PrimaryView, Target
+from supervisor.primary import LeadershipEnded, PrimaryView, Target
 from supervisor.states import EngineState
 
 log = structlog.get_logger("holdfast.fleet")

@@ -8,11 +8,11 @@ The router's own errors (413, 502, 503) have the OpenAI error shape the engines 
 
 A streamed completion or chat completion cut after its first byte (the primary died or
 was fenced) is migrated: continued on the next primary by token replay
-(supervisor/migration.py), at most `router.migration_limit` times. A stream that cannot be
+(supervisor/proxy/migration.py), at most `router.migration_limit` times. A stream that cannot be
 continued ends with an error event in the same shape and no `data: [DONE]`: never a clean
 end. A non-streamed one that the stream can rebuild (one choice, no logprobs, echo, ...:
 `migration.collectable`) is asked for as a stream, migrated the same way, and answered with
-one JSON body at the end (supervisor/answers.py), or a 502 when it cannot be completed;
+one JSON body at the end (supervisor/proxy/answers.py), or a 502 when it cannot be completed;
 any other request is relayed as bytes, retried only before its first byte. Once the
 supervisor stops (`stop()`), new requests get 503 with Retry-After at once and those under
 way finish within the engines' stop grace.
@@ -20,38 +20,30 @@ way finish within the engines' stop grace.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import aiohttp
 import structlog
 from aiohttp import web
 
-from supervisor import migration
-from supervisor.answers import as_it_came
-from supervisor.migration import Stalls
 from supervisor.policy import RouterSpec
-from supervisor.routing import (
+from supervisor.primary import LeadershipEnded, PrimaryView, Target
+from supervisor.proxy import migration
+from supervisor.proxy.answers import as_it_came
+from supervisor.proxy.relay import StreamRelay
+from supervisor.proxy.routing import (
     FORWARDED_BY,
-    HOP_BY_HOP,
-    NOT_LEADER,
-    NOT_LEADER_WAIT_S,
     UPSTREAM_ERRORS,
     Emit,
-    LeadershipEnded,
+    Events,
     NotLeader,
-    PrimaryView,
-    Target,
-    attempts,
-    choose,
+    Routes,
+    Tries,
     error,
-    gave_up,
     not_leader,
+    refuse_if_not_leading,
 )
-from supervisor.streams import NotAStream, StreamRelay
-from supervisor.warming import Warmer
-
-__all__ = ["LeadershipEnded", "NotLeader", "PrimaryView", "Router", "Target", "attempts", "choose"]
+from supervisor.proxy.warming import Warmer
 
 log = structlog.get_logger("supervisor.router")
 MAX_BODY = 64 * 1024 * 1024  # bytes of one request body
@@ -64,25 +56,20 @@ class Router:
     ) -> None:
         self.spec = spec
         self.view = view
-        self.node = node  # this node's name in a cluster; "" alone
-        self.emit = emit  # events (router.<node or main>.migrated, ...) go to the bus
-        self.forwarded = 0
-        self.retried = 0
-        self.failed = 0
-        self.broken = 0
-        self.migrations = dict.fromkeys(("attempted", "succeeded", "failed"), 0)
-        self.stalls = Stalls()
-        self.stopping = False
+        # `node`: this node's name in a cluster ("" alone); events
+        # (router.<node or main>.migrated, ...) go to `emit`, the bus
+        self.routes = Routes(spec, view, node)
+        self.tally = self.routes.tally  # what GET /metrics reads
         self.in_flight = 0
-        self._stopped = asyncio.Event()
-        self.streams = StreamRelay(self)
         self.warmer = Warmer(spec.warm_every, view, self.client)
+        self.streams = StreamRelay(
+            self.routes, self.client, self.warmer, self.tally, Events(node, emit)
+        )
         self._session: aiohttp.ClientSession | None = None
 
     def stop(self) -> None:
         """From now on new requests get 503 at once; those under way go on."""
-        self.stopping = True
-        self._stopped.set()  # requests waiting for a primary give up now
+        self.routes.stopped.set()  # requests waiting for a primary give up now
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY)
@@ -105,9 +92,10 @@ class Router:
         return self._session
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        if self.stopping and FORWARDED_BY in request.headers:
+        stopping = self.routes.stopping
+        if stopping and FORWARDED_BY in request.headers:
             return not_leader()  # the router that sent it retries on the next leader
-        if self.stopping:
+        if stopping:
             resp = error(503, "the supervisor is stopping; retry on the next one", "unavailable")
             resp.headers["Retry-After"] = str(STOPPING_RETRY_AFTER_S)
             return resp
@@ -132,46 +120,38 @@ class Router:
         deadline = time.monotonic() + self.spec.retry_deadline_s
         stream = migration.plan(request.method, request.path, body)
         if stream is not None:
-            try:
-                return await self.streams.relay(request, stream, deadline)
-            except NotAStream as e:  # a non-streamed request: sent again as it came
-                log.debug("not_collected", path=request.path, why=str(e))
-        target = await self.first(deadline)
-        tries = attempts(self.spec)
-        reason = "no primary is serving"
-        attempt = 0
-        while attempt < tries:
-            if target is None:
-                break
-            if not target.remote:
-                await self.view.acked(deadline)
-                target = self.view.route() or target
-            try:
-                if not self.view.valid(target) or (
-                    target.remote and FORWARDED_BY in request.headers
-                ):
-                    raise NotLeader(f"{target.node or target.name} is not leading here")
-                return await self._forward(request, body, target)
-            except UPSTREAM_ERRORS as e:
-                if isinstance(e, NotLeader) and FORWARDED_BY in request.headers:
-                    return not_leader()  # the router that sent it retries on the next leader
-                reason = f"primary {target.name} failed before answering: {type(e).__name__}"
-                if isinstance(e, NotLeader) and target.remote:
-                    # the node this one sees as leader may not know it yet (its campaign's
-                    # reply races the watch here), or its term is over: either way not a
-                    # failed try; the same term again a moment later, or the next one
-                    target = await self.view.again(target, deadline, NOT_LEADER_WAIT_S)
-                    continue
-                attempt += 1
-                if attempt < tries:
-                    self.retried += 1
-                    target = await self.next_primary(target.epoch, deadline)
-                    reason = gave_up(reason, self.spec) if target is None else reason
-        self.failed += 1
-        log.warning("route_failed", path=request.path, error=reason)
-        if FORWARDED_BY in request.headers and (self.stopping or self.view.misdirected()):
+            relayed = await self.streams.relay(request, stream, deadline)
+            if isinstance(relayed, web.StreamResponse):
+                return relayed
+            # a non-streamed request: sent again as it came
+            log.debug("not_collected", path=request.path, why=relayed.why)
+        tries = self.routes.tries(request, deadline)
+        answer = await tries.run(
+            lambda target: self._forward(request, body, target),
+            lambda e, target: self._failed(tries, e, target),
+            UPSTREAM_ERRORS,
+        )
+        if answer is not None:
+            return answer
+        self.tally.failed += 1
+        log.warning("route_failed", path=request.path, error=tries.reason)
+        if tries.forwarded and (self.routes.stopping or self.view.misdirected()):
             return not_leader()  # before any byte: the router that sent it goes on elsewhere
-        return error(502, reason, "upstream_error")
+        return error(502, tries.reason, "upstream_error")
+
+    async def _failed(
+        self, tries: Tries, e: Exception, target: Target
+    ) -> web.StreamResponse | Target | None:
+        """After a plain request's upstream failed before answering: where it goes next."""
+        if isinstance(e, NotLeader) and tries.forwarded:
+            return not_leader()  # the router that sent it retries on the next leader
+        tries.reason = f"primary {target.name} failed before answering: {type(e).__name__}"
+        if isinstance(e, NotLeader) and target.remote:
+            # the node this one sees as leader may not know it yet (its campaign's
+            # reply races the watch here), or its term is over: either way not a
+            # failed try; the same term again a moment later, or the next one
+            return await tries.again(target)
+        return await tries.retry(target)
 
     async def _forward(
         self, request: web.Request, body: bytes, target: Target
@@ -183,7 +163,7 @@ class Router:
         except LeadershipEnded:
             if not sent:
                 raise NotLeader(f"the term of {target.node} ended before an answer") from None
-            self.broken += 1
+            self.tally.broken += 1
             log.warning("stream_cut", engine=target.name, node=target.node, why="term ended")
             if request.transport is not None:
                 request.transport.abort()  # the client sees a cut, not a short answer
@@ -193,21 +173,18 @@ class Router:
         self, request: web.Request, body: bytes, target: Target, sent: list[web.StreamResponse]
     ) -> web.StreamResponse:
         url = f"http://{target.host}:{target.port}{request.rel_url}"
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-        if target.remote:
-            headers[FORWARDED_BY] = self.node or "-"
+        headers = self.routes.headers(request, target)
         async with self.client().request(
             request.method, url, headers=headers, data=body, allow_redirects=False
         ) as up:
-            if target.remote and up.status == 421 and NOT_LEADER in up.headers:
-                raise NotLeader(f"{target.name} answered that it does not lead")
+            refuse_if_not_leading(up, target)
             resp = as_it_came(up, target, lambda: self.view.valid(target))
             if "Content-Encoding" in up.headers:
                 resp.headers["Content-Encoding"] = up.headers["Content-Encoding"]
             first = await up.content.readany()  # upstream failures up to here are retried
             await resp.prepare(request)
             sent.append(resp)
-            self.forwarded += 1
+            self.tally.forwarded += 1
             chunk = first
             try:
                 while chunk:
@@ -215,29 +192,8 @@ class Router:
                     chunk = await up.content.readany()
                 await resp.write_eof()
             except UPSTREAM_ERRORS as e:  # after the first byte: too late to retry
-                self.broken += 1
+                self.tally.broken += 1
                 log.warning("stream_broken", engine=target.name, error=type(e).__name__)
                 if request.transport is not None:
                     request.transport.abort()  # the client sees a cut, not a short answer
             return resp
-
-    # ---- waiting for a primary ----
-    async def first(self, deadline: float) -> Target | None:
-        return choose(self.view.route(), -1) or await self.next_primary(-1, deadline)
-
-    async def next_primary(self, epoch: int, deadline: float) -> Target | None:
-        """`PrimaryView.next_after`, or None at once when the router stops."""
-        if self.stopping:
-            return None
-        now = choose(self.view.route(), epoch)
-        if now is not None:  # (after a cut, the next primary is routed to already)
-            return now
-        waiting = asyncio.ensure_future(self.view.next_after(epoch, deadline))
-        stopped = asyncio.ensure_future(self._stopped.wait())
-        try:
-            await asyncio.wait([waiting, stopped], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopped.cancel()
-            if not waiting.done():
-                waiting.cancel()
-        return None if waiting.cancelled() else waiting.result()

@@ -1,31 +1,27 @@
-"""The client's side of a generation the router relays as a stream (supervisor/streams.py):
-`SseAnswer` writes each chunk to a streamed request's client as it comes; `JsonAnswer`
-writes nothing until the stream is done, then answers a non-streamed request with one
-JSON body in the engine's own non-streamed shape, built from the chunks, migrated or not.
-A stream that cannot be completed is, for the one, an error event and no `[DONE]`, for the
-other a 502 (503 while the supervisor stops) in OpenAI's error shape: never an answer
-cut short that looks whole."""
+"""The client's side of what the router relays. Every answer leaves through `Released`,
+which lets its bytes out only while the answering primary's term holds. Of a generation
+relayed as a stream (supervisor/proxy/relay.py): `SseAnswer` writes each chunk to a
+streamed request's client as it comes; `JsonAnswer` writes nothing until the stream is
+done, then answers a non-streamed request with one JSON body in the engine's own
+non-streamed shape, built from the chunks, migrated or not. A stream that cannot be
+completed is, for the one, an error event and no `[DONE]`, for the other a 502 (503 while
+the supervisor stops) in OpenAI's error shape: never an answer cut short that looks whole.
+Any other answer goes as it came (`as_it_came`)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from supervisor import migration
-from supervisor.migration import Stream
-from supervisor.routing import (
-    HOP_BY_HOP,
-    UPSTREAM_ERRORS,
-    LeadershipEnded,
-    Released,
-    Target,
-    answered_by,
-)
+from supervisor.primary import LeadershipEnded, Target
+from supervisor.proxy import sse
+from supervisor.proxy.migration import Stream
+from supervisor.proxy.routing import UPSTREAM_ERRORS, end_to_end
 
 HOLDFAST = "x-holdfast-"  # the router's own response headers
 
@@ -42,6 +38,57 @@ async def write(resp: web.StreamResponse, data: bytes) -> None:
         raise ClientGone(str(e)) from e
 
 
+def answered_by(headers: MutableMapping[str, str], target: Target) -> None:
+    """The headers that say which engine (and, in a cluster, which node's term) answered:
+    set by the router that forwarded to its local primary; another router's pass through."""
+    headers["X-Holdfast-Engine"] = target.name
+    headers["X-Holdfast-Epoch"] = str(target.epoch)
+    if target.node:
+        headers["X-Holdfast-Node"] = target.node
+        headers["X-Holdfast-Cluster-Epoch"] = str(target.cluster_epoch)
+
+
+class Released(web.StreamResponse):
+    """An answer whose bytes leave only while `holds()` is true at that moment: its status
+    line and headers (`prepare`), each chunk (`write`) and its end (`write_eof`) are the
+    only ways out, and each asks first. A cluster leader's router passes its hold on the
+    term (`PrimaryView.valid`, by its own monotonic clock), so nothing its engine answered
+    reaches the client once the term is over, however long this process was stopped with
+    the answer in its buffers. The first false raises LeadershipEnded; once a byte went
+    out it also aborts the connection, so the client sees a cut, never a short answer."""
+
+    def __init__(self, holds: Callable[[], bool], *, status: int = 200, reason: Any = None):
+        super().__init__(status=status, reason=reason)
+        self.holds = holds
+        self.cut = False  # aborted: bytes had gone out under a term that has ended since
+        self._client: web.BaseRequest | None = None
+        self._ended = False
+
+    def _release(self) -> None:
+        if self.cut or self.holds():
+            return
+        if self._client is not None and self._client.transport is not None:
+            self.cut = True
+            self._client.transport.abort()
+        raise LeadershipEnded("the term ended before the answer left")
+
+    async def prepare(self, request: web.BaseRequest) -> Any:
+        if not self.prepared:
+            self._release()
+            self._client = request
+        return await super().prepare(request)
+
+    async def write(self, data: Any) -> None:
+        self._release()
+        await super().write(data)
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        if not self._ended:  # (aiohttp calls it again once the handler returns)
+            self._release()
+        await super().write_eof(data)
+        self._ended = True
+
+
 def stamp(headers: Any, target: Target) -> None:
     """The router's headers on an answer from a local primary (another node's router
     stamps its own)."""
@@ -51,10 +98,10 @@ def stamp(headers: Any, target: Target) -> None:
 
 def as_it_came(up: aiohttp.ClientResponse, target: Target, holds: Callable[[], bool]) -> Released:
     """A response with the upstream's status and headers, and the router's, whose bytes
-    leave only while `holds()` (routing.Released)."""
+    leave only while `holds()` (`Released`)."""
     resp = Released(holds, status=up.status, reason=up.reason)
-    for k, v in up.headers.items():
-        if k.lower() not in HOP_BY_HOP and k.lower() != "content-encoding":
+    for k, v in end_to_end(up.headers.items()):
+        if k.lower() != "content-encoding":
             resp.headers.add(k, v)
     stamp(resp.headers, target)
     return resp
@@ -65,7 +112,7 @@ Holds = Callable[[Target], bool]  # whether an answer from a target may leave no
 
 class SseAnswer:
     """A streamed request's client: every chunk as it comes, while the term of the
-    primary answering now holds (routing.Released)."""
+    primary answering now holds (`Released`)."""
 
     def __init__(self, request: web.Request, holds: Holds) -> None:
         self.request = request
@@ -107,13 +154,13 @@ class SseAnswer:
     async def resumed(self, up: aiohttp.ClientResponse, target: Target) -> None:
         """A continuation begins: an SSE comment (clients skip it) marks where."""
         self.target = target
-        await write(self._resp(), migration.MIGRATED)
+        await write(self._resp(), sse.MIGRATED)
 
     async def done(self, st: Stream) -> web.StreamResponse:
         resp = self._resp()
         for body in st.closing():
-            await write(resp, migration.sse(body))
-        await write(resp, migration.DONE)
+            await write(resp, sse.encode(body))
+        await write(resp, sse.DONE)
         with contextlib.suppress(ConnectionError):
             await resp.write_eof()
         return resp
@@ -129,7 +176,7 @@ class SseAnswer:
         """An error event and no `[DONE]`: the client's reader raises."""
         resp = self._resp()
         with contextlib.suppress(ClientGone, LeadershipEnded, *UPSTREAM_ERRORS):
-            await write(resp, migration.error_event(reason))
+            await write(resp, sse.error_event(reason))
             await resp.write_eof()
         return resp
 

@@ -16,7 +16,7 @@ skip (the chaos suite counts them).
 A non-streamed request with one choice and nothing its stream cannot rebuild (`collectable`:
 no logprobs, echo, best_of, several prompts, tools, ...) is asked for as a stream too and
 collected (`Stream.collect`): its client gets one JSON body at the end, the engine's own
-non-streamed shape (supervisor/answers.py), migrated or not. Since that client has seen
+non-streamed shape (supervisor/proxy/answers.py), migrated or not. Since that client has seen
 nothing yet, a cut rewinds the tokens whose text the engine still held back (part of a
 character, or of a stop string), and the continuation makes them again, so their text is
 decoded with the tokens after them.
@@ -24,7 +24,6 @@ decoded with the tokens after them.
 
 from __future__ import annotations
 
-import bisect
 import json
 import time
 from dataclasses import dataclass, field
@@ -32,8 +31,6 @@ from typing import Any
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
-DONE = b"data: [DONE]\n\n"
-MIGRATED = b": migrated\n\n"  # an SSE comment where a continuation begins
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # the request fields a continuation keeps: what decides which tokens come next
 KEEP = (
@@ -62,8 +59,6 @@ COLLECTABLE = frozenset(KEEP).union(
 # what an engine adds to a finishing choice beyond OpenAI's fields, kept for the client
 # (vLLM's `stop_reason`: the stop string or token id that ended the answer)
 FINISH_EXTRA = ("stop_reason",)
-# upper bounds (s) of the stream stall histogram's buckets
-STALL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class StreamCut(Exception):
@@ -95,7 +90,7 @@ class Stream:
     pending: bool = False  # a migration under way: it succeeds at [DONE]
     wrote: int = 0  # events written to the client
     epoch: int = 0  # of the primary answering now
-    # kept warm on the next standby (supervisor/warming.py): under this key, on that engine,
+    # kept warm on the next standby (supervisor/proxy/warming.py): under this key, on that engine,
     # this many tokens of prompt and answer; one warm request at a time
     warm_key: str = ""
     warmed_on: str = ""
@@ -311,50 +306,3 @@ def text_of(choice: dict[str, Any]) -> str:
     delta = choice.get("delta")
     text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
     return text if isinstance(text, str) else ""
-
-
-def events(buf: bytearray) -> list[bytes]:
-    """Take the complete server-sent events out of `buf` (each with its blank line)."""
-    out = []
-    while (end := buf.find(b"\n\n")) >= 0:
-        out.append(bytes(buf[: end + 2]))
-        del buf[: end + 2]
-    return out
-
-
-def data_of(event: bytes) -> bytes | None:
-    """The data of one event (its `data:` lines joined), None if it has none."""
-    lines = [ln[5:].lstrip() for ln in event.split(b"\n") if ln.startswith(b"data:")]
-    return b"\n".join(lines) if lines else None
-
-
-def sse(body: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(body).encode() + b"\n\n"
-
-
-def error_event(message: str, kind: str = "upstream_error", code: str | None = None) -> bytes:
-    """The end of a stream that cannot be completed: OpenAI's error shape, no `[DONE]`."""
-    return sse({"error": {"message": message, "type": kind, "param": None, "code": code}})
-
-
-@dataclass
-class Stalls:
-    """Stream stalls seen by clients (last token before a cut to the first after it): a
-    histogram, bucket counts not cumulative."""
-
-    buckets: list[int] = field(default_factory=lambda: [0] * (len(STALL_BUCKETS) + 1))
-    total: float = 0.0
-    count: int = 0
-
-    def observe(self, seconds: float) -> None:
-        self.buckets[bisect.bisect_left(STALL_BUCKETS, seconds)] += 1
-        self.total += seconds
-        self.count += 1
-
-    def cumulative(self) -> list[tuple[str, float]]:
-        edges = [*(f"{b:g}" for b in STALL_BUCKETS), "+Inf"]
-        running, out = 0, []
-        for edge, n in zip(edges, self.buckets, strict=True):
-            running += n
-            out.append((edge, float(running)))
-        return out

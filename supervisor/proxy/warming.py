@@ -1,6 +1,6 @@
 """Streams' pasts kept warm on the standby promoted next, so a migration there is short.
 
-A continuation (supervisor/migration.py) hands the promoted standby the prompt and every
+A continuation (supervisor/proxy/migration.py) hands the promoted standby the prompt and every
 token already sent; computed from nothing, that prefill is most of a kill's stall (16
 streams of a few hundred tokens each on an H200 with llama-8b: ~100 ms). So while a stream
 runs, the router sends the heir (`PrimaryView.heir`, named by the supervisor) the stream's
@@ -37,8 +37,9 @@ from typing import Any
 import aiohttp
 import structlog
 
-from supervisor.migration import COMPLETIONS, Stream
-from supervisor.routing import UPSTREAM_ERRORS, PrimaryView, Target
+from supervisor.primary import PrimaryView, Target
+from supervisor.proxy.migration import COMPLETIONS, Stream
+from supervisor.proxy.routing import UPSTREAM_ERRORS
 
 log = structlog.get_logger("supervisor.router")
 PATH = "/holdfast/warm"
