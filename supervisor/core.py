@@ -23,10 +23,10 @@ import structlog
 from holdfast_contract.agent_protocol import Ack, Drain, Heartbeat, Hello, Promote, StateChange
 from holdfast_contract.control import ClusterStatus, DaemonStatus
 from supervisor import decisions
-from supervisor.engine_kinds import kind_of
 from supervisor.errors import ControlError, StartupError
 from supervisor.events import EngineUnitState, EventBus
 from supervisor.exitwatch import Death, ExitWatch, Sight, first_death, is_exiting
+from supervisor.kinds import kind_of
 from supervisor.pace import LoopPace, thread_runs
 from supervisor.policy import Policy
 from supervisor.priority import renice
@@ -223,6 +223,11 @@ class Cluster:
                 command=msg.command,
                 detail=msg.detail,
             )
+
+    def on_load(self, e: Engine, inc: Incarnation, in_flight: int, queued: int) -> None:
+        """`e`'s load as its kind's probe read it (vLLM's /metrics)."""
+        if e.inc is inc and not inc.handled:
+            e.in_flight, e.queued = in_flight, queued
 
     def on_http_beat(self, e: Engine, inc: Incarnation) -> None:
         if e.inc is inc and not inc.handled:

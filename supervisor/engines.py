@@ -4,7 +4,7 @@ An engine is a group of rank processes; if one rank dies the whole group is dead
 (one_for_all). Exits are reported through `on_exit(engine, incarnation, detail)` the moment
 the event loop's child watcher sees them. Spawning, the exit watch and owning the tasks are
 `watcher.Watcher`'s; the start command is the engine kind's, rendered per rank here; its
-readiness and health probes are `engine_kinds.probes`.
+probes (readiness, health, the kind's own) are its `kinds.Kind.probes`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import structlog
 from holdfast_contract.command import Placeholders, render
 from holdfast_contract.env import EngineEnv, to_environ, var
 from holdfast_contract.wire import free_port
-from supervisor import engine_kinds
-from supervisor.engine_kinds import BeatFn, Forks
 from supervisor.errors import StartupError
+from supervisor.kinds import Forks, kind_of
+from supervisor.kinds.base import Reports
 from supervisor.policy import Policy
 from supervisor.procs import Proc
 from supervisor.units import Engine, Incarnation
@@ -33,7 +33,7 @@ ExitFn = Callable[[Engine, Incarnation, str], None]
 
 
 class ForkServer:
-    """A kind's fork server (`engine_kinds.Forks`) in the run dir: engines fork from it
+    """A kind's fork server (`kinds.Forks`) in the run dir: engines fork from it
     with their imports done. Started before the daemons load; restarted when it dies
     (exec meanwhile)."""
 
@@ -78,7 +78,7 @@ class EngineLauncher:
         model_dir: str,
         daemons: list[str],
         on_exit: ExitFn,
-        on_beat: BeatFn,
+        reports: Reports,
         forks: ForkServer | None = None,
     ) -> None:
         self.policy = policy
@@ -87,10 +87,10 @@ class EngineLauncher:
         self.model_dir = model_dir
         self.daemons = daemons
         self.on_exit = on_exit
-        self.on_beat = on_beat
+        self.reports = reports  # what the probes see, to the cluster
         self._next_port = policy.engines.port_base
         self.watcher = Watcher()  # every exit watch and probe of every engine
-        self.probes = engine_kinds.probes(policy)  # readiness, health, the kind's own
+        self.probes = kind_of(policy).probes(policy)  # readiness, health, the kind's own
 
     def _port(self) -> int:
         if not self.policy.engines.port_base:
@@ -126,7 +126,7 @@ class EngineLauncher:
 
     def command(self, e: Engine, rank: int, epoch: int) -> Command:
         """How rank `rank` of `e` starts: the engine kind's command (`e.command`, which
-        `engine_kinds` resolved into the policy) rendered for it."""
+        kind resolved into the policy) rendered for it."""
         env = self.env(e, rank, epoch)
         return Command(self.argv(e, env), env, self.run / "logs" / f"{e.name}.{rank}.log")
 
@@ -161,7 +161,7 @@ class EngineLauncher:
         inc = Incarnation(procs)
         self.watcher.watch(inc, lambda rank, code: self._exited(e, inc, rank, code))
         for probe in self.probes:
-            self.watcher.own(probe(e, inc, self.policy, self.on_beat))
+            self.watcher.own(probe(e, inc, self.policy, self.reports))
         return inc
 
     async def _start(self, cmd: Command) -> Proc:

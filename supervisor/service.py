@@ -33,7 +33,7 @@ from aiohttp import web
 
 from holdfast_contract.control import ControlReply, Request
 from holdfast_contract.formats import GENERATED_MARK, GENERATION
-from supervisor import engine_kinds, reconcile, sdnotify
+from supervisor import reconcile, sdnotify
 from supervisor.agent_hub import AgentHub
 from supervisor.aio import cancel_all
 from supervisor.api import HealthApi
@@ -45,6 +45,7 @@ from supervisor.errors import StartupError
 from supervisor.events import EventBus
 from supervisor.fleet.errors import JoinRefused
 from supervisor.fleet.node import FleetView, Node
+from supervisor.kinds import kind_of
 from supervisor.metrics import SupervisorMetrics
 from supervisor.policy import Policy, split_listen
 from supervisor.router import PrimaryView, Router
@@ -206,7 +207,7 @@ class Service:
                 on_ack=inbox.ack,
             ),
         )
-        forks = engine_kinds.forks(self.policy)
+        forks = kind_of(self.policy).forks(self.policy)
         if forks is not None:
             env = {**os.environ, **self.policy.engines.env}
             self.forks = ForkServer(rd.path, env, forks)
@@ -219,7 +220,7 @@ class Service:
             model_dir,
             daemons.sockets(),
             on_exit=inbox.exit,
-            on_beat=inbox.http_beat,
+            reports=inbox,
             forks=self.forks,
         )
         self.cluster = c = Cluster(

@@ -82,6 +82,9 @@ class Inbox:
     def http_beat(self, e: Engine, inc: Incarnation) -> None:
         self._cluster.on_http_beat(e, inc)
 
+    def load(self, e: Engine, inc: Incarnation, in_flight: int, queued: int) -> None:
+        self._cluster.on_load(e, inc, in_flight, queued)
+
     def kick(self) -> None:
         self._cluster.wake.set()
 
@@ -121,3 +124,5 @@ class Handler(Protocol):
     def on_exit(self, e: Engine, inc: Incarnation, detail: str) -> None: ...
 
     def on_http_beat(self, e: Engine, inc: Incarnation) -> None: ...
+
+    def on_load(self, e: Engine, inc: Incarnation, in_flight: int, queued: int) -> None: ...

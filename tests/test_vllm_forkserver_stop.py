@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.vllm_kind import python_of
-from supervisor.vllm_spec import VllmSpec
+from supervisor.kinds.vllm import python_of
+from supervisor.kinds.vllm_spec import VllmSpec
 
 VLLM_PYTHON = python_of(VllmSpec())
 ROOT = Path(__file__).resolve().parents[1]

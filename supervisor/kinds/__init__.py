@@ -1,139 +1,102 @@
-"""Engine kinds (`engines.kind`), registered in one place: `KINDS`.
+"""Engine kinds (`engines.kind`), registered by name: `registry()`.
 
-An engine kind is three things: its start command (`resolve` writes its argv template,
-environment and health into the policy; `engines.EngineLauncher` renders them per rank
-into a `watcher.Command`), its readiness probe and its health probe. Readiness and health
-come from `engines.health` (`HEALTH`): `agent`, the agent's Hello and ready state and its
-heartbeats, which arrive on the agents socket (`agent_hub`, `core.Cluster.on_hello`), so
-no task probes them; `http`, `GET /health` at the heartbeat interval, whose first 200 makes
-the engine ready and each 200 is a heartbeat (`http_health`). A kind may add probes of its
-own (vLLM's load from `/metrics`). The launcher runs them all, as tasks of its `Watcher`,
-for as long as the incarnation lives. What a silence or a missed deadline means is judged
-in `decisions.liveness`, not here.
+A kind (`base.Kind`) owns its policy section (`engines.<name>`), its start command, its
+probes, its stream shape and its warming; the supervisor reaches kinds only through this
+registry and that interface. The policy schema (supervisor/policy.py) imports no kind: it
+keeps the kind's name and its section, which `policy_file` hands to the kind here
+(`take_sections`, `known`) after the YAML is read.
 
-A kind may also have a fork server (`forks`): a process that has imported the engine's
-code and forks each engine from it (engine.forkserver for the reference engine,
-holdfast_vllm.forkserver for vLLM); an engine whose command it does not serve is exec'd.
-
-A new kind: a `Kind` with its `resolve`, `errors`, `probes` and `forks`, added to `KINDS`
-and to `EnginesSpec.kind` (supervisor/policy.py).
+Built in: `holdfast` (supervisor/kinds/reference.py) and `vllm` (supervisor/kinds/vllm.py).
+More are registered from outside the package, each as `module:attribute` naming a `Kind`
+instance: in the entry point group `holdfast.engine_kinds` of an installed distribution,
+or in `$HOLDFAST_KINDS` (comma-separated), read when the registry is first used.
 """
 
 from __future__ import annotations
 
-import asyncio
-import sys
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+import importlib
+import os
+from functools import cache
+from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
+import msgspec
 
-from holdfast_contract.command import FORKABLE, is_forkable
-from supervisor import vllm_kind
+from supervisor import schema
+from supervisor.errors import PolicyError
+from supervisor.kinds import reference, vllm
+from supervisor.kinds.base import Forks, Kind, Probe
 
 if TYPE_CHECKING:
     from supervisor.policy import Policy
-    from supervisor.units import Engine, Incarnation
 
-BeatFn = Callable[["Engine", "Incarnation"], None]
-# a probe: runs while the incarnation lives; reports a 200 (ready, alive) through BeatFn
-Probe = Callable[["Engine", "Incarnation", "Policy", BeatFn], Coroutine[Any, Any, None]]
-FORKABLE_ARGV = [arg.format(python=sys.executable) for arg in FORKABLE]  # what forks serve
+__all__ = [
+    "ENV",
+    "GROUP",
+    "Forks",
+    "Kind",
+    "Probe",
+    "kind_of",
+    "known",
+    "registry",
+    "take_sections",
+]
 
-
-async def http_health(e: Engine, inc: Incarnation, p: Policy, on_beat: BeatFn) -> None:
-    """Heartbeats for engines without the agent: GET /health on their port."""
-    interval = p.heartbeat.interval_ms / 1000.0
-    timeout = aiohttp.ClientTimeout(total=max(interval, 0.5))
-    async with aiohttp.ClientSession(timeout=timeout) as http:
-        while not inc.handled and e.inc is inc:
-            try:
-                async with http.get(f"http://127.0.0.1:{e.port}/health") as r:
-                    if r.status == 200:
-                        on_beat(e, inc)
-            except (aiohttp.ClientError, OSError, TimeoutError):
-                pass
-            await asyncio.sleep(interval)
+ENV = "HOLDFAST_KINDS"  # module:attribute[,module:attribute...]
+GROUP = "holdfast.engine_kinds"  # entry points, each naming a Kind instance
+BUILTIN: tuple[Kind, ...] = (reference.KIND, vllm.KIND)
 
 
-async def vllm_load(e: Engine, inc: Incarnation, p: Policy, on_beat: BeatFn) -> None:
-    """vLLM's load for the batch rules, from its /metrics (`vllm_kind.watch_load`)."""
-    await vllm_kind.watch_load(e, inc, p)
+def _load(spec: str, where: str) -> Kind:
+    module, _, attr = spec.strip().partition(":")
+    try:
+        found = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise PolicyError([f"{spec!r}: cannot load the engine kind: {e}"], where) from e
+    if not isinstance(found, Kind):
+        raise PolicyError([f"{spec!r}: {type(found).__name__} is not an engine Kind"], where)
+    return found
 
 
-# readiness and health probes per `engines.health`; "agent": the agents socket brings both
-HEALTH: dict[str, tuple[Probe, ...]] = {"agent": (), "http": (http_health,)}
+@cache
+def registry() -> dict[str, Kind]:
+    """Every kind by name: the built-in ones, the entry points', then `$HOLDFAST_KINDS`'."""
+    kinds = {k.name: k for k in BUILTIN}
+    for ep in entry_points(group=GROUP):
+        kinds.setdefault(ep.name, _load(ep.value, f"entry point {GROUP}"))
+    for spec in filter(None, os.environ.get(ENV, "").split(",")):
+        kind = _load(spec, f"${ENV}")
+        kinds.setdefault(kind.name, kind)
+    return kinds
 
 
-def _as_given(p: Policy) -> Policy:
-    return p
-
-
-def _no_errors(p: Policy, *, schema_only: bool) -> list[str]:
-    return []
-
-
-@dataclass(frozen=True)
-class Forks:
-    """A fork server for a kind: the command that runs it (`--socket PATH` is added), and
-    the head of the engine commands it forks (the rest of each travels in the request)."""
-
-    server: list[str]
-    serves: list[str]
-    name: str  # of its socket and log in the run dir
-
-
-def _reference_forks(p: Policy) -> Forks | None:
-    """engine.forkserver, unless the policy says false, when an engine command is
-    `{python} -m engine ...`."""
-    if p.engines.forkserver is False:
-        return None
-    commands = [p.engines.command, *(b.command for b in p.engines.batch if b.command)]
-    if not any(is_forkable(c) for c in commands):
-        return None
-    return Forks([sys.executable, "-m", "engine.forkserver"], FORKABLE_ARGV, "forkserver")
-
-
-def _vllm_forks(p: Policy) -> Forks | None:
-    """holdfast_vllm.forkserver in the vLLM venv, on the CPU and on a CUDA device, unless the
-    policy says false (then each engine is exec'd as vLLM's own command)."""
-    if p.engines.forkserver is False:
-        return None
-    server, serves = vllm_kind.forkserver(p)
-    return Forks(server, serves, "vllm-forkserver")
-
-
-@dataclass(frozen=True)
-class Kind:
-    name: str
-    # `p` with this kind's start command (engines.command, env, health) filled in
-    resolve: Callable[[Policy], Policy] = _as_given
-    errors: Callable[..., list[str]] = _no_errors  # (p, *, schema_only) -> what to change
-    probes: tuple[Probe, ...] = ()  # beyond readiness and health (`HEALTH`)
-    forks: Callable[[Policy], Forks | None] = _reference_forks  # its fork server, if any
-    warms: bool = True  # keeps a stream's past warm (`POST /holdfast/warm`, engine/server.py)
-
-
-KINDS: dict[str, Kind] = {
-    k.name: k
-    for k in (
-        Kind("holdfast"),  # engines.command as given; the agent, or engines.health: http
-        Kind("vllm", vllm_kind.resolve, vllm_kind.errors, (vllm_load,), _vllm_forks, warms=False),
-    )
-}
+def known(name: str) -> list[str]:
+    """Why `name` is not an engine kind, as `$.engines.kind: ...`; [] when it is one."""
+    names = registry()
+    if name in names:
+        return []
+    return [f"$.engines.kind: got {name!r}, expected one of {', '.join(map(repr, names))}"]
 
 
 def kind_of(p: Policy) -> Kind:
-    return KINDS[p.engines.kind]  # `EnginesSpec.kind` allows only these names
+    return registry()[p.engines.kind]  # `policy_file` admits only registered names
 
 
-def forks(p: Policy) -> Forks | None:
-    """The fork server `p`'s engines start from, if any (else each is exec'd)."""
-    return kind_of(p).forks(p)
-
-
-def probes(p: Policy) -> tuple[Probe, ...]:
-    """What the launcher runs for each incarnation of `p`'s engines: readiness and health
-    (`HEALTH[engines.health]`), then the kind's own."""
-    return HEALTH[p.engines.health] + kind_of(p).probes
+def take_sections(engines: dict[str, Any]) -> tuple[dict[str, Any], Any, list[str]]:
+    """The `engines` mapping of a policy file without the kinds' sections; the named kind's
+    section as its type (None when it has none or it is wrong); and what is wrong in any
+    kind's section, each at its path (`$.engines.vllm.kv_cache_gb: ...`)."""
+    rest, errors, section = dict(engines), [], None
+    name = engines.get("kind", "holdfast")
+    if "section" in rest:
+        errors.append("$.engines.section: unknown key; write a kind's settings in engines.<kind>")
+        del rest["section"]
+    for kind in registry().values():
+        if kind.section is None or (kind.name not in rest and kind.name != name):
+            continue
+        raw = rest.pop(kind.name, {})
+        bad = schema.check(raw, kind.section, f"$.engines.{kind.name}")
+        errors += bad
+        if kind.name == name and not bad:
+            section = msgspec.convert(raw, kind.section)
+    return rest, section, errors

@@ -1,8 +1,7 @@
 """The policy's `engines.vllm` section: how the supervisor starts vLLM API servers.
 
-Read only when `engines.kind` is `vllm` (supervisor/vllm_kind.py expands it into the
-engine command and environment). It imports nothing of the supervisor, so the policy
-schema can hold it beside its own sections.
+Read only when `engines.kind` is `vllm` (supervisor/kinds/vllm.py expands it into the
+engine command and environment). It imports nothing of the supervisor.
 """
 
 from __future__ import annotations
