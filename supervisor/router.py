@@ -29,6 +29,7 @@ from aiohttp import web
 
 from supervisor import migration
 from supervisor.answers import as_it_came
+from supervisor.kinds.base import TOKEN_IDS, StreamShape
 from supervisor.migration import Stalls
 from supervisor.policy import RouterSpec
 from supervisor.routing import (
@@ -60,9 +61,15 @@ STOPPING_RETRY_AFTER_S = 1  # Retry-After of the 503 a stopping router answers
 
 class Router:
     def __init__(
-        self, spec: RouterSpec, view: PrimaryView, node: str = "", emit: Emit | None = None
+        self,
+        spec: RouterSpec,
+        view: PrimaryView,
+        node: str = "",
+        emit: Emit | None = None,
+        shape: StreamShape = TOKEN_IDS,
     ) -> None:
         self.spec = spec
+        self.shape = shape  # where the engine kind's stream chunks carry token ids
         self.view = view
         self.node = node  # this node's name in a cluster; "" alone
         self.emit = emit  # events (router.<node or main>.migrated, ...) go to the bus
@@ -130,7 +137,7 @@ class Router:
         if FORWARDED_BY in request.headers and self.view.misdirected():
             return not_leader()
         deadline = time.monotonic() + self.spec.retry_deadline_s
-        stream = migration.plan(request.method, request.path, body)
+        stream = migration.plan(request.method, request.path, body, self.shape)
         if stream is not None:
             try:
                 return await self.streams.relay(request, stream, deadline)

@@ -278,7 +278,8 @@ class Service:
         self._control_server = control
         self._own(control.serve(), "control")
         spec = self.policy.cluster
-        router = Router(self.policy.router, self.view, spec.node if spec else "", c.bus.emit)
+        node, shape = spec.node if spec else "", kind_of(self.policy).stream
+        router = Router(self.policy.router, self.view, node, c.bus.emit, shape)
         self.router = router
         # a client that hangs up cancels its routed request, so the engine stops generating
         await self._serve_http(router.app(), "router.listen", cancel_on_hangup=True)
