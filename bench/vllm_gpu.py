@@ -57,7 +57,8 @@ import vllm_startup as vs  # noqa: E402
 from holdfast_contract import forkserver  # noqa: E402
 from holdfast_contract.ready import daemon_ready_path, read_daemon_ready  # noqa: E402
 from supervisor.kinds import vllm as vllm_kind  # noqa: E402
-from supervisor.kinds.vllm_spec import VllmSpec  # noqa: E402
+from supervisor.kinds.vllm_install import installed_errors  # noqa: E402
+from supervisor.kinds.vllm_spec import VllmSpec, python_of  # noqa: E402
 from supervisor.policy import Policy  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -216,7 +217,7 @@ class Server:
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args, self.cuda = args, args.device.startswith("cuda")
-        self.python = vllm_kind.python_of(VllmSpec())
+        self.python = python_of(VllmSpec())
         self.run_dir, self.logs = args.work_dir / "run", args.logs or args.work_dir / "logs"
         self.socket = str(self.run_dir / "daemon-0.sock")
         self.daemon: subprocess.Popen[Any] | None = None
@@ -305,7 +306,7 @@ class Bench:
 def refusals(b: Bench) -> list[str]:
     """What keeps the bench from running, each naming what to change."""
     # as the policy check words them, less the policy path ("$.engines.kind: ")
-    out = [re.sub(r"^\$\.[\w.]+: ", "", e) for e in vllm_kind.installed_errors(VllmSpec())]
+    out = [re.sub(r"^\$\.[\w.]+: ", "", e) for e in installed_errors(VllmSpec())]
     d = b.args.model_dir
     if not (d / "config.json").is_file() or not list(d.glob("*.safetensors")):
         out.append(

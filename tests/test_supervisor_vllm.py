@@ -21,8 +21,9 @@ import yaml
 
 from holdfast_contract.wire import free_port
 from supervisor.kinds import kind_of
-from supervisor.kinds.vllm import MODULE, Sample, load_of, parse_metrics, python_of
-from supervisor.kinds.vllm_spec import VllmSpec
+from supervisor.kinds.vllm import MODULE
+from supervisor.kinds.vllm_metrics import Sample, load_of, parse_metrics
+from supervisor.kinds.vllm_spec import VllmSpec, python_of
 from supervisor.policy_file import load_policy
 from tests.engines.harness import Load, Supervisor, complete, env, get, pid_alive, write_policy
 

