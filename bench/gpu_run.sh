@@ -96,7 +96,7 @@ vllm_tree() {  # reassemble once; then vLLM is importable from $VLLM_HOME/site
     xz -d -T0 < "$VLLM_HOME/vllm-tree.tar.xz" | tar -C "$VLLM_HOME/site" -xf - || return 2
     rm -f "$VLLM_HOME/vllm-tree.tar.xz"; touch "$VLLM_HOME/site/.complete"
   fi
-  # a "venv" whose python sees the carried tree: what engines.kind vllm runs (vllm_spec.py)
+  # a "venv" whose python sees the carried tree: what engines.kind vllm runs (supervisor/kinds/vllm_spec.py)
   mkdir -p "$VLLM_HOME/venv/bin"
   printf '#!/bin/sh\nexport PYTHONPATH="%s"\nexec python3 "$@"\n' "$PWD:$VLLM_HOME/site" > "$VLLM_HOME/venv/bin/python"
   chmod +x "$VLLM_HOME/venv/bin/python"

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vllm_startup as vs  # noqa: E402
 
 from holdfast_contract import forkserver  # noqa: E402
-from supervisor.vllm_kind import FORK_ENV  # noqa: E402
+from supervisor.kinds.vllm import FORK_ENV  # noqa: E402
 
 
 def alive(pid: int) -> bool:

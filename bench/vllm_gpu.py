@@ -8,7 +8,7 @@ layout) against vLLM's default loader: parity, memory per engine, start to ready
 
 One cache daemon (`cachedaemon serve --layout vllm`, on the vLLM python) holds the pool for
 the whole run. Each API server is started as the supervisor starts a vLLM engine
-(supervisor/vllm_kind.py: its command and environment; on a GPU the KV cache from
+(supervisor/kinds/vllm.py: its command and environment; on a GPU the KV cache from
 --kv-cache-gb, CUDA graphs unless --eager), in its own process group, stopped whole.
 - parity: a server with vLLM's default loader, then one with holdfast; 4 token-id
   prompts x --new-tokens greedy tokens each, one request at a time; equal token for token?
@@ -56,9 +56,10 @@ import vllm_startup as vs  # noqa: E402
 
 from holdfast_contract import forkserver  # noqa: E402
 from holdfast_contract.ready import daemon_ready_path, read_daemon_ready  # noqa: E402
-from supervisor import vllm_kind  # noqa: E402
+from supervisor.kinds import vllm as vllm_kind  # noqa: E402
+from supervisor.kinds.vllm_install import installed_errors  # noqa: E402
+from supervisor.kinds.vllm_spec import VllmSpec, python_of  # noqa: E402
 from supervisor.policy import Policy  # noqa: E402
-from supervisor.vllm_spec import VllmSpec  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ("parity", "memory", "restart")
@@ -216,7 +217,7 @@ class Server:
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args, self.cuda = args, args.device.startswith("cuda")
-        self.python = vllm_kind.python_of(VllmSpec())
+        self.python = python_of(VllmSpec())
         self.run_dir, self.logs = args.work_dir / "run", args.logs or args.work_dir / "logs"
         self.socket = str(self.run_dir / "daemon-0.sock")
         self.daemon: subprocess.Popen[Any] | None = None
@@ -235,8 +236,8 @@ class Bench:
                 "gpu_memory_utilization": a.gpu_memory_utilization,
                 "args": a.engine_args}  # fmt: skip
         raw = {"model": {"path": str(a.model_dir), "dtype": a.dtype},
-               "devices": {"ids": [a.device]}, "engines": {"kind": "vllm", "vllm": vllm}}  # fmt: skip
-        return msgspec.convert(raw, Policy)
+               "devices": {"ids": [a.device]}, "engines": {"kind": "vllm", "section": vllm}}  # fmt: skip
+        return msgspec.convert(raw, Policy)  # the section as load_policy hands it to the kind
 
     def argv(self, loader: str, port: int | str) -> list[str]:
         values = {"model": str(self.args.model_dir), "port": str(port)}
@@ -305,7 +306,7 @@ class Bench:
 def refusals(b: Bench) -> list[str]:
     """What keeps the bench from running, each naming what to change."""
     # as the policy check words them, less the policy path ("$.engines.kind: ")
-    out = [re.sub(r"^\$\.[\w.]+: ", "", e) for e in vllm_kind.installed_errors(VllmSpec())]
+    out = [re.sub(r"^\$\.[\w.]+: ", "", e) for e in installed_errors(VllmSpec())]
     d = b.args.model_dir
     if not (d / "config.json").is_file() or not list(d.glob("*.safetensors")):
         out.append(

@@ -7,7 +7,7 @@ One cache daemon (float32) holds the checkpoint for the whole run, as it does fo
 standby. Each trial starts the API server once per loader, in turn, from a fresh process to
 its first 200 on /health, and stops it. The checkpoint stays in the page cache (the default
 loader's best case: no disk read). The servers get the environment the supervisor gives a
-CPU engine (supervisor/vllm_kind.py: one OMP thread, no binding, the worker inside
+CPU engine (supervisor/kinds/vllm.py: one OMP thread, no binding, the worker inside
 EngineCore), and run unbuffered, so each output line is stamped with the time it arrived:
 `timeline` gives the seconds from start to vLLM's first log line (the API server's
 imports), to its EngineCore's first line (config, the EngineCore spawn and its imports), to
@@ -84,7 +84,7 @@ def vllm_env(root: Path) -> dict[str, str]:
         TRANSFORMERS_OFFLINE="1",
         VLLM_NO_USAGE_STATS="1",
         DO_NOT_TRACK="1",
-        # as supervisor/vllm_kind.py sets for a CPU engine
+        # as supervisor/kinds/vllm.py sets for a CPU engine
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
         VLLM_CPU_OMP_THREADS_BIND="nobind",
         OMP_NUM_THREADS="1",

@@ -27,6 +27,7 @@ from holdfast_contract.env import var
 from holdfast_contract.wire import free_port
 from supervisor.errors import PolicyError
 from supervisor.policy import MqttSpec, Policy, split_listen
+from supervisor.policy_file import policy_data
 
 log = structlog.get_logger("chaos.cluster")
 
@@ -61,8 +62,7 @@ def derive_policy(
 
 
 def write_policy(policy: Policy, path: Path) -> Path:
-    data = msgspec.to_builtins(policy)
-    data.pop("source", None)
+    data = policy_data(policy)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 

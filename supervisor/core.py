@@ -136,6 +136,11 @@ class Cluster(Failover):
                 detail=msg.detail,
             )
 
+    def on_load(self, e: Engine, inc: Incarnation, in_flight: int, queued: int) -> None:
+        """`e`'s load as its kind's probe read it (vLLM's /metrics)."""
+        if e.inc is inc and not inc.handled:
+            e.in_flight, e.queued = in_flight, queued
+
     def on_http_beat(self, e: Engine, inc: Incarnation) -> None:
         if e.inc is inc and not inc.handled:
             inc.hello = True

@@ -22,11 +22,12 @@ import structlog
 from holdfast_contract.errors import ProtocolError
 from holdfast_contract.events import EventName as N
 from holdfast_contract.ready import DaemonReady, daemon_ready_path, read_daemon_ready
-from supervisor import decisions, pace, vllm_kind
+from supervisor import decisions, pace
 from supervisor.backoff import RestartBook
 from supervisor.ckptwatch import CheckpointWatch
 from supervisor.errors import StartupError
 from supervisor.events import EventBus, UnitState
+from supervisor.kinds import kind_of
 from supervisor.policy import Policy
 from supervisor.states import DAEMON, DaemonState, move
 from supervisor.units import Daemon, Incarnation
@@ -136,7 +137,7 @@ class DaemonPool:
 
     def argv(self, d: Daemon) -> list[str]:
         m = self.policy.model
-        python, layout = vllm_kind.daemon_runtime(self.policy)
+        python, layout = kind_of(self.policy).daemon_runtime(self.policy)
         argv = [
             python,
             "-m",

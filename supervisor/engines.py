@@ -4,7 +4,7 @@ An engine is a group of rank processes; if one rank dies the whole group is dead
 (one_for_all). Exits are reported to the `into` given to `spawn` (`into.on_exit(engine,
 incarnation, detail)`) the moment the event loop's child watcher sees them. Spawning, the exit watch and owning the tasks are
 `watcher.Watcher`'s; the start command is the engine kind's, rendered per rank here; its
-readiness and health probes are `engine_kinds.probes`.
+probes (readiness, health, the kind's own) are its `kinds.Kind.probes`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ import structlog
 from holdfast_contract.command import Placeholders, render
 from holdfast_contract.env import EngineEnv, to_environ, var
 from holdfast_contract.wire import free_port
-from supervisor import engine_kinds
-from supervisor.engine_kinds import Forks
 from supervisor.errors import StartupError
+from supervisor.kinds import Forks, kind_of
 from supervisor.policy import Policy
 from supervisor.procs import Proc
 from supervisor.units import Engine, Incarnation
@@ -31,7 +30,7 @@ log = structlog.get_logger("supervisor.engines")
 
 
 class ForkServer:
-    """A kind's fork server (`engine_kinds.Forks`) in the run dir: engines fork from it
+    """A kind's fork server (`kinds.Forks`) in the run dir: engines fork from it
     with their imports done. Started before the daemons load; restarted when it dies
     (exec meanwhile)."""
 
@@ -84,7 +83,7 @@ class EngineLauncher:
         self.daemons = daemons
         self._next_port = policy.engines.port_base
         self.watcher = Watcher()  # every exit watch and probe of every engine
-        self.probes = engine_kinds.probes(policy)  # readiness, health, the kind's own
+        self.probes = kind_of(policy).probes(policy)  # readiness, health, the kind's own
 
     def _port(self) -> int:
         if not self.policy.engines.port_base:
@@ -120,7 +119,7 @@ class EngineLauncher:
 
     def command(self, e: Engine, rank: int, epoch: int) -> Command:
         """How rank `rank` of `e` starts: the engine kind's command (`e.command`, which
-        `engine_kinds` resolved into the policy) rendered for it."""
+        kind resolved into the policy) rendered for it."""
         env = self.env(e, rank, epoch)
         return Command(self.argv(e, env), env, self.run / "logs" / f"{e.name}.{rank}.log")
 
@@ -158,7 +157,7 @@ class EngineLauncher:
             inc, lambda rank, code: into.on_exit(e, inc, _exit_detail(inc, rank, code))
         )
         for probe in self.probes:
-            self.watcher.own(probe(e, inc, self.policy, into.on_http_beat))
+            self.watcher.own(probe(e, inc, self.policy, into))
         return inc
 
     async def _start(self, cmd: Command) -> Proc:

@@ -2,22 +2,22 @@
 rules between their fields (`semantic_errors`).
 
 A policy file is read into a `Policy` by supervisor/policy_file.py (`load_policy`), which
-also applies the engine kind's own resolve and rules: the schema names the kinds
-(`EnginesSpec.kind`) but imports none of them.
+also hands the engine kind its own section and applies its resolve and rules: the schema
+keeps the kind's name (`EnginesSpec.kind`) and section but imports no kind
+(supervisor/kinds/).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
-from holdfast_contract.command import FORKABLE, is_forkable, template_errors
+from holdfast_contract.command import FORKABLE, template_errors
 from holdfast_contract.env import DEFAULT_HEARTBEAT_MS
 from holdfast_contract.formats import Dtype, Quantization
 from supervisor.fleet_spec import ClusterSpec, advertise_errors, cluster_errors
-from supervisor.vllm_spec import VllmSpec
 
 
 class _Spec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -63,10 +63,12 @@ class LoadSpec(_Spec, frozen=True):
 
 class EnginesSpec(_Spec, frozen=True):
     # holdfast: `command` (the reference engine by default); vllm: vLLM API servers built
-    # from `vllm` (supervisor/vllm_kind.py); each kind is registered in
-    # supervisor/engine_kinds.py `KINDS`
-    kind: Literal["holdfast", "vllm"] = "holdfast"
-    vllm: VllmSpec = msgspec.field(default_factory=VllmSpec)
+    # from `engines.vllm` (supervisor/kinds/vllm.py); each kind is registered in
+    # supervisor/kinds/ (`registry`), which checks the name
+    kind: str = "holdfast"
+    # the kind's own section, `engines.<kind>` in the file, as the kind's type; set by
+    # load_policy (supervisor/kinds/ `take_sections`), refused in the file
+    section: Any = None
     command: list[str] = msgspec.field(default_factory=lambda: list(FORKABLE))
     env: dict[str, str] = msgspec.field(default_factory=dict)
     # fork engines from a process that has imported them already; None: whenever the
@@ -258,12 +260,6 @@ def _engine_errors(e: EnginesSpec) -> list[str]:
     if not e.command:
         errors.append("$.engines.command: empty; give the engine command as a list")
     errors += template_errors("$.engines.command", e.command)
-    if e.forkserver and e.kind == "holdfast" and not is_forkable(e.command):
-        errors.append(
-            f"$.engines.forkserver: true needs engines.command to start with "
-            f"{' '.join(FORKABLE)} (got {' '.join(e.command[:3])!r}); set it to "
-            "false or leave it unset"
-        )
     names = [b.name for b in e.batch]
     for i, b in enumerate(e.batch):
         if b.count < 0 or b.memory_mb < 0:

@@ -1,5 +1,5 @@
 """A policy file read into a `Policy`: the YAML, the schema (supervisor/policy.py) and its
-rules between fields, then the engine kind's own (supervisor/engine_kinds.py).
+rules between fields, then the engine kind's section and rules (supervisor/kinds/).
 
 `load_policy(path)` returns a frozen `Policy` or raises `PolicyError` listing every problem
 with its path in the file (`$.engines.standby: expected int, got str`). Unknown keys are
@@ -18,8 +18,7 @@ from typing import Any
 import msgspec
 import yaml
 
-from supervisor import schema
-from supervisor.engine_kinds import kind_of
+from supervisor import kinds, schema
 from supervisor.errors import PolicyError
 from supervisor.policy import Policy, semantic_errors
 
@@ -55,11 +54,16 @@ def parse_policy(text: str, src: Path, *, schema_only: bool = False) -> Policy:
         raise PolicyError(
             [f"$: expected a mapping at the top, got {type(data).__name__}"], str(src)
         )
-    errors = schema.check(data, Policy)
+    data, section, errors = _kind_sections(data)
+    errors = schema.check(data, Policy) + errors
     usable = schema.salvage(data, Policy) if errors else data
     if usable is None:  # a required key missing or wrong: nothing to check the rules on
         raise PolicyError(errors, str(src))
-    policy = _resolve(msgspec.convert({**usable, "source": str(src)}, Policy), src.parent)
+    policy = msgspec.convert({**usable, "source": str(src)}, Policy)
+    policy = msgspec.structs.replace(
+        policy, engines=msgspec.structs.replace(policy.engines, section=section)
+    )
+    policy = _resolve(policy, src.parent)
     # the rules between fields run on what converted, so one run reports every error
     errors += [
         e
@@ -74,11 +78,37 @@ def parse_policy(text: str, src: Path, *, schema_only: bool = False) -> Policy:
     return policy
 
 
+def _kind_sections(data: dict[str, Any]) -> tuple[dict[str, Any], Any, list[str]]:
+    """`data` without the engine kinds' sections (`engines.<kind>`), the named kind's
+    section, and what is wrong with the kind's name or any kind's section. An unknown
+    kind is reported and left to its default, as a wrong value of any key is."""
+    engines = data.get("engines")
+    if not isinstance(engines, dict):
+        return data, None, []
+    name = engines.get("kind", "holdfast")
+    unknown = kinds.known(name) if isinstance(name, str) else []
+    rest, section, errors = kinds.take_sections(engines)
+    if unknown:
+        del rest["kind"]
+    return {**data, "engines": rest}, section, unknown + errors
+
+
+def policy_data(p: Policy) -> dict[str, Any]:
+    """`p` as the plain data of a policy file that reads back as `p`: its kind's section
+    under `engines.<kind>`, no `source`."""
+    data: dict[str, Any] = msgspec.to_builtins(p)
+    data.pop("source", None)
+    section = data["engines"].pop("section", None)
+    if section is not None:
+        data["engines"][p.engines.kind] = section
+    return data
+
+
 def rule_errors(p: Policy, *, schema_only: bool = False) -> list[str]:
     """The rules between fields: the schema's (`policy.semantic_errors`), then those of
-    the engine kind (`engine_kinds.Kind.errors`); with `schema_only`, none that look at
-    this machine."""
-    return semantic_errors(p, schema_only=schema_only) + kind_of(p).errors(
+    the engine kind (`kinds.Kind.errors`); with `schema_only`, none that look at this
+    machine."""
+    return semantic_errors(p, schema_only=schema_only) + kinds.kind_of(p).errors(
         p, schema_only=schema_only
     )
 
@@ -99,4 +129,4 @@ def _resolve(policy: Policy, base: Path) -> Policy:
     run = str(Path(os.path.expandvars(os.path.expanduser(policy.cache.runtime_dir))).absolute())
     cache = msgspec.structs.replace(policy.cache, runtime_dir=run)
     resolved = msgspec.structs.replace(policy, model=model, cache=cache)
-    return kind_of(resolved).resolve(resolved)
+    return kinds.kind_of(resolved).resolve(resolved)

@@ -16,8 +16,8 @@ from typing import Any
 
 from holdfast_contract.events import EventName as N
 from supervisor import decisions
-from supervisor.engine_kinds import kind_of
 from supervisor.events import EngineUnitState, EventBus
+from supervisor.kinds import kind_of
 from supervisor.policy import Policy
 from supervisor.primary import PrimaryView, Target
 from supervisor.states import ENGINE, EngineState, move

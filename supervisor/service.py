@@ -39,7 +39,7 @@ from aiohttp import web
 
 from holdfast_contract.events import EventName as N
 from holdfast_contract.formats import GENERATED_MARK, GENERATION
-from supervisor import engine_kinds, reconcile, sdnotify
+from supervisor import reconcile, sdnotify
 from supervisor.agent_hub import AgentHub
 from supervisor.aio import Owned, unless_set
 from supervisor.api import HealthApi
@@ -51,6 +51,7 @@ from supervisor.errors import StartupError
 from supervisor.events import EventBus
 from supervisor.fleet.errors import JoinRefused
 from supervisor.fleet.node import FleetView, Node
+from supervisor.kinds import kind_of
 from supervisor.metrics import SupervisorMetrics
 from supervisor.policy import Policy, split_listen
 from supervisor.primary import PrimaryView
@@ -194,7 +195,7 @@ class Service:
         goes on `stack` as it starts."""
         p = self.policy
         model_dir = await ensure_model(p)
-        forks_spec = engine_kinds.forks(p)
+        forks_spec = kind_of(p).forks(p)
         forks = (
             ForkServer(rd.path, {**os.environ, **p.engines.env}, forks_spec)
             if forks_spec is not None
@@ -270,7 +271,8 @@ class Service:
     ) -> Router:
         """Serve the router and the health API."""
         spec = self.policy.cluster
-        router = Router(self.policy.router, self.view, spec.node if spec else "", c.bus.emit)
+        name, shape = spec.node if spec else "", kind_of(self.policy).stream
+        router = Router(self.policy.router, self.view, name, c.bus.emit, shape)
         # a client that hangs up cancels its routed request, so the engine stops generating
         await self._serve_http(router.app(), "router.listen", stack, cancel_on_hangup=True)
         metrics = SupervisorMetrics(c.bus, router=router, agents=hub, control=control)

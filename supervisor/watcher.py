@@ -8,7 +8,7 @@ owns (`own`), and cancels them all on `stop`. `until_ready` waits for a ready fi
 socket with a deadline, `until` for a unit's state to settle, and `not_ready` says why a
 unit did not get ready in time, with its log tail.
 
-The kinds: engines (`engines.EngineLauncher`, probes per engine kind in `engine_kinds`),
+The kinds: engines (`engines.EngineLauncher`, probes per engine kind in `kinds`),
 the fork server (`engines.ForkServer`), cache daemons and their spares
 (`daemons.DaemonPool`). What to do about an exit, a silence or a missed deadline is not
 decided here: `decisions`, `reconcile` and `core.Cluster` do that.

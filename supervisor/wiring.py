@@ -44,12 +44,14 @@ class AgentReports(Protocol):
 
 
 class Reports(AgentReports, Protocol):
-    """All the parts report (`Cluster`): the agents, and an engine's exit or answered
-    health check, as the launcher delivers them."""
+    """All the parts report (`Cluster`): the agents, and an engine's exit, answered
+    health check and load, as the launcher and its probes deliver them."""
 
     def on_exit(self, e: Engine, inc: Incarnation, detail: str) -> None: ...
 
     def on_http_beat(self, e: Engine, inc: Incarnation) -> None: ...
+
+    def on_load(self, e: Engine, inc: Incarnation, in_flight: int, queued: int) -> None: ...
 
 
 class Commands(Protocol):

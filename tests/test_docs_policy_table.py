@@ -1,6 +1,7 @@
 """docs/supervisor.md's policy table has one row per key of the schema in
-supervisor/policy.py, and no row for a key that does not exist; where a default is a
-number, a bool or a word, the row says the schema's."""
+supervisor/policy.py and of each built-in engine kind's section (`engines.<kind>`,
+supervisor/kinds/), and no row for a key that does not exist; where a default is a number,
+a bool or a word, the row says the schema's."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from supervisor.kinds import BUILTIN
 from supervisor.policy import Policy
 from tests.engines.harness import REPO
 
@@ -35,6 +37,15 @@ def schema_keys(struct: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
             yield name, field.default
 
 
+def policy_keys() -> Iterator[tuple[str, Any]]:
+    """The schema's keys, `engines.section` (the kind's, set from `engines.<kind>`) put
+    as each built-in kind's own keys."""
+    yield from ((k, v) for k, v in schema_keys(Policy) if k != "engines.section")
+    for kind in BUILTIN:
+        if kind.section is not None:
+            yield from schema_keys(kind.section, f"engines.{kind.name}.")
+
+
 def table() -> dict[str, str]:
     text = (REPO / "docs" / "supervisor.md").read_text()
     section = text[text.index("## Policy") : text.index("Command templates may use")]
@@ -55,7 +66,7 @@ def shown(default: Any) -> str | None:
 
 
 def test_every_schema_key_has_one_row_and_every_row_is_a_key() -> None:
-    keys = dict(schema_keys(Policy))
+    keys = dict(policy_keys())
     rows = table()
     assert sorted(set(keys) - set(rows)) == [], "keys without a row"
     assert sorted(set(rows) - set(keys)) == [], "rows of no key"
@@ -63,7 +74,7 @@ def test_every_schema_key_has_one_row_and_every_row_is_a_key() -> None:
 
 def test_the_rows_give_the_schema_defaults() -> None:
     rows = table()
-    for key, default in schema_keys(Policy):
+    for key, default in policy_keys():
         if default is msgspec.NODEFAULT:
             assert rows[key] == "required", key
         elif default is None:

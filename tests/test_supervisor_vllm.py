@@ -20,10 +20,11 @@ import pytest
 import yaml
 
 from holdfast_contract.wire import free_port
-from supervisor import engine_kinds, vllm_kind
+from supervisor.kinds import kind_of
+from supervisor.kinds.vllm import MODULE
+from supervisor.kinds.vllm_metrics import Sample, load_of, parse_metrics
+from supervisor.kinds.vllm_spec import VllmSpec, python_of
 from supervisor.policy_file import load_policy
-from supervisor.vllm_kind import MODULE, Sample, load_of, parse_metrics, python_of
-from supervisor.vllm_spec import VllmSpec
 from tests.engines.harness import Load, Supervisor, complete, env, get, pid_alive, write_policy
 
 REPO = Path(__file__).resolve().parent.parent
@@ -80,14 +81,15 @@ def test_kind_vllm_expands_to_the_api_server_with_the_plugin(tmp_path: Path) -> 
     config = cmd[cmd.index("--model-loader-extra-config") + 1]
     assert config == '{{"fallback": true, "mode": "zero_copy", "layout": "vllm"}}'  # plain JSON
     # its daemons build the pool in vLLM's layout, with the python that has vLLM
-    assert vllm_kind.daemon_runtime(policy) == (VLLM_PYTHON, "vllm")
+    assert kind_of(policy).daemon_runtime(policy) == (VLLM_PYTHON, "vllm")
     reference = vllm_policy(tmp_path, tmp_path / "m", vllm={"layout": "reference"})
-    assert vllm_kind.daemon_runtime(load_policy(reference, schema_only=True))[1] == "reference"
+    reference_policy = load_policy(reference, schema_only=True)
+    assert kind_of(reference_policy).daemon_runtime(reference_policy)[1] == "reference"
     assert policy.engines.health == "http"
     assert policy.engines.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     # forked from the vLLM fork server, which serves exactly this command's head, and the
     # EngineCore forked in turn
-    forks = engine_kinds.forks(policy)
+    forks = kind_of(policy).forks(policy)
     assert forks is not None and forks.server[:3] == [VLLM_PYTHON, "-m", "holdfast_vllm.forkserver"]
     assert forks.server[3:] == ["--warm-model", policy.model.path]  # its tokenizer, loaded once
     assert forks.serves == cmd[:3]
@@ -99,7 +101,7 @@ def test_kind_vllm_forks_nothing_when_the_policy_says_so(tmp_path: Path) -> None
     (tmp_path / "m" / "config.json").write_text("{}")
     path = vllm_policy(tmp_path, tmp_path / "m", forkserver=False, vllm={"fork_engine_core": False})
     policy = load_policy(path, schema_only=True)
-    assert engine_kinds.forks(policy) is None
+    assert kind_of(policy).forks(policy) is None
     assert "HOLDFAST_VLLM_FORK" not in policy.engines.env
 
 
@@ -108,13 +110,14 @@ def test_kind_vllm_on_a_cuda_device_forks_each_engine_warmed_with_the_models_tok
 ) -> None:
     gpu = load_policy(REPO / "policies" / "vllm-gpu.yaml", schema_only=True)
     assert gpu.devices.ids == ["cuda:0"] and gpu.engines.forkserver is None
-    forks = engine_kinds.forks(gpu)
+    forks = kind_of(gpu).forks(gpu)
     assert forks is not None
     assert forks.server[1:] == ["-m", "holdfast_vllm.forkserver", "--warm-model", gpu.model.path]
     raw = yaml.safe_load((REPO / "policies" / "vllm-gpu.yaml").read_text())
     raw["engines"]["forkserver"] = False
     (tmp_path / "execd.yaml").write_text(yaml.safe_dump(raw))
-    assert engine_kinds.forks(load_policy(tmp_path / "execd.yaml", schema_only=True)) is None
+    execd = load_policy(tmp_path / "execd.yaml", schema_only=True)
+    assert kind_of(execd).forks(execd) is None
 
 
 def test_kind_vllm_with_a_command_of_its_own_is_refused(tmp_path: Path) -> None:

@@ -7,10 +7,10 @@ import asyncio
 import signal
 import sys
 from pathlib import Path
-from typing import get_args, get_type_hints
 
-from supervisor import engine_kinds
-from supervisor.policy import EnginesSpec
+from supervisor import kinds
+from supervisor.kinds import base, vllm
+from supervisor.policy import EnginesSpec, Policy
 from supervisor.units import Incarnation
 from supervisor.watcher import Command, Watcher, not_ready, until_ready
 
@@ -21,12 +21,17 @@ def cmd(tmp_path: Path, code: str, name: str = "p") -> Command:
     return Command([PY, "-c", code], {}, tmp_path / f"{name}.log")
 
 
-def test_every_engine_kind_the_policy_allows_is_registered() -> None:
-    allowed = set(get_args(get_type_hints(EnginesSpec)["kind"]))
-    assert allowed == set(engine_kinds.KINDS) == {"holdfast", "vllm"}
-    vllm = engine_kinds.KINDS["vllm"]
-    assert vllm.probes == (engine_kinds.vllm_load,) and engine_kinds.KINDS["holdfast"].probes == ()
-    assert engine_kinds.HEALTH["http"] == (engine_kinds.http_health,)
+def test_the_built_in_engine_kinds_are_registered_with_their_probes() -> None:
+    registry = kinds.registry()
+    assert {"holdfast", "vllm"} <= set(registry)
+    assert kinds.known("holdfast") == [] and kinds.known("nope")[0].startswith(
+        "$.engines.kind: got 'nope', expected one of 'holdfast', 'vllm'"
+    )
+    agent = Policy()
+    http = Policy(engines=EnginesSpec(kind="vllm", health="http"))
+    assert registry["vllm"].probes(http) == (base.http_health, vllm.watch_load)
+    assert registry["holdfast"].probes(agent) == ()
+    assert base.HEALTH["http"] == (base.http_health,)
 
 
 def test_one_rank_exiting_takes_its_group_and_is_reported_once(tmp_path: Path) -> None:

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.vllm_kind import python_of
-from supervisor.vllm_spec import VllmSpec
+from supervisor.kinds.vllm_spec import VllmSpec, python_of
 
 VLLM_PYTHON = python_of(VllmSpec())
 ROOT = Path(__file__).resolve().parents[1]

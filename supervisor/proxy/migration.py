@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from supervisor.kinds.base import TOKEN_IDS, StreamShape
+
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -72,6 +74,7 @@ class Stream:
     path: str  # COMPLETIONS or CHAT, as the client asked
     request: dict[str, Any]
     collect: bool = False  # a non-streamed request: its client gets one JSON body at the end
+    shape: StreamShape = TOKEN_IDS  # where the engine kind's chunks carry token ids
     prompt_ids: list[int] | None = None  # from the first chunk
     emitted: list[int] = field(default_factory=list)  # token ids sent to the client
     chunk_id: str = ""
@@ -125,7 +128,7 @@ class Stream:
 
     def fresh(self) -> Stream:
         """The same request with nothing received yet (what was kept warm is stale)."""
-        return Stream(self.path, self.request, collect=self.collect)
+        return Stream(self.path, self.request, collect=self.collect, shape=self.shape)
 
     def can_continue(self) -> bool:
         """Whether the ids needed for a continuation are known."""
@@ -179,7 +182,7 @@ class Stream:
         self.prompt_from(event)  # vLLM's chat chunk carries the prompt's ids here
         for choice in event.get("choices") or ():
             self.prompt_from(choice)  # a completion chunk's choice carries them
-            ids = choice.get("token_ids") or ()
+            ids = self.shape.token_ids(choice)
             if ids:
                 self.emitted.extend(ids)
                 self.last_token_at = time.monotonic()
@@ -194,16 +197,15 @@ class Stream:
 
     def prompt_from(self, part: dict[str, Any]) -> None:
         """The prompt's ids from the first chunk or choice that carries them."""
-        ids = part.get("prompt_token_ids")
-        if self.prompt_ids is None and isinstance(ids, list):
-            self.prompt_ids = list(ids)
+        if self.prompt_ids is None:
+            self.prompt_ids = self.shape.prompt_ids(part)
 
     def reshape(self, event: dict[str, Any]) -> list[dict[str, Any]]:
         """A continuation's completion chunk as the client's stream carries it."""
         out: list[dict[str, Any]] = []
         for choice in event.get("choices") or ():
             text = str(choice.get("text", ""))
-            ids = list(choice.get("token_ids") or ())
+            ids = self.shape.token_ids(choice)
             finish = choice.get("finish_reason")
             if not self.chat:
                 c = {"index": 0, "text": text, "token_ids": ids, "finish_reason": finish}
@@ -261,9 +263,9 @@ class Stream:
         return self.finish_reason is not None or self.left() == 0
 
 
-def plan(method: str, path: str, body: bytes) -> Stream | None:
+def plan(method: str, path: str, body: bytes, shape: StreamShape = TOKEN_IDS) -> Stream | None:
     """The `Stream` of a generation request, streamed or `collectable`, else None (relayed
-    as bytes, retried only before its first byte)."""
+    as bytes, retried only before its first byte); `shape`: the engine kind's chunks."""
     if method != "POST" or path not in (COMPLETIONS, CHAT):
         return None
     try:
@@ -273,9 +275,9 @@ def plan(method: str, path: str, body: bytes) -> Stream | None:
     if not isinstance(request, dict) or (request.get("n") or 1) != 1:
         return None
     if request.get("stream") is True:
-        return Stream(path, request)
+        return Stream(path, request, shape=shape)
     if off(request.get("stream")) and collectable(request):
-        return Stream(path, request, collect=True)
+        return Stream(path, request, collect=True, shape=shape)
     return None
 
 

@@ -26,6 +26,7 @@ import aiohttp
 import structlog
 from aiohttp import web
 
+from supervisor.kinds.base import TOKEN_IDS, StreamShape
 from supervisor.policy import RouterSpec
 from supervisor.primary import LeadershipEnded, PrimaryView, Target
 from supervisor.proxy import migration
@@ -52,9 +53,15 @@ STOPPING_RETRY_AFTER_S = 1  # Retry-After of the 503 a stopping router answers
 
 class Router:
     def __init__(
-        self, spec: RouterSpec, view: PrimaryView, node: str = "", emit: Emit | None = None
+        self,
+        spec: RouterSpec,
+        view: PrimaryView,
+        node: str = "",
+        emit: Emit | None = None,
+        shape: StreamShape = TOKEN_IDS,
     ) -> None:
         self.spec = spec
+        self.shape = shape  # where the engine kind's stream chunks carry token ids
         self.view = view
         # `node`: this node's name in a cluster ("" alone); events
         # (router.<node or main>.migrated, ...) go to `emit`, the bus
@@ -118,7 +125,7 @@ class Router:
         if FORWARDED_BY in request.headers and self.view.misdirected():
             return not_leader()
         deadline = time.monotonic() + self.spec.retry_deadline_s
-        stream = migration.plan(request.method, request.path, body)
+        stream = migration.plan(request.method, request.path, body, self.shape)
         if stream is not None:
             relayed = await self.streams.relay(request, stream, deadline)
             if isinstance(relayed, web.StreamResponse):

