@@ -129,13 +129,18 @@ def main() -> int:
 
     if args.workers:
         digest.WORKERS = args.workers
-    readers = 0
+    readers, hashed_on = 0, "cpu"
     if args.device.startswith("cuda"):
+        import torch
+
         from cachedaemon import cuda_load
 
         if args.readers:
             cuda_load.WORKERS = args.readers
         readers = cuda_load.WORKERS
+        # the GPU's BLAKE3, or the readers where it is missing or disagrees with the CPU's
+        gpu = cuda_load.gpu_hashing(torch.device(args.device))
+        hashed_on = "gpu (blake3_gpu)" if gpu else "cpu (the GPU load's readers)"
     model = ensure_checkpoint(Path(args.models), args.preset)
     one_load(model, args.device)  # warm the page cache and the imports
     baseline: list[dict[str, Any]] = []
@@ -157,6 +162,7 @@ def main() -> int:
         "machine": machine(),
         "digest_workers": digest.WORKERS,
         "gpu_readers": readers,
+        "digest_hashed_on": hashed_on,
         "preset": args.preset,
         "device": args.device,
         "page_cache": "evicted before each load" if args.cold else "warm",
