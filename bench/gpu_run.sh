@@ -14,6 +14,8 @@
 #   vllm-part (keep the carried part of vLLM, .vllm/part-NN, in /tmp/holdfast-vllm-cuda/parts),
 #   vllm (once every part is kept: reassemble and check it; the stages after it run with
 #     vLLM importable and HOLDFAST_VLLM_VENV set, so engines.kind vllm policies find it)
+#   vllm-tiny (after vllm: bench/vllm_gpu.py's parity stage on the tiny Llama with a tokenizer,
+#     $OUT/vllm_gpu_tiny.json)
 #   vllm-bench (after vllm: bench/vllm_gpu.py on llama-8b, holdfast against vLLM's default
 #     loader: parity, memory per engine, start to ready; $OUT/vllm_gpu.json, logs in $OUT/vllm_gpu_logs;
 #     VLLM_BENCH_ARGS adds its flags, e.g. "--stages restart --trials 1")
@@ -193,6 +195,11 @@ for stage in $stages; do
       echo "checkpoint: writing /tmp/models/llama-8b in the background (/tmp/models/writer.log)" ;;
     vllm-part) vllm_part ;;
     vllm) vllm_tree || { OUT=$OUT_GIVEN pack; exit 2; } ;;
+    vllm-tiny)  # parity on the tiny Llama with a tokenizer (tests/vllm_checkpoints.py), bf16
+      [ -f /tmp/models/tiny/llama/config.json ] || python3 -m tests.vllm_checkpoints /tmp/models/tiny
+      timeout -k 20 "${VLLM_TINY_S:-240}" python3 bench/vllm_gpu.py --device cuda:0 \
+        --model-dir /tmp/models/tiny/llama --stages parity --kv-cache-gb 1 --max-model-len 512 \
+        --out "$OUT/vllm_gpu_tiny.json" --logs "$OUT/vllm_gpu_tiny_logs" 2>&1 | tee "$OUT/vllm_gpu_tiny.txt" ;;
     vllm-bench)  # the vLLM figures in one go, each stage kept as it ends
       checkpoint
       timeout -k 20 "${VLLM_BENCH_S:-470}" python3 bench/vllm_gpu.py --device cuda:0 \
