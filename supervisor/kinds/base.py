@@ -74,7 +74,7 @@ class Forks:
 
 class StreamShape:
     """Where a streamed chunk of an engine carries the ids the router replays after a cut
-    (supervisor/migration.py): vLLM's `return_token_ids` extension, which the reference
+    (supervisor/proxy/migration.py): vLLM's `return_token_ids` extension, which the reference
     engine speaks too. A completion chunk's choice carries its tokens' `token_ids` and the
     first one the prompt's `prompt_token_ids`; a chat chunk carries the prompt's beside
     its choices."""
