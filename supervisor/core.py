@@ -3,7 +3,7 @@ batch engines.
 
 Each tick (`reconcile.tick`) compares what the policy wants with what runs and converges.
 Child exits and agent messages wake the loop at once; hangs are found by missed
-heartbeats. `Cluster` takes in what the agents, the launcher and the daemon pool report,
+heartbeats. `Cluster` takes in what the agents, the launcher and the cache daemons report,
 evicts, restarts and spawns engines, and answers status; the failover core it builds on
 (`failover.Failover`: down, fence, promote) handles a loss, and `roster.Roster` holds the
 engines and the one way their state changes (a row of `states.ENGINE`, published as its

@@ -61,7 +61,7 @@ def _gone(d: Daemon) -> bool:
     return d.state in (DaemonState.QUARANTINED, DaemonState.DEAD)
 
 
-class DaemonPool:
+class CacheDaemons:
     def __init__(
         self,
         policy: Policy,

@@ -5,7 +5,7 @@ cleanup pushed on one `AsyncExitStack`) as it starts, so teardown is start-up's 
 reversed, and covers what started, and only that. Order: runtime dir (lock) -> events
 (MQTT: refused if another live supervisor holds the prefix) -> agents + control sockets
 -> the supervisor's own tasks (`aio.Owned`) -> model (generated from a preset when
-model.path is unset) -> the cluster over the daemon pool and the launcher, its tasks
+model.path is unset) -> the cluster over the cache daemons and the launcher, its tasks
 (agents, control, pace) -> router + health API (a busy port fails here, before anything
 loads) -> MQTT's connection (events queued until then) -> fork server (imports while the
 daemons load) -> keeper and daemons (ready) -> engines (the reconcile loop starts them)
@@ -45,7 +45,7 @@ from supervisor.aio import Owned, unless_set
 from supervisor.api import HealthApi
 from supervisor.control import ControlServer
 from supervisor.core import Cluster
-from supervisor.daemons import DaemonPool
+from supervisor.daemons import CacheDaemons
 from supervisor.engines import EngineLauncher, ForkServer
 from supervisor.errors import StartupError
 from supervisor.events import EventBus
@@ -125,7 +125,7 @@ class Service:
         self.stop = asyncio.Event()
         spec = policy.cluster
         self.view = FleetView(spec.node) if spec is not None else PrimaryView()
-        self.term = Term()  # the cluster's epoch and wake-up, shared with the daemon pool
+        self.term = Term()  # the cluster's epoch and wake-up, shared with the cache daemons
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -190,7 +190,7 @@ class Service:
         tasks: Owned,
         stack: contextlib.AsyncExitStack,
     ) -> Cluster:
-        """Build the cluster over the daemon pool and the launcher; serve; start the fork
+        """Build the cluster over the cache daemons and the launcher; serve; start the fork
         server and the daemons and wait until they serve. Each part that needs stopping
         goes on `stack` as it starts."""
         p = self.policy
@@ -201,7 +201,7 @@ class Service:
             if forks_spec is not None
             else None
         )
-        daemons = DaemonPool(p, rd.path, model_dir, bus, self.term)
+        daemons = CacheDaemons(p, rd.path, model_dir, bus, self.term)
         launcher = EngineLauncher(p, rd.path, model_dir, daemons.sockets(), forks=forks)
         c = Cluster(p, bus, self.view, self.term, hub=hub, launcher=launcher, daemons=daemons)
         daemons.pace = c.pace  # its stalls are no daemon's silence
@@ -339,7 +339,7 @@ def _raise_failure(tasks: Owned) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _children(forks: ForkServer | None, daemons: DaemonPool) -> AsyncIterator[None]:
+async def _children(forks: ForkServer | None, daemons: CacheDaemons) -> AsyncIterator[None]:
     """The fork server (it imports while the daemons load), then the keeper and daemons,
     serving; at the end, those started go down side by side (each may use its SIGTERM
     grace), each logged as it is down, so a slow one is named."""

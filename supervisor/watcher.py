@@ -10,7 +10,7 @@ unit did not get ready in time, with its log tail.
 
 The kinds: engines (`engines.EngineLauncher`, probes per engine kind in `kinds`),
 the fork server (`engines.ForkServer`), cache daemons and their spares
-(`daemons.DaemonPool`). What to do about an exit, a silence or a missed deadline is not
+(`daemons.CacheDaemons`). What to do about an exit, a silence or a missed deadline is not
 decided here: `decisions`, `reconcile` and `core.Cluster` do that.
 """
 

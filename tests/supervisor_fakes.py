@@ -1,6 +1,6 @@
 """Stand-ins for what a unit test of the supervisor's decisions cannot have: engine and
 daemon processes (`FakeProc`), the launcher that starts them, and the agents socket the
-supervisor sends commands through. The event bus, the primary view and the daemon pool's
+supervisor sends commands through. The event bus, the primary view and the cache daemons'
 inotify watch stay real."""
 
 from __future__ import annotations
