@@ -46,7 +46,7 @@ EXAMPLES = """examples:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="supervisor",
-        description="Supervise cache daemons and a pool of engines: one "
+        description="Supervise cache daemons and a crew of engines: one "
         "primary, warm standbys, batch engines; fail over in milliseconds.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,

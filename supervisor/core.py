@@ -1,13 +1,13 @@
-"""The supervisor's cluster: a reconcile loop over daemons, one primary, standbys and
+"""The supervisor's crew: a reconcile loop over daemons, one primary, standbys and
 batch engines.
 
 Each tick (`reconcile.tick`) compares what the policy wants with what runs and converges.
 Child exits and agent messages wake the loop at once; hangs are found by missed
-heartbeats. `Cluster` takes in what the agents, the launcher and the cache daemons report,
+heartbeats. `Crew` takes in what the agents, the launcher and the cache daemons report,
 evicts, restarts and spawns engines, and answers status; the failover core it builds on
 (`failover.Failover`: down, fence, promote) handles a loss, and `roster.Roster` holds the
 engines and the one way their state changes (a row of `states.ENGINE`, published as its
-event). What to do (whom to promote, fence or evict) is decided in `decisions`; `Cluster`
+event). What to do (whom to promote, fence or evict) is decided in `decisions`; `Crew`
 carries it out.
 """
 
@@ -34,7 +34,7 @@ from supervisor.wiring import Commands, Daemons, Launcher, Term
 S = EngineState
 
 
-class Cluster(Failover):
+class Crew(Failover):
     """The engines: what their agents report, and every transition between their states."""
 
     def __init__(

@@ -74,7 +74,7 @@ class CacheDaemons:
         self.run = run
         self.model_dir = model_dir
         self.bus = bus
-        self.term = term  # the cluster's: its epoch, and the wake-up of its loop
+        self.term = term  # the crew's: its epoch, and the wake-up of its loop
         self.keeper: Keeper | None = None  # started by start_keeper
         self.pace: pace.LoopPace | None = None  # the supervisor's stalls, not a daemon's
         self.keeper_path = run / "keeper.sock"

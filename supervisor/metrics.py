@@ -4,7 +4,7 @@ Two kinds of figures, one collector on the supervisor's own `CollectorRegistry`:
 
 - Counted from the event bus (`EventBus.subscribe`): promotions, fences by cause,
   restarts, quarantines, evictions, and the time each unit spends in each state. The
-  Cluster code knows nothing of metrics; every state change is already an event.
+  Crew code knows nothing of metrics; every state change is already an event.
 - Read at scrape time from the parts that count for themselves: the router (forwarded,
   retried, failed, broken), the MQTT publisher (queue depth, dropped), the agent and control
   sockets (malformed frames), the bus (events emitted).

@@ -11,7 +11,7 @@ unit did not get ready in time, with its log tail.
 The kinds: engines (`engines.EngineLauncher`, probes per engine kind in `kinds`),
 the fork server (`engines.ForkServer`), cache daemons and their spares
 (`daemons.CacheDaemons`). What to do about an exit, a silence or a missed deadline is not
-decided here: `decisions`, `reconcile` and `core.Cluster` do that.
+decided here: `decisions`, `reconcile` and `core.Crew` do that.
 """
 
 from __future__ import annotations

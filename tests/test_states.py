@@ -17,7 +17,7 @@ import supervisor
 from holdfast_contract.agent_protocol import Drain, Promote
 from holdfast_contract.ready import DaemonReady
 from supervisor.backoff import RestartBook
-from supervisor.core import Cluster
+from supervisor.core import Crew
 from supervisor.daemons import CacheDaemons
 from supervisor.policy import RestartSpec
 from supervisor.primary import Target
@@ -91,7 +91,7 @@ def proc(e: Engine) -> FakeProc:
 
 
 class Driver:
-    """Makes one row happen to `e` through the Cluster method the row names."""
+    """Makes one row happen to `e` through the Crew method the row names."""
 
     def __init__(self, g: Rig) -> None:
         self.g = g
@@ -166,7 +166,7 @@ def test_engine_transition(row: Row[EngineState, str], tmp_path: Path) -> None:
             assert e.state == row.dst
             published = [(x.event, x.data["state"]) for x in g.events.since(mark, e.name)]
             assert (row.event, row.dst) in published, published
-            assert hasattr(Cluster, row.action), f"{row.action} is no Cluster method"
+            assert hasattr(Crew, row.action), f"{row.action} is no Crew method"
 
     run(go())
 
@@ -328,7 +328,7 @@ def test_table_lookup_names_what_is_wrong() -> None:
     assert move(unit, DAEMON, "starting").dst == D.STARTING and unit.state == D.STARTING
 
 
-def test_the_cache_daemons_wake_the_cluster_it_shares_a_term_with(tmp_path: Path) -> None:
+def test_the_cache_daemons_wake_the_crew_they_share_a_term_with(tmp_path: Path) -> None:
     async def go() -> None:
         async with rig(tmp_path) as g:
             daemons = CacheDaemons(policy(), tmp_path, "model", g.bus, g.c.term)
