@@ -22,7 +22,7 @@ import yaml
 from chaos.errors import ClusterError
 from chaos.procs import ProcRef, descendants, wait_gone
 from chaos.stagepolicy import load_stage_policy
-from holdfast_contract.control import ClusterStatus, decode_status_json
+from holdfast_contract.control import CrewStatus, decode_status_json
 from holdfast_contract.env import var
 from holdfast_contract.wire import free_port
 from supervisor.errors import PolicyError
@@ -122,7 +122,7 @@ class Supervisor:
     def exited(self) -> int | None:
         return self.proc.returncode if self.proc is not None else None
 
-    async def cluster(self) -> ClusterStatus | None:
+    async def cluster(self) -> CrewStatus | None:
         """The health API's /cluster, or None while nothing answers."""
         assert self._session is not None, "use `async with Supervisor(...)`"
         try:

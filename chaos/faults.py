@@ -21,7 +21,7 @@ from chaos.errors import FaultError, VictimAbsent, VictimComing
 from chaos.pool import absent_batch, coming_batch
 from chaos.procs import ProcRef, wait_gone
 from chaos.scenario import FaultSpec
-from holdfast_contract.control import ClusterStatus
+from holdfast_contract.control import CrewStatus
 from holdfast_contract.env import var
 from supervisor.policy import Policy
 
@@ -46,7 +46,7 @@ class Injection(msgspec.Struct, frozen=True):
 class FaultContext(msgspec.Struct):
     sup: Supervisor
     broker: OwnBroker | None
-    view: ClusterStatus
+    view: CrewStatus
     spec: FaultSpec
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from supervisor.policy import Policy
 
 if TYPE_CHECKING:
-    from holdfast_contract.control import ClusterStatus, EngineStatus
+    from holdfast_contract.control import CrewStatus, EngineStatus
 
 
 def kept_out(engine: EngineStatus) -> str | None:
@@ -26,7 +26,7 @@ def kept_out(engine: EngineStatus) -> str | None:
     return f"{w.reason}: {w.detail}"
 
 
-def missing(view: ClusterStatus, policy: Policy, standbys: int | None = None) -> list[str]:
+def missing(view: CrewStatus, policy: Policy, standbys: int | None = None) -> list[str]:
     """What the pool lacks for the policy as it stands now; empty when it is whole.
     `standbys`: that many ready standbys are enough (None: every one the policy wants)."""
     out: list[str] = []
@@ -52,12 +52,12 @@ def missing(view: ClusterStatus, policy: Policy, standbys: int | None = None) ->
     return out
 
 
-def _others(view: ClusterStatus, role: str, ready: set[str]) -> str:
+def _others(view: CrewStatus, role: str, ready: set[str]) -> str:
     rest = [f"{e.name} {e.state}" for e in view.engines if e.role == role and e.name not in ready]
     return f" ({', '.join(rest)})" if rest else ""
 
 
-def absent_batch(view: ClusterStatus) -> str | None:
+def absent_batch(view: CrewStatus) -> str | None:
     """Why no batch engine runs now, when the supervisor keeps every one out; else None."""
     batch = [e for e in view.engines if e.role == "batch"]
     reasons = [kept_out(e) for e in batch]
@@ -66,7 +66,7 @@ def absent_batch(view: ClusterStatus) -> str | None:
     return f"every batch engine is kept out by the supervisor ({batch[0].name} {reasons[0]})"
 
 
-def coming_batch(view: ClusterStatus) -> list[str]:
+def coming_batch(view: CrewStatus) -> list[str]:
     """Batch engines on their way: starting, or out and wanted running (after their
     backoff, or once the load has stayed low for respawn_hold_s)."""
     return [f"{e.name} {e.state}" for e in view.engines if e.role == "batch" and _coming(e)]

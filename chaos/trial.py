@@ -20,7 +20,7 @@ from chaos.pool import missing
 from chaos.procs import ProcRef
 from chaos.recorder import EventRecorder, EventRow
 from chaos.scenario import FaultSpec, Scenario
-from holdfast_contract.control import ClusterStatus
+from holdfast_contract.control import CrewStatus
 from holdfast_contract.events import EventName
 
 log = structlog.get_logger("chaos.trial")
@@ -50,7 +50,7 @@ class Harness(msgspec.Struct):
     status: Callable[[str], None] = _silent  # what the run waits for, "" when it waits no more
 
 
-async def wait_ready(h: Harness, timeout: float, since: float) -> ClusterStatus:
+async def wait_ready(h: Harness, timeout: float, since: float) -> CrewStatus:
     """The cluster view once the pool is as whole as the policy wants it now.
 
     While it waits, `h.status` says what for (and a long wait is logged); PoolTimeout after
@@ -146,7 +146,7 @@ async def run_trial(h: Harness, index: int, fault: FaultSpec) -> TrialRow:
     )
 
 
-def _ranks(view: ClusterStatus, injection: Injection) -> list[ProcRef]:
+def _ranks(view: CrewStatus, injection: Injection) -> list[ProcRef]:
     """Every rank process of the killed engines, as /cluster listed them before the fault:
     one_for_all means none may outlive the trial."""
     refs = []

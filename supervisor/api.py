@@ -12,7 +12,7 @@ from typing import Protocol
 import msgspec
 from aiohttp import web
 
-from holdfast_contract.control import ClusterStatus, FleetStatus
+from holdfast_contract.control import CrewStatus, FleetStatus
 from supervisor.metrics import SupervisorMetrics
 
 
@@ -35,7 +35,7 @@ class HealthApi:
 
     def __init__(
         self,
-        snapshot: Callable[[], ClusterStatus],
+        snapshot: Callable[[], CrewStatus],
         metrics: SupervisorMetrics | None = None,
         fleet: Fleet | None = None,
     ) -> None:

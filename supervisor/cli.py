@@ -16,7 +16,7 @@ import msgspec
 
 from holdfast_contract import logs
 from holdfast_contract.control import (
-    ClusterStatus,
+    CrewStatus,
     EvictReq,
     PromoteReq,
     RestartReq,
@@ -158,7 +158,7 @@ def _lock_held(run: str) -> bool:
     )
 
 
-def _print_status(st: ClusterStatus, as_json: bool) -> None:
+def _print_status(st: CrewStatus, as_json: bool) -> None:
     if as_json:
         sys.stdout.write(msgspec.json.encode(st).decode() + "\n")
         return

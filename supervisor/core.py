@@ -18,7 +18,7 @@ import os
 import time
 
 from holdfast_contract.agent_protocol import Ack, Drain, Heartbeat, Hello, StateChange
-from holdfast_contract.control import ClusterStatus, DaemonStatus
+from holdfast_contract.control import CrewStatus, DaemonStatus
 from holdfast_contract.events import EventName as N
 from supervisor import decisions
 from supervisor.errors import ControlError, StartupError
@@ -192,7 +192,7 @@ class Crew(Failover):
         self.wake.set()
 
     # ---- status ----
-    def snapshot(self) -> ClusterStatus:
+    def snapshot(self) -> CrewStatus:
         now, wall = time.monotonic(), time.time()
         engines = [e.status(now, wall) for e in self.engines.values()]
         daemons = [
@@ -209,7 +209,7 @@ class Crew(Failover):
             for d in self.daemons.daemons
         ]
         mqtt = self.bus.mqtt
-        return ClusterStatus(
+        return CrewStatus(
             epoch=self.epoch,
             primary=self.primary.name if self.primary else None,
             engines=engines,

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from chaos.pool import absent_batch, coming_batch, kept_out, missing
-from holdfast_contract.control import ClusterStatus, DaemonStatus, EngineStatus
+from holdfast_contract.control import CrewStatus, DaemonStatus, EngineStatus
 from supervisor.backoff import RestartBook
 from supervisor.decisions import BatchGovernor, load_of
 from supervisor.policy_file import load_policy
@@ -47,7 +47,7 @@ def _unit(name: str, role: str, state: EngineState, **kw: object) -> Engine:
 
 def _decided(
     load: int, batch_state: EngineState, cap_mb: int = POLICY.devices.memory_mb, **batch: object
-) -> ClusterStatus:
+) -> CrewStatus:
     """The supervisor's view at t=10 of a primary at `load`, a standby and one batch engine,
     each with what the rules want of it (the load as it is since t=9), under a memory cap
     of `cap_mb` (0: none, as in the policy)."""
@@ -61,7 +61,7 @@ def _decided(
         plan = rules.plan(units, load_of(units[0]), now)
     for e in units:
         e.wanted = plan.wants[e.name]
-    return ClusterStatus(
+    return CrewStatus(
         epoch=1,
         primary="e1",
         engines=[e.status(10.0, WALL + 10.0) for e in units],
@@ -150,7 +150,7 @@ def test_a_batch_engine_wanted_back_or_starting_is_on_its_way(
 
 
 def test_missing_names_every_unit_and_its_state() -> None:
-    view = ClusterStatus(
+    view = CrewStatus(
         epoch=2,
         primary=None,
         engines=[EngineStatus("e2", "standby", "starting", 11, 0, 0, None)],
