@@ -19,7 +19,7 @@ import msgspec
 import structlog
 import yaml
 
-from chaos.errors import ClusterError
+from chaos.errors import CrewError
 from chaos.procs import ProcRef, descendants, wait_gone
 from chaos.stagepolicy import load_stage_policy
 from holdfast_contract.control import CrewStatus, decode_status_json
@@ -45,7 +45,7 @@ def derive_policy(
     try:
         policy = load_stage_policy(source, overrides or {})
     except PolicyError as exc:
-        raise ClusterError(f"the scenario's policy cannot start: {exc}") from exc
+        raise CrewError(f"the scenario's policy cannot start: {exc}") from exc
     events = policy.events
     if mqtt is not None:
         base = events.mqtt or mqtt

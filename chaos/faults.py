@@ -1,4 +1,4 @@
-"""Fault injectors. Each finds its victim in the cluster view, signals it, and says what a
+"""Fault injectors. Each finds its victim in the crew's status, signals it, and says what a
 recovery looks like; `heal` undoes what must be undone (SIGCONT, broker back up).
 
 Signals go only to processes below the supervisor the suite started.
@@ -17,8 +17,8 @@ import structlog
 
 from chaos.broker import OwnBroker
 from chaos.cluster import Supervisor
+from chaos.crew import absent_batch, coming_batch
 from chaos.errors import FaultError, VictimAbsent, VictimComing
-from chaos.pool import absent_batch, coming_batch
 from chaos.procs import ProcRef, wait_gone
 from chaos.scenario import FaultSpec
 from holdfast_contract.control import CrewStatus

@@ -111,8 +111,8 @@ class Scenario(_Spec, frozen=True):
     settle_s: float = 0.3
     trial_timeout_s: float = 20.0
     detect_timeout_s: float = 5.0  # how long a trial waits for the supervisor to notice
-    ready_timeout_s: float = 90.0  # per trial: the pool whole again, else the trial fails
-    start_timeout_s: float | None = None  # the first whole pool of a stage; null: ready_timeout_s
+    ready_timeout_s: float = 90.0  # per trial: the crew whole again, else the trial fails
+    start_timeout_s: float | None = None  # the first whole crew of a stage; null: ready_timeout_s
     # ready standbys a trial waits for, before its fault and after (null: every one the
     # policy wants); fewer lets an engine that starts slowly (vLLM) restart during the
     # next trials while a ready standby still covers each primary fault

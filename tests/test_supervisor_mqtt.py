@@ -18,7 +18,7 @@ import aiomqtt
 import msgspec
 import pytest
 
-from chaos.pool import kept_out
+from chaos.crew import kept_out
 from holdfast_contract.control import CrewStatus
 from holdfast_contract.wire import free_port
 from tests.engines.harness import Load, Supervisor, get, topic, write_policy

@@ -1,5 +1,5 @@
-"""What a trial waits for: the pool the policy wants now, as the supervisor's rules say it
-(a table of engines run through its decisions), and a pool that never gets whole again
+"""What a trial waits for: the crew the policy wants now, as the supervisor's rules say it
+(a table of engines run through its decisions), and a crew that never gets whole again
 fails its trial with the reason while the run goes on."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from chaos.pool import absent_batch, coming_batch, kept_out, missing
+from chaos.crew import absent_batch, coming_batch, kept_out, missing
 from holdfast_contract.control import CrewStatus, DaemonStatus, EngineStatus
 from supervisor.backoff import RestartBook
 from supervisor.decisions import BatchGovernor, load_of
@@ -86,7 +86,7 @@ def _daemon(state: str, pid: int) -> DaemonStatus:
         (6, E.DEAD, {}, False, False),  # crashed at a modest load: restarted, wait for it
         (6, E.DEAD, {"next_start": 11.0}, False, False),  # (after its backoff)
         (0, E.STARTING, {}, False, False),
-        (0, E.QUARANTINED, {}, False, False),  # lost: the pool is not whole
+        (0, E.QUARANTINED, {}, False, False),  # lost: the crew is not whole
     ],
 )
 def test_the_supervisors_wants_decide_whether_a_batch_engine_is_missing(
@@ -184,7 +184,7 @@ checks:
 
 
 @pytest.mark.slow
-def test_a_pool_that_stays_broken_fails_the_trial_with_its_reason_and_the_run_goes_on(
+def test_a_crew_that_stays_broken_fails_the_trial_with_its_reason_and_the_run_goes_on(
     tmp_path: Path,
 ) -> None:
     policy = yaml.safe_load((SCENARIOS / "policy-cpu.yaml").read_text())

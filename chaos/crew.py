@@ -1,9 +1,9 @@
-"""Whether the pool is as whole as the policy wants it *now*, and what it still lacks.
+"""Whether the crew is as whole as the policy wants it *now*, and what it still lacks.
 
 The supervisor publishes what its rules want of each engine (`EngineStatus.wanted`, decided
 by `supervisor.decisions.BatchGovernor.wants`): a batch engine it wants stopped (the load
 rule, an eviction by hand, the memory cap) is not missing, so it never holds a trial up.
-One it quarantined is: the pool has lost it.
+One it quarantined is: the crew has lost it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 def kept_out(engine: EngineStatus) -> str | None:
     """Why the supervisor keeps this batch engine out now, as it says (its `wanted`), or
-    None when the pool should have it: wanted running (on its way, after a backoff or a
+    None when the crew should have it: wanted running (on its way, after a backoff or a
     respawn hold), quarantined (lost), or not yet decided about."""
     w = engine.wanted
     if engine.role != "batch" or w is None or w.state == "running" or w.reason == "quarantined":
@@ -27,7 +27,7 @@ def kept_out(engine: EngineStatus) -> str | None:
 
 
 def missing(view: CrewStatus, policy: Policy, standbys: int | None = None) -> list[str]:
-    """What the pool lacks for the policy as it stands now; empty when it is whole.
+    """What the crew lacks for the policy as it stands now; empty when it is whole.
     `standbys`: that many ready standbys are enough (None: every one the policy wants)."""
     out: list[str] = []
     if view.primary is None or len(view.in_state("primary")) != 1:
