@@ -38,7 +38,7 @@ LOAD_RANGES = {
     "twin_prompts": "at least 1",
 }
 
-FAULT_KINDS: dict[str, str] = {
+FAULTS: dict[str, str] = {
     "kill-primary": "SIGKILL the primary engine",
     "stop-primary": "SIGSTOP the primary engine (a hang)",
     "kill-standby": "SIGKILL one standby engine",
@@ -159,7 +159,7 @@ def load_scenario(
     checks: list[Check] = []
     for text in _field(raw, "checks", list):
         try:
-            checks.append(parse_check(str(text), fault_kinds=FAULT_KINDS))
+            checks.append(parse_check(str(text), faults=FAULTS))
         except CheckSyntaxError as exc:
             problems.append(f"$.checks: {exc}")
     fleet = isinstance(raw, dict) and isinstance(raw.get("fleet"), dict)
@@ -191,9 +191,9 @@ def _fault_problems(raw: object) -> list[str]:
         for j, fault in enumerate(_field(stage, "faults", list)):
             kind = _field(fault, "kind", str)
             where = f"$.stages[{i}].faults[{j}].kind"
-            if kind and kind not in FAULT_KINDS:
+            if kind and kind not in FAULTS:
                 problems.append(
-                    f"{where}: unknown fault kind {kind!r}; valid kinds: {', '.join(FAULT_KINDS)}"
+                    f"{where}: unknown fault kind {kind!r}; valid kinds: {', '.join(FAULTS)}"
                 )
             elif kind in FLEET_FAULTS and not fleet:
                 problems.append(
