@@ -4,10 +4,6 @@ fails its trial with the reason while the run goes on."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +16,7 @@ from supervisor.decisions import BatchGovernor, load_of
 from supervisor.policy_file import load_policy
 from supervisor.states import EngineState
 from supervisor.units import Engine, Incarnation
+from tests.conftest import chaos_run
 from tests.supervisor_fakes import FakeProc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -198,15 +195,7 @@ def test_a_crew_that_stays_broken_fails_the_trial_with_its_reason_and_the_run_go
     (tmp_path / "policy.yaml").write_text(yaml.safe_dump(policy))
     (tmp_path / "stuck.yaml").write_text(SCENARIO)
     out = tmp_path / "out"
-    done = subprocess.run(
-        [sys.executable, "-m", "chaos", "run", str(tmp_path / "stuck.yaml"), "--out", str(out)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    results = json.loads((out / "results.json").read_text())
+    done, results = chaos_run(tmp_path / "stuck.yaml", out)
     assert done.returncode == 1, done.stdout + done.stderr[-2000:]  # the check fails: no data
     assert results["meta"]["complete"], results["meta"]["note"]
     batch, primary = results["trials"]

@@ -7,15 +7,13 @@ whole killed group goes down, no request fails, and the file's promotion bar hol
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+from tests.conftest import chaos_run
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ROOT / "chaos" / "scenarios"
@@ -92,16 +90,7 @@ def _scenario(tmp_path: Path) -> Path:
 @pytest.mark.slow
 def test_gpu_tp2_policy_fails_over_on_cpu_with_gloo(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    done = subprocess.run(
-        [sys.executable, "-m", "chaos", "run", str(_scenario(tmp_path)), "--out", str(out)]
-        + ["--no-progress"],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    results = json.loads((out / "results.json").read_text())
+    done, results = chaos_run(_scenario(tmp_path), out, "--no-progress")
     assert done.returncode == 0, done.stdout + done.stderr[-3000:] + results["meta"]["note"]
     ran = yaml.safe_load((out / "tp2" / "policy.yaml").read_text())
     assert ran["model"]["tp_size"] == 2 and ran["cache"]["backend"] == "memfd"
