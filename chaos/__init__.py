@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from chaos.errors import ChaosError, CheckSyntaxError, ClusterError, FaultError, ScenarioError
+from chaos.errors import ChaosError, CheckSyntaxError, CrewError, FaultError, ScenarioError
 
-__all__ = ["ChaosError", "CheckSyntaxError", "ClusterError", "FaultError", "ScenarioError"]
+__all__ = ["ChaosError", "CheckSyntaxError", "CrewError", "FaultError", "ScenarioError"]

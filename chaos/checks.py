@@ -96,7 +96,7 @@ class Check(msgspec.Struct, frozen=True):
         return _OPS[self.op](value, self.threshold)
 
 
-def parse_check(text: str, *, fault_kinds: Mapping[str, str]) -> Check:
+def parse_check(text: str, *, faults: Mapping[str, str]) -> Check:
     match = _GRAMMAR.match(text)
     if match is None:
         raise CheckSyntaxError(
@@ -104,24 +104,24 @@ def parse_check(text: str, *, fault_kinds: Mapping[str, str]) -> Check:
             f"(OP one of {' '.join(_OPS)}), e.g. `kill-primary.promotion_ms.p99 < 100`"
         )
     parts = match["path"].split(".")
-    scope = parts.pop(0) if parts[0] in fault_kinds else None
+    scope = parts.pop(0) if parts[0] in faults else None
     metric, stat = parts[0], (parts[1] if len(parts) > 1 else None)
     if len(parts) > 2:
         raise CheckSyntaxError(f"check {text!r}: too many parts in {match['path']!r}")
-    _check_names(text, scope, metric, stat, fault_kinds)
+    _check_names(text, scope, metric, stat, faults)
     if stat is None and (scope is not None or metric not in RUN_METRICS):
         stat = "sum" if metric in COUNT_METRICS else "max"
     return Check(text, scope, metric, stat, match["op"], float(match["num"]))
 
 
 def _check_names(
-    text: str, scope: str | None, metric: str, stat: str | None, kinds: Mapping[str, str]
+    text: str, scope: str | None, metric: str, stat: str | None, faults: Mapping[str, str]
 ) -> None:
     if metric not in TRIAL_METRICS and metric not in RUN_METRICS:
         raise CheckSyntaxError(
             f"check {text!r}: unknown metric {metric!r}; valid metrics: "
             f"{', '.join(sorted(set(TRIAL_METRICS) | set(RUN_METRICS)))}; "
-            f"valid fault scopes: {', '.join(kinds)}"
+            f"valid fault scopes: {', '.join(faults)}"
         )
     if stat is not None and stat not in STATS:
         raise CheckSyntaxError(

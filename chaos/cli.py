@@ -18,7 +18,7 @@ from chaos.errors import ChaosError, ScenarioError
 from chaos.preflight import preflight
 from chaos.report import Results
 from chaos.runner import RunOptions, run, write_report
-from chaos.scenario import FAULT_KINDS, Plan, load_scenario
+from chaos.scenario import FAULTS, Plan, load_scenario
 from holdfast_contract import logs
 
 EPILOG = """\
@@ -221,7 +221,7 @@ def _rerender(out: Path) -> int:
 
 def _kinds() -> int:
     print("fault kinds:")
-    for kind, what in FAULT_KINDS.items():
+    for kind, what in FAULTS.items():
         print(f"  {kind:26} {what}")
     print("per-fault metrics ([fault.]metric.stat):")
     for metric, what in TRIAL_METRICS.items():

@@ -19,10 +19,10 @@ import msgspec
 import structlog
 import yaml
 
-from chaos.errors import ClusterError
+from chaos.errors import CrewError
 from chaos.procs import ProcRef, descendants, wait_gone
 from chaos.stagepolicy import load_stage_policy
-from holdfast_contract.control import ClusterStatus, decode_status_json
+from holdfast_contract.control import CrewStatus, decode_status_json
 from holdfast_contract.env import var
 from holdfast_contract.wire import free_port
 from supervisor.errors import PolicyError
@@ -45,7 +45,7 @@ def derive_policy(
     try:
         policy = load_stage_policy(source, overrides or {})
     except PolicyError as exc:
-        raise ClusterError(f"the scenario's policy cannot start: {exc}") from exc
+        raise CrewError(f"the scenario's policy cannot start: {exc}") from exc
     events = policy.events
     if mqtt is not None:
         base = events.mqtt or mqtt
@@ -122,7 +122,7 @@ class Supervisor:
     def exited(self) -> int | None:
         return self.proc.returncode if self.proc is not None else None
 
-    async def cluster(self) -> ClusterStatus | None:
+    async def cluster(self) -> CrewStatus | None:
         """The health API's /cluster, or None while nothing answers."""
         assert self._session is not None, "use `async with Supervisor(...)`"
         try:

@@ -22,16 +22,16 @@ class CheckSyntaxError(ScenarioError):
     """A check expression does not follow `[fault.]metric[.stat] OP number`."""
 
 
-class ClusterError(ChaosError):
-    """The supervisor under test did not start, or never reached a working pool."""
+class CrewError(ChaosError):
+    """The supervisor under test did not start, or never reached a whole crew."""
 
 
 class FaultError(ChaosError):
     """A fault could not be injected (no such process, nothing to target)."""
 
 
-class PoolTimeout(ClusterError):
-    """The pool was not whole within the scenario's ready_timeout_s (the run goes on)."""
+class CrewTimeout(CrewError):
+    """The crew was not whole within the scenario's ready_timeout_s (the run goes on)."""
 
 
 class VictimAbsent(FaultError):
@@ -40,4 +40,4 @@ class VictimAbsent(FaultError):
 
 class VictimComing(FaultError):
     """The fault's victim is on its way back (a batch engine evicted a moment ago, or
-    starting): the trial waits for the pool again, then injects."""
+    starting): the trial waits for the crew again, then injects."""

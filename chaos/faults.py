@@ -1,4 +1,4 @@
-"""Fault injectors. Each finds its victim in the cluster view, signals it, and says what a
+"""Fault injectors. Each finds its victim in the crew's status, signals it, and says what a
 recovery looks like; `heal` undoes what must be undone (SIGCONT, broker back up).
 
 Signals go only to processes below the supervisor the suite started.
@@ -17,11 +17,11 @@ import structlog
 
 from chaos.broker import OwnBroker
 from chaos.cluster import Supervisor
+from chaos.crew import absent_batch, coming_batch
 from chaos.errors import FaultError, VictimAbsent, VictimComing
-from chaos.pool import absent_batch, coming_batch
 from chaos.procs import ProcRef, wait_gone
 from chaos.scenario import FaultSpec
-from holdfast_contract.control import ClusterStatus
+from holdfast_contract.control import CrewStatus
 from holdfast_contract.env import var
 from supervisor.policy import Policy
 
@@ -46,12 +46,12 @@ class Injection(msgspec.Struct, frozen=True):
 class FaultContext(msgspec.Struct):
     sup: Supervisor
     broker: OwnBroker | None
-    view: ClusterStatus
+    view: CrewStatus
     spec: FaultSpec
 
 
-def requirement(kind: str, policy: Policy, own_broker: bool, attached: bool) -> str | None:
-    """Why `kind` cannot run against `policy`, or None when it can."""
+def requirement(fault: str, policy: Policy, own_broker: bool, attached: bool) -> str | None:
+    """Why `fault` cannot run against `policy`, or None when it can."""
     engines = policy.engines
     needs = {
         "kill-standby": (engines.standby >= 1, "engines.standby >= 1"),
@@ -63,8 +63,8 @@ def requirement(kind: str, policy: Policy, own_broker: bool, attached: bool) -> 
         "restart-broker": (own_broker and not attached, "the suite's own broker (not --attach)"),
         "kill-supervisor": (not attached, "a supervisor the suite started (not --attach)"),
     }
-    ok, what = needs.get(kind, (True, ""))
-    return None if ok else f"fault {kind} needs {what} in policy {policy.source}"
+    ok, what = needs.get(fault, (True, ""))
+    return None if ok else f"fault {fault} needs {what} in policy {policy.source}"
 
 
 def _engine(ctx: FaultContext, state: str) -> Victim:
@@ -116,8 +116,8 @@ def _signal(victims: list[Victim], sig: signal.Signals) -> Injection:
     return Injection(victims, injected)
 
 
-async def inject(kind: str, ctx: FaultContext) -> Injection:
-    sig = signal.SIGSTOP if kind.startswith("stop-") else signal.SIGKILL
+async def inject(fault: str, ctx: FaultContext) -> Injection:
+    sig = signal.SIGSTOP if fault.startswith("stop-") else signal.SIGKILL
     pickers: dict[str, Callable[[FaultContext], list[Victim]]] = {
         "primary": lambda c: [_engine(c, "primary")],
         "standby": lambda c: [_engine(c, "standby")],
@@ -126,7 +126,7 @@ async def inject(kind: str, ctx: FaultContext) -> Injection:
         "tp-rank": lambda c: [_tp_rank(c)],
         "daemon-and-primary": lambda c: [_daemon(c), _engine(c, "primary")],
     }
-    target = kind.split("-", 1)[1]
+    target = fault.split("-", 1)[1]
     if target in pickers:
         return _signal(pickers[target](ctx), sig)
     special: dict[str, Callable[[FaultContext], Awaitable[Injection]]] = {
@@ -134,18 +134,18 @@ async def inject(kind: str, ctx: FaultContext) -> Injection:
         "kill-supervisor": _kill_supervisor,
         "memory-pressure": _memory_pressure,
     }
-    return await special[kind](ctx)
+    return await special[fault](ctx)
 
 
-async def heal(kind: str, ctx: FaultContext, injection: Injection) -> None:
+async def heal(fault: str, ctx: FaultContext, injection: Injection) -> None:
     """Undo what the fault left behind, `hold_s` after it: SIGCONT, broker back up."""
-    if kind.startswith("stop-") or kind == "restart-broker":
+    if fault.startswith("stop-") or fault == "restart-broker":
         await asyncio.sleep(ctx.spec.hold_s)
-    if kind.startswith("stop-"):
+    if fault.startswith("stop-"):
         for victim in injection.victims:
             if victim.ref is not None:
                 victim.ref.signal(signal.SIGCONT)
-    elif kind == "restart-broker" and ctx.broker is not None:
+    elif fault == "restart-broker" and ctx.broker is not None:
         await ctx.broker.start()
 
 

@@ -38,7 +38,7 @@ LOAD_RANGES = {
     "twin_prompts": "at least 1",
 }
 
-FAULT_KINDS: dict[str, str] = {
+FAULTS: dict[str, str] = {
     "kill-primary": "SIGKILL the primary engine",
     "stop-primary": "SIGSTOP the primary engine (a hang)",
     "kill-standby": "SIGKILL one standby engine",
@@ -111,8 +111,8 @@ class Scenario(_Spec, frozen=True):
     settle_s: float = 0.3
     trial_timeout_s: float = 20.0
     detect_timeout_s: float = 5.0  # how long a trial waits for the supervisor to notice
-    ready_timeout_s: float = 90.0  # per trial: the pool whole again, else the trial fails
-    start_timeout_s: float | None = None  # the first whole pool of a stage; null: ready_timeout_s
+    ready_timeout_s: float = 90.0  # per trial: the crew whole again, else the trial fails
+    start_timeout_s: float | None = None  # the first whole crew of a stage; null: ready_timeout_s
     # ready standbys a trial waits for, before its fault and after (null: every one the
     # policy wants); fewer lets an engine that starts slowly (vLLM) restart during the
     # next trials while a ready standby still covers each primary fault
@@ -159,7 +159,7 @@ def load_scenario(
     checks: list[Check] = []
     for text in _field(raw, "checks", list):
         try:
-            checks.append(parse_check(str(text), fault_kinds=FAULT_KINDS))
+            checks.append(parse_check(str(text), faults=FAULTS))
         except CheckSyntaxError as exc:
             problems.append(f"$.checks: {exc}")
     fleet = isinstance(raw, dict) and isinstance(raw.get("fleet"), dict)
@@ -191,9 +191,9 @@ def _fault_problems(raw: object) -> list[str]:
         for j, fault in enumerate(_field(stage, "faults", list)):
             kind = _field(fault, "kind", str)
             where = f"$.stages[{i}].faults[{j}].kind"
-            if kind and kind not in FAULT_KINDS:
+            if kind and kind not in FAULTS:
                 problems.append(
-                    f"{where}: unknown fault kind {kind!r}; valid kinds: {', '.join(FAULT_KINDS)}"
+                    f"{where}: unknown fault kind {kind!r}; valid kinds: {', '.join(FAULTS)}"
                 )
             elif kind in FLEET_FAULTS and not fleet:
                 problems.append(

@@ -1,4 +1,4 @@
-"""One trial: wait for a whole pool, inject one fault, measure until the pool is whole again."""
+"""One trial: wait for a whole crew, inject one fault, measure until the crew is whole again."""
 
 from __future__ import annotations
 
@@ -11,21 +11,21 @@ import structlog
 
 from chaos.broker import OwnBroker
 from chaos.cluster import Supervisor, describe_exit
-from chaos.errors import ClusterError, PoolTimeout, VictimComing
+from chaos.crew import missing
+from chaos.errors import CrewError, CrewTimeout, VictimComing
 from chaos.evidence import DaemonLogs, fence_before_promote
 from chaos.faults import FaultContext, Injection, heal, inject
 from chaos.load import LoadGenerator
 from chaos.metrics import DAEMON_FAULTS, ENGINE_KILLS, PRIMARY_FAULTS, TrialRow, expected
-from chaos.pool import missing
 from chaos.procs import ProcRef
 from chaos.recorder import EventRecorder, EventRow
 from chaos.scenario import FaultSpec, Scenario
-from holdfast_contract.control import ClusterStatus
+from holdfast_contract.control import CrewStatus
 from holdfast_contract.events import EventName
 
 log = structlog.get_logger("chaos.trial")
 
-WAKE_S = 0.25  # re-read /cluster at least this often while waiting for the pool
+WAKE_S = 0.25  # re-read /cluster at least this often while waiting for the crew
 QUIET_S = 5.0  # a wait longer than this is logged (and again every LOUD_EVERY_S)
 LOUD_EVERY_S = 10.0
 
@@ -50,11 +50,11 @@ class Harness(msgspec.Struct):
     status: Callable[[str], None] = _silent  # what the run waits for, "" when it waits no more
 
 
-async def wait_ready(h: Harness, timeout: float, since: float) -> ClusterStatus:
-    """The cluster view once the pool is as whole as the policy wants it now.
+async def wait_ready(h: Harness, timeout: float, since: float) -> CrewStatus:
+    """The crew's status once it is as whole as the policy wants it now.
 
-    While it waits, `h.status` says what for (and a long wait is logged); PoolTimeout after
-    `timeout`, ClusterError at once when the supervisor exits."""
+    While it waits, `h.status` says what for (and a long wait is logged); CrewTimeout after
+    `timeout`, CrewError at once when the supervisor exits."""
     began = time.monotonic()
     deadline, loud_at = began + timeout, began + QUIET_S
     lacking = ["an answer from the health API"]
@@ -67,7 +67,7 @@ async def wait_ready(h: Harness, timeout: float, since: float) -> ClusterStatus:
                 h.status("")
                 return view
         if h.sup.exited() is not None:
-            raise ClusterError(describe_exit(h.sup, since))
+            raise CrewError(describe_exit(h.sup, since))
         waited = time.monotonic() - began
         h.status(f"waiting {waited:.0f}s for {'; '.join(lacking)}")
         if time.monotonic() >= loud_at:
@@ -75,7 +75,7 @@ async def wait_ready(h: Harness, timeout: float, since: float) -> ClusterStatus:
             log.warning("waiting_for_pool", stage=h.stage, waited_s=round(waited), lacking=lacking)
         await h.recorder.changed(min(WAKE_S, max(0.0, deadline - time.monotonic())))
     h.status("")
-    raise PoolTimeout(
+    raise CrewTimeout(
         f"the pool was not whole within ready_timeout_s={timeout:g}s; still lacking: "
         f"{'; '.join(lacking)} (policy {h.sup.policy_file}, log {h.sup.log_file})"
     )
@@ -84,15 +84,15 @@ async def wait_ready(h: Harness, timeout: float, since: float) -> ClusterStatus:
 async def run_trial(h: Harness, index: int, fault: FaultSpec) -> TrialRow:
     sc = h.scenario
     since, until = time.time(), time.monotonic() + sc.ready_timeout_s
-    while True:  # until the pool is whole and the victim there (one on its way: wait again)
+    while True:  # until the crew is whole and the victim there (one on its way: wait again)
         try:
             await wait_ready(h, max(0.0, until - time.monotonic()), since)
-        except PoolTimeout as exc:
+        except CrewTimeout as exc:
             return not_injected(h, index, fault, str(exc), outcome="failed")
         await asyncio.sleep(sc.settle_s)
         view = await h.sup.cluster()
         if view is None:
-            raise ClusterError(f"the health API {h.sup.api} stopped answering")
+            raise CrewError(f"the health API {h.sup.api} stopped answering")
         ctx = FaultContext(h.sup, h.broker, view, fault)
         h.logs.set_mark()
         try:
@@ -117,7 +117,7 @@ async def run_trial(h: Harness, index: int, fault: FaultSpec) -> TrialRow:
             limit = min(sc.detect_timeout_s, deadline - time.monotonic())
             await asyncio.wait([detected], timeout=max(limit, 0.0))
         note = await _recovered(h, injection, deadline)
-        # /cluster may show the new pool a moment before its events arrive over zmq.
+        # /cluster may show the new crew a moment before its events arrive over zmq.
         due = [detected] if expected("detection_ms", fault.kind) else []
         due += [promoted] if fault.kind in PRIMARY_FAULTS else []
         if due:
@@ -146,7 +146,7 @@ async def run_trial(h: Harness, index: int, fault: FaultSpec) -> TrialRow:
     )
 
 
-def _ranks(view: ClusterStatus, injection: Injection) -> list[ProcRef]:
+def _ranks(view: CrewStatus, injection: Injection) -> list[ProcRef]:
     """Every rank process of the killed engines, as /cluster listed them before the fault:
     one_for_all means none may outlive the trial."""
     refs = []
@@ -187,13 +187,13 @@ def not_injected(
 
 
 async def _recovered(h: Harness, injection: Injection, deadline: float) -> str:
-    """Wait for a successful request started after the fault, then for a whole pool."""
+    """Wait for a successful request started after the fault, then for a whole crew."""
     left = deadline - time.monotonic()
     if await h.load.first_ok_after(injection.injected, max(left, 0.0)) is None:
         return "no successful request before the trial timeout"
     try:
         await wait_ready(h, max(deadline - time.monotonic(), 0.0), injection.injected)
-    except ClusterError as exc:
+    except CrewError as exc:
         return f"pool not whole again before the trial timeout: {exc}"[:600]
     return ""
 
@@ -206,7 +206,7 @@ def _about(injection: Injection) -> Callable[[EventRow], bool]:
         if ev.ts < injection.injected:
             return False
         # a daemon's death or hang is what detects a daemon fault; a spare standing by or
-        # a pool serving again are not
+        # a crew serving again are not
         return (ev.kind, ev.name) in targets or (
             daemon and ev.kind == "daemon" and ev.event in (EventName.DEAD, EventName.HUNG)
         )

@@ -83,7 +83,7 @@ def build_llama(
     cfg: EngineConfig, device: torch.device, clock: Clock, phases: Phases
 ) -> tuple[Model, api.Limits, str]:
     from engine.batcher import BatchEngine
-    from engine.kvcache import BlockPool, KVCache
+    from engine.kvcache import BlockAllocator, KVCache
     from engine.model import LlamaForCausalLM, TPGroup
     from engine.modelargs import check_tp, read_model_args
     from engine.runner import Runner
@@ -128,7 +128,7 @@ def build_llama(
         cuda_graphs=runner.graphs is not None,
     )
     scheduler = Scheduler(
-        BlockPool(cache.blocks),
+        BlockAllocator(cache.blocks),
         runner.eos,
         block_size=cache.block_size,
         max_running=cfg.max_batch,

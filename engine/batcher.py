@@ -145,8 +145,8 @@ class BatchEngine:
             return Stats(
                 len(s.running),
                 len(s.waiting),
-                s.pool.used,
-                s.pool.free,
+                s.allocator.used,
+                s.allocator.free,
                 s.max_running,
                 round(self._step_ms, 3),
                 self._steps,

@@ -1,11 +1,11 @@
-"""The paged KV cache: one preallocated pool of fixed-size blocks, and who owns which block.
+"""The paged KV cache: fixed-size blocks preallocated once, and who owns which block.
 
 Allocated once at start from a byte budget (`--kv-cache-mb`). Each layer's keys and values
 live in a tensor of shape (blocks + 1, block_size, kv_heads, head_dim); a token's slot is
 block * block_size + offset. The extra last block is scratch: padded rows of a captured
 decode batch write there, so no real request's keys are ever touched by padding.
 
-`BlockPool` is plain Python (no torch): the scheduler asks it for blocks when it admits a
+`BlockAllocator` is plain Python (no torch): the scheduler asks it for blocks when it admits a
 request and gives them back when the request ends.
 """
 
@@ -24,7 +24,7 @@ def blocks_for(tokens: int, block_size: int = BLOCK_SIZE) -> int:
     return max(1, math.ceil(tokens / block_size))
 
 
-class BlockPool:
+class BlockAllocator:
     """Free-list allocator of block ids [0, total)."""
 
     def __init__(self, total: int) -> None:

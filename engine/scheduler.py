@@ -31,7 +31,7 @@ import msgspec
 
 from engine.errors import QueueFull
 from engine.job import Step
-from engine.kvcache import BlockPool, blocks_for
+from engine.kvcache import BlockAllocator, blocks_for
 
 _ids = itertools.count()
 WARM_TTL_S = 120.0  # a kept prefix no continuation took is dropped after this long
@@ -112,7 +112,7 @@ class Plan(msgspec.Struct, frozen=True):
 class Scheduler:
     def __init__(
         self,
-        pool: BlockPool,
+        allocator: BlockAllocator,
         eos: frozenset[int],
         *,
         block_size: int,
@@ -120,7 +120,7 @@ class Scheduler:
         max_waiting: int,
         prefill_tokens: int,
     ) -> None:
-        self.pool, self.eos, self.block_size = pool, eos, block_size
+        self.allocator, self.eos, self.block_size = allocator, eos, block_size
         self.max_running, self.max_waiting = max_running, max_waiting
         self.prefill_tokens = prefill_tokens
         self.waiting: collections.deque[Seq] = collections.deque()
@@ -140,7 +140,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def fits_ever(self, tokens: int) -> bool:
-        return blocks_for(tokens, self.block_size) <= self.pool.total
+        return blocks_for(tokens, self.block_size) <= self.allocator.total
 
     def reap(self, on_done: Callable[[Seq], None]) -> None:
         """End every request whose client left, waiting or running; free its blocks."""
@@ -181,15 +181,15 @@ class Scheduler:
                 break
             if admitted and head.warm_key and graph_rows and rows + fresh > graph_rows:
                 break
-            if need > self.pool.free:
+            if need > self.allocator.free:
                 self._evict(need, keep=head.warm_key)
-                if need > self.pool.free:
+                if need > self.allocator.free:
                     break
             self.waiting.remove(head)
             if kept is not None:
                 del self.kept[head.warm_key]
                 head.blocks, head.cached = kept.blocks, kept_len(kept, head)
-            head.blocks = head.blocks + self.pool.take(need)
+            head.blocks = head.blocks + self.allocator.take(need)
             admitted.append(head)
             budget -= head.fresh
             rows += head.fresh
@@ -210,7 +210,7 @@ class Scheduler:
     def _release(self, key: str) -> bool:
         kept = self.kept.pop(key, None)
         if kept is not None:
-            self.pool.give_back(kept.blocks)
+            self.allocator.give_back(kept.blocks)
         return kept is not None
 
     @property
@@ -229,7 +229,7 @@ class Scheduler:
     def _evict(self, need: int, keep: str) -> None:
         """Free kept prefixes, least recently warmed first, until `need` blocks are free."""
         for key in [k for k in self.kept if k != keep]:
-            if self.pool.free >= need:
+            if self.allocator.free >= need:
                 return
             self._release(key)
 
@@ -260,7 +260,7 @@ class Scheduler:
         """Take a request out of the running batch and give its blocks back."""
         if seq in self.running:
             self.running.remove(seq)
-        self.pool.give_back(seq.blocks)
+        self.allocator.give_back(seq.blocks)
         seq.blocks = []
 
     def _finish(self, seq: Seq, reason: str, on_done: Callable[[Seq], None]) -> None:
@@ -269,7 +269,7 @@ class Scheduler:
             self.running.remove(seq)  # its blocks are kept, not given back
             self._release(seq.warm_key)
             keep = blocks_for(len(seq.prompt), self.block_size)
-            self.pool.give_back(seq.blocks[keep:])
+            self.allocator.give_back(seq.blocks[keep:])
             self.kept[seq.warm_key] = Kept(seq.prompt, seq.blocks[:keep], time.monotonic())
             seq.blocks = []
         else:

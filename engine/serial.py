@@ -34,7 +34,7 @@ class SerialEngine:
     def __init__(self, model: OneAtATime, max_waiting: int) -> None:
         self.model, self.kind, self.max_waiting = model, model.kind, max_waiting
         self.post: Post = lambda fn: fn()
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model")
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model")
         self._lock = threading.Lock()
         self._waiting = 0
         self._running = 0
@@ -68,7 +68,7 @@ class SerialEngine:
                 with self._lock:
                     self._running -= 1
 
-        return self._pool.submit(work)
+        return self._executor.submit(work)
 
     def run(
         self, job: Job, on_step: OnStep | None = None, cancel: threading.Event | None = None
@@ -76,7 +76,7 @@ class SerialEngine:
         return self.submit(job, on_step, cancel).result()
 
     def embed(self, batch: list[list[int]]) -> list[list[float]]:
-        return self._pool.submit(self.model.embed, batch).result()
+        return self._executor.submit(self.model.embed, batch).result()
 
     warms = False  # keeps no prefix: each request runs the model over its whole input
 
@@ -97,5 +97,5 @@ class SerialEngine:
         return self.model.follow()
 
     def stop_followers(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._executor.shutdown(wait=True, cancel_futures=True)
         self.model.stop_followers()

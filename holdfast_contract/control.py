@@ -1,5 +1,5 @@
 """Operator commands to the supervisor and what it answers: the control socket's messages
-(`ipc://<run>/control`) and the cluster status that `supervisor status` and the health
+(`ipc://<run>/control`) and the crew's status that `supervisor status` and the health
 API's /cluster show.
 
 A client sends one tagged msgpack request; the supervisor answers one `ControlReply`.
@@ -110,7 +110,7 @@ class FleetNodeStatus(msgspec.Struct, frozen=True):
 
 
 class FleetStatus(msgspec.Struct, frozen=True):
-    """A fleet node's view of its cluster (the health API's /cluster on top of the pool's;
+    """A fleet node's view of its cluster (the health API's /cluster on top of the crew's;
     docs/fleet.md lists the keys)."""
 
     cluster: str
@@ -125,7 +125,9 @@ class FleetStatus(msgspec.Struct, frozen=True):
     nodes: list[FleetNodeStatus] = []
 
 
-class ClusterStatus(msgspec.Struct, frozen=True):
+class CrewStatus(msgspec.Struct, frozen=True):
+    """This node's engines and cache daemons (`supervisor status --json`, /cluster)."""
+
     epoch: int
     primary: str | None
     engines: list[EngineStatus]
@@ -145,12 +147,12 @@ class ClusterStatus(msgspec.Struct, frozen=True):
 class ControlReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ok: bool
     message: str = ""
-    status: ClusterStatus | None = None
+    status: CrewStatus | None = None
 
 
 _req_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(ControlReply)
-_status_decoder = msgspec.json.Decoder(ClusterStatus)
+_status_decoder = msgspec.json.Decoder(CrewStatus)
 
 
 def encode(msg: ControlRequest | ControlReply) -> bytes:
@@ -167,6 +169,6 @@ def decode_reply(data: bytes) -> ControlReply:
     return _reply_decoder.decode(data)
 
 
-def decode_status_json(data: bytes) -> ClusterStatus:
+def decode_status_json(data: bytes) -> CrewStatus:
     """The health API's /cluster body; raises msgspec.DecodeError on garbage."""
     return _status_decoder.decode(data)

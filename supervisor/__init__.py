@@ -1,4 +1,4 @@
-"""holdfast supervisor: an asyncio control plane over cache daemons and a pool of engines.
+"""holdfast supervisor: an asyncio control plane over cache daemons and a crew of engines.
 
 Imports no torch and never creates a CUDA context.
 """

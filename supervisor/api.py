@@ -2,7 +2,7 @@
 /metrics in the Prometheus text format (`supervisor.metrics`).
 
 In a cluster (`fleet` given) /primary answers 200 only on the leader node, while it
-leads, and /cluster adds the node's view of the cluster to the pool's status."""
+leads, and /cluster adds the node's view of the cluster to the crew's status."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Protocol
 import msgspec
 from aiohttp import web
 
-from holdfast_contract.control import ClusterStatus, FleetStatus
+from holdfast_contract.control import CrewStatus, FleetStatus
 from supervisor.metrics import SupervisorMetrics
 
 
@@ -31,11 +31,11 @@ class Fleet(Protocol):
 
 
 class HealthApi:
-    """Reads the cluster through `snapshot`; never changes anything."""
+    """Reads the crew through `snapshot`; never changes anything."""
 
     def __init__(
         self,
-        snapshot: Callable[[], ClusterStatus],
+        snapshot: Callable[[], CrewStatus],
         metrics: SupervisorMetrics | None = None,
         fleet: Fleet | None = None,
     ) -> None:
@@ -81,11 +81,11 @@ class HealthApi:
         return _json(ready, status=200 if ready else 503)
 
     async def cluster(self, _: web.Request) -> web.Response:
-        """The pool's status; in a cluster, with the node's cluster view on top (its
-        `epoch` is the term's; the pool's own is `local_epoch`)."""
+        """The crew's status; in a cluster, with the node's cluster view on top (its
+        `epoch` is the term's; the crew's own is `local_epoch`)."""
         st = self._snapshot()
         if self._fleet is None:
             return _json(st)
-        pool = msgspec.to_builtins(st)
+        crew = msgspec.to_builtins(st)
         fleet = msgspec.to_builtins(self._fleet.status())
-        return _json({**pool, "local_epoch": st.epoch, **fleet})
+        return _json({**crew, "local_epoch": st.epoch, **fleet})

@@ -16,7 +16,7 @@ import msgspec
 
 from holdfast_contract import logs
 from holdfast_contract.control import (
-    ClusterStatus,
+    CrewStatus,
     EvictReq,
     PromoteReq,
     RestartReq,
@@ -46,7 +46,7 @@ EXAMPLES = """examples:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="supervisor",
-        description="Supervise cache daemons and a pool of engines: one "
+        description="Supervise cache daemons and a crew of engines: one "
         "primary, warm standbys, batch engines; fail over in milliseconds.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -158,7 +158,7 @@ def _lock_held(run: str) -> bool:
     )
 
 
-def _print_status(st: ClusterStatus, as_json: bool) -> None:
+def _print_status(st: CrewStatus, as_json: bool) -> None:
     if as_json:
         sys.stdout.write(msgspec.json.encode(st).decode() + "\n")
         return

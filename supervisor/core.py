@@ -1,13 +1,13 @@
-"""The supervisor's cluster: a reconcile loop over daemons, one primary, standbys and
+"""The supervisor's crew: a reconcile loop over daemons, one primary, standbys and
 batch engines.
 
 Each tick (`reconcile.tick`) compares what the policy wants with what runs and converges.
 Child exits and agent messages wake the loop at once; hangs are found by missed
-heartbeats. `Cluster` takes in what the agents, the launcher and the daemon pool report,
+heartbeats. `Crew` takes in what the agents, the launcher and the cache daemons report,
 evicts, restarts and spawns engines, and answers status; the failover core it builds on
 (`failover.Failover`: down, fence, promote) handles a loss, and `roster.Roster` holds the
 engines and the one way their state changes (a row of `states.ENGINE`, published as its
-event). What to do (whom to promote, fence or evict) is decided in `decisions`; `Cluster`
+event). What to do (whom to promote, fence or evict) is decided in `decisions`; `Crew`
 carries it out.
 """
 
@@ -18,7 +18,7 @@ import os
 import time
 
 from holdfast_contract.agent_protocol import Ack, Drain, Heartbeat, Hello, StateChange
-from holdfast_contract.control import ClusterStatus, DaemonStatus
+from holdfast_contract.control import CrewStatus, DaemonStatus
 from holdfast_contract.events import EventName as N
 from supervisor import decisions
 from supervisor.errors import ControlError, StartupError
@@ -34,7 +34,7 @@ from supervisor.wiring import Commands, Daemons, Launcher, Term
 S = EngineState
 
 
-class Cluster(Failover):
+class Crew(Failover):
     """The engines: what their agents report, and every transition between their states."""
 
     def __init__(
@@ -192,7 +192,7 @@ class Cluster(Failover):
         self.wake.set()
 
     # ---- status ----
-    def snapshot(self) -> ClusterStatus:
+    def snapshot(self) -> CrewStatus:
         now, wall = time.monotonic(), time.time()
         engines = [e.status(now, wall) for e in self.engines.values()]
         daemons = [
@@ -209,7 +209,7 @@ class Cluster(Failover):
             for d in self.daemons.daemons
         ]
         mqtt = self.bus.mqtt
-        return ClusterStatus(
+        return CrewStatus(
             epoch=self.epoch,
             primary=self.primary.name if self.primary else None,
             engines=engines,

@@ -61,7 +61,7 @@ def _gone(d: Daemon) -> bool:
     return d.state in (DaemonState.QUARANTINED, DaemonState.DEAD)
 
 
-class DaemonPool:
+class CacheDaemons:
     def __init__(
         self,
         policy: Policy,
@@ -74,7 +74,7 @@ class DaemonPool:
         self.run = run
         self.model_dir = model_dir
         self.bus = bus
-        self.term = term  # the cluster's: its epoch, and the wake-up of its loop
+        self.term = term  # the crew's: its epoch, and the wake-up of its loop
         self.keeper: Keeper | None = None  # started by start_keeper
         self.pace: pace.LoopPace | None = None  # the supervisor's stalls, not a daemon's
         self.keeper_path = run / "keeper.sock"

@@ -1,10 +1,10 @@
 """The supervisor's GET /metrics (on the health API), through prometheus_client.
 
-Two kinds of figures, one collector on the supervisor's own `CollectorRegistry`:
+Two sorts of figures, one collector on the supervisor's own `CollectorRegistry`:
 
 - Counted from the event bus (`EventBus.subscribe`): promotions, fences by cause,
   restarts, quarantines, evictions, and the time each unit spends in each state. The
-  Cluster code knows nothing of metrics; every state change is already an event.
+  Crew code knows nothing of metrics; every state change is already an event.
 - Read at scrape time from the parts that count for themselves: the router (forwarded,
   retried, failed, broken), the MQTT publisher (queue depth, dropped), the agent and control
   sockets (malformed frames), the bus (events emitted).
@@ -39,7 +39,7 @@ from supervisor.proxy.warming import Warmer
 from supervisor.states import DaemonState
 
 PREFIX = "holdfast_supervisor_"
-KINDS = ("daemon", "engine")
+UNITS = ("daemon", "engine")  # the events' `kind`s that restart and are quarantined
 # a daemon's event named for the state it enters (all but `stopped`, as the supervisor ends)
 DAEMON_STATES = frozenset(DaemonState) - {DaemonState.STOPPED}
 # upper bounds (s) of the state-duration histogram's buckets
@@ -73,9 +73,9 @@ class SupervisorMetrics:
         self._events = bus.subscribe(QUEUE)
         self.promotions: collections.Counter[str] = collections.Counter()  # by cause
         self.fences: collections.Counter[tuple[str, str]] = collections.Counter()
-        # by kind; both kinds from zero, so a first restart is an increase, not a new series
-        self.restarts = collections.Counter(dict.fromkeys(KINDS, 0))
-        self.quarantines = collections.Counter(dict.fromkeys(KINDS, 0))
+        # by unit (daemon, engine); both from zero, so a first restart is an increase, not a new series
+        self.restarts = collections.Counter(dict.fromkeys(UNITS, 0))
+        self.quarantines = collections.Counter(dict.fromkeys(UNITS, 0))
         self.evictions: collections.Counter[str] = collections.Counter()  # by reason
         self._started: set[tuple[str, str]] = set()  # units seen starting once
         self._state: dict[tuple[str, str], tuple[str, float]] = {}  # unit -> (state, since)
@@ -159,8 +159,8 @@ class SupervisorMetrics:
             "units fenced (process group killed), by cause",
             labels=["kind", "cause"],
         )
-        for (kind, cause), n in sorted(self.fences.items()):
-            fences.add_metric([kind, cause], n)
+        for (unit, cause), n in sorted(self.fences.items()):
+            fences.add_metric([unit, cause], n)
         yield fences
         yield _counter(
             "restarts", "units started again after their first start", self.restarts, "kind"
@@ -185,13 +185,13 @@ class SupervisorMetrics:
             PREFIX + "units", "units in each state now", labels=["kind", "state"]
         )
         now_in: collections.Counter[tuple[str, str]] = collections.Counter()
-        for (kind, name), (state, since) in self._state.items():
-            totals[(kind, name, state)] += max(0.0, now - since)
-            now_in[(kind, state)] += 1
+        for (unit, name), (state, since) in self._state.items():
+            totals[(unit, name, state)] += max(0.0, now - since)
+            now_in[(unit, state)] += 1
         for key, s in sorted(totals.items()):
             seconds.add_metric(list(key), s)
-        for (kind, state), n in sorted(now_in.items()):
-            units.add_metric([kind, state], n)
+        for (unit, state), n in sorted(now_in.items()):
+            units.add_metric([unit, state], n)
         yield seconds
         yield units
         stays = HistogramMetricFamily(
@@ -199,8 +199,8 @@ class SupervisorMetrics:
             "completed stays in a state, by unit kind and state",
             labels=["kind", "state"],
         )
-        for (kind, state), d in sorted(self._stays.items()):
-            stays.add_metric([kind, state], d.cumulative(), d.total)
+        for (unit, state), d in sorted(self._stays.items()):
+            stays.add_metric([unit, state], d.cumulative(), d.total)
         yield stays
 
     def _sources(self) -> Iterator[Metric]:

@@ -14,7 +14,7 @@ from holdfast_contract.control import (
     StopReq,
 )
 from supervisor import decisions
-from supervisor.core import Cluster
+from supervisor.core import Crew
 from supervisor.decisions import earliest
 from supervisor.errors import ControlError
 from supervisor.pace import sched_state, thread_runs
@@ -22,7 +22,7 @@ from supervisor.states import EngineState
 from supervisor.units import Engine, Incarnation
 
 
-async def tick(c: Cluster) -> float | None:
+async def tick(c: Crew) -> float | None:
     """Converge once; returns the monotonic time something is next due, or None."""
     now = time.monotonic()
     due = c.daemons.reconcile(now)
@@ -39,7 +39,7 @@ async def tick(c: Cluster) -> float | None:
     return earliest(due, await _batch(c, now))
 
 
-async def _check_liveness(c: Cluster, now: float) -> float | None:
+async def _check_liveness(c: Crew, now: float) -> float | None:
     """Fence engines that never got ready or went silent; when the next check is due. A
     overdue engine is judged by what its threads do (`pace`, `decisions.judge_silence`): a
     busy machine, or a stalled supervisor, is not a hang."""
@@ -71,7 +71,7 @@ def _ran(inc: Incarnation) -> bool | None:
     return None if now is None or inc.beat_runs is None else now > inc.beat_runs
 
 
-async def _restart_serving(c: Cluster, e: Engine, now: float) -> float | None:
+async def _restart_serving(c: Crew, e: Engine, now: float) -> float | None:
     if now < e.next_start:
         return e.next_start
     engines = list(c.engines.values())
@@ -81,7 +81,7 @@ async def _restart_serving(c: Cluster, e: Engine, now: float) -> float | None:
     return None
 
 
-async def _batch(c: Cluster, now: float) -> float | None:
+async def _batch(c: Crew, now: float) -> float | None:
     load = decisions.load_of(c.primary)
     plan = c.batch.plan(list(c.engines.values()), load, now)
     c.want(plan.wants)  # published before it is carried out
@@ -94,7 +94,7 @@ async def _batch(c: Cluster, now: float) -> float | None:
 
 
 async def handle(
-    c: Cluster, req: StatusReq | PromoteReq | EvictReq | RestartReq | StopReq, stop: asyncio.Event
+    c: Crew, req: StatusReq | PromoteReq | EvictReq | RestartReq | StopReq, stop: asyncio.Event
 ) -> ControlReply:
     """Answer one operator request; StopReq sets `stop`."""
     if isinstance(req, StatusReq):
@@ -116,11 +116,11 @@ async def handle(
     return await _restart(c, e)
 
 
-async def _promote(c: Cluster, e: Engine) -> ControlReply:
+async def _promote(c: Crew, e: Engine) -> ControlReply:
     await c.hand_over(e)
     return ControlReply(ok=True, message=f"{e.name} is primary at epoch {c.epoch}")
 
 
-async def _restart(c: Cluster, e: Engine) -> ControlReply:
+async def _restart(c: Crew, e: Engine) -> ControlReply:
     await c.restart(e)
     return ControlReply(ok=True, message=f"{e.name} restarting")

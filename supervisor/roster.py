@@ -3,8 +3,8 @@
 `Roster` holds every engine, the primary and the term it serves in (`wiring.Term`: the
 epoch, and the wake-up of the reconcile loop); each change of an engine's state is one
 row of `states.ENGINE`, made by `_move` and published as that row's event, with the
-engine's retained state. The failover core (`failover.Failover`) and the cluster
-(`core.Cluster`) build on it.
+engine's retained state. The failover core (`failover.Failover`) and the crew
+(`core.Crew`) build on it.
 """
 
 from __future__ import annotations

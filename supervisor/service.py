@@ -5,7 +5,7 @@ cleanup pushed on one `AsyncExitStack`) as it starts, so teardown is start-up's 
 reversed, and covers what started, and only that. Order: runtime dir (lock) -> events
 (MQTT: refused if another live supervisor holds the prefix) -> agents + control sockets
 -> the supervisor's own tasks (`aio.Owned`) -> model (generated from a preset when
-model.path is unset) -> the cluster over the daemon pool and the launcher, its tasks
+model.path is unset) -> the crew over the cache daemons and the launcher, its tasks
 (agents, control, pace) -> router + health API (a busy port fails here, before anything
 loads) -> MQTT's connection (events queued until then) -> fork server (imports while the
 daemons load) -> keeper and daemons (ready) -> engines (the reconcile loop starts them)
@@ -44,8 +44,8 @@ from supervisor.agent_hub import AgentHub
 from supervisor.aio import Owned, unless_set
 from supervisor.api import HealthApi
 from supervisor.control import ControlServer
-from supervisor.core import Cluster
-from supervisor.daemons import DaemonPool
+from supervisor.core import Crew
+from supervisor.daemons import CacheDaemons
 from supervisor.engines import EngineLauncher, ForkServer
 from supervisor.errors import StartupError
 from supervisor.events import EventBus
@@ -125,7 +125,7 @@ class Service:
         self.stop = asyncio.Event()
         spec = policy.cluster
         self.view = FleetView(spec.node) if spec is not None else PrimaryView()
-        self.term = Term()  # the cluster's epoch and wake-up, shared with the daemon pool
+        self.term = Term()  # the crew's epoch and wake-up, shared with the cache daemons
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -189,8 +189,8 @@ class Service:
         control: ControlServer,
         tasks: Owned,
         stack: contextlib.AsyncExitStack,
-    ) -> Cluster:
-        """Build the cluster over the daemon pool and the launcher; serve; start the fork
+    ) -> Crew:
+        """Build the crew over the cache daemons and the launcher; serve; start the fork
         server and the daemons and wait until they serve. Each part that needs stopping
         goes on `stack` as it starts."""
         p = self.policy
@@ -201,9 +201,9 @@ class Service:
             if forks_spec is not None
             else None
         )
-        daemons = DaemonPool(p, rd.path, model_dir, bus, self.term)
+        daemons = CacheDaemons(p, rd.path, model_dir, bus, self.term)
         launcher = EngineLauncher(p, rd.path, model_dir, daemons.sockets(), forks=forks)
-        c = Cluster(p, bus, self.view, self.term, hub=hub, launcher=launcher, daemons=daemons)
+        c = Crew(p, bus, self.view, self.term, hub=hub, launcher=launcher, daemons=daemons)
         daemons.pace = c.pace  # its stalls are no daemon's silence
         tasks.start(c.pace.run(), "pace")
         node = (
@@ -227,7 +227,7 @@ class Service:
             ms=round((time.monotonic() - t0) * 1000, 1),
         )
         stack.push_async_callback(_stop_engines, c, launcher)
-        if node is not None:  # joins now; campaigns once the pool can serve
+        if node is not None:  # joins now; campaigns once the crew can serve
             tasks.start(node.run(daemons.daemons[0].fingerprint), "fleet")
             # leave the cluster first (the lease is revoked): another node takes over at once
             stack.push_async_callback(tasks.stop, "fleet")
@@ -263,7 +263,7 @@ class Service:
 
     async def _listen(
         self,
-        c: Cluster,
+        c: Crew,
         hub: AgentHub,
         control: ControlServer,
         node: Node | None,
@@ -307,7 +307,7 @@ class Service:
                 f"cannot listen on {listen} ({key}): {why.lower()}; change {key} in the policy"
             ) from e
 
-    async def _loop(self, c: Cluster, tasks: Owned) -> None:
+    async def _loop(self, c: Crew, tasks: Owned) -> None:
         interval = self.policy.heartbeat.interval_ms / 1000.0
         stop = asyncio.ensure_future(self.stop.wait())
         failed = asyncio.ensure_future(tasks.failed.wait())
@@ -339,7 +339,7 @@ def _raise_failure(tasks: Owned) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _children(forks: ForkServer | None, daemons: DaemonPool) -> AsyncIterator[None]:
+async def _children(forks: ForkServer | None, daemons: CacheDaemons) -> AsyncIterator[None]:
     """The fork server (it imports while the daemons load), then the keeper and daemons,
     serving; at the end, those started go down side by side (each may use its SIGTERM
     grace), each logged as it is down, so a slow one is named."""
@@ -355,7 +355,7 @@ async def _children(forks: ForkServer | None, daemons: DaemonPool) -> AsyncItera
         await asyncio.gather(*[_stopped(part, stop) for part, stop in started])
 
 
-async def _stop_engines(c: Cluster, launcher: EngineLauncher) -> None:
+async def _stop_engines(c: Crew, launcher: EngineLauncher) -> None:
     await c.stop_all()
     await launcher.stop()
 

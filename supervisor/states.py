@@ -55,7 +55,7 @@ class Row(Generic[S, V]):
     src: S
     event: V
     dst: S
-    # the owner's method that does it: Cluster (engines), DaemonPool (daemons), Elector (roles)
+    # the owner's method that does it: Crew (engines), CacheDaemons (daemons), Elector (roles)
     action: str
 
 

@@ -1,17 +1,17 @@
-"""Owning child processes, written once for every kind (circus has one Watcher for all).
+"""Owning child processes, written once for every sort (circus has one Watcher for all).
 
-A kind gives three things: its start command (`Command`: argv, environment, log file), its
+Each sort gives three things: its start command (`Command`: argv, environment, log file), its
 readiness probe and its health probe. A `Watcher` does the rest the same way for each:
 it spawns the process into a process group of its own (`Proc.spawn`), watches its exit in
-a task (`watch`; one_for_all for a group of ranks), runs the kind's probes as tasks it
+a task (`watch`; one_for_all for a group of ranks), runs the child's probes as tasks it
 owns (`own`), and cancels them all on `stop`. `until_ready` waits for a ready file or
 socket with a deadline, `until` for a unit's state to settle, and `not_ready` says why a
 unit did not get ready in time, with its log tail.
 
-The kinds: engines (`engines.EngineLauncher`, probes per engine kind in `kinds`),
+The sorts: engines (`engines.EngineLauncher`, probes per engine kind in `kinds`),
 the fork server (`engines.ForkServer`), cache daemons and their spares
-(`daemons.DaemonPool`). What to do about an exit, a silence or a missed deadline is not
-decided here: `decisions`, `reconcile` and `core.Cluster` do that.
+(`daemons.CacheDaemons`). What to do about an exit, a silence or a missed deadline is not
+decided here: `decisions`, `reconcile` and `core.Crew` do that.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ ExitFn = Callable[[int, int | None], None]  # (the rank that exited first, its e
 
 @dataclass(frozen=True)
 class Command:
-    """How one process of a kind starts: argv, its whole environment, where its output goes."""
+    """How one child process starts: argv, its whole environment, where its output goes."""
 
     argv: list[str]
     env: dict[str, str]
@@ -41,7 +41,7 @@ class Command:
 
 
 class Watcher:
-    """Owns the processes of one kind's units: their exit watches and probes are tasks it
+    """Owns the processes of one sort of unit: their exit watches and probes are tasks it
     started, and `stop` cancels every one of them."""
 
     def __init__(self) -> None:

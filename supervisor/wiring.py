@@ -1,6 +1,6 @@
-"""How the cluster meets the parts built before it: the agents socket and the launcher it
-sends and starts through (`Commands`, `Launcher`), the daemon pool (`Daemons`), what it
-shares with the daemon pool (`Term`), and what the parts report to it (`Reports`,
+"""How the crew meets the parts built before it: the agents socket and the launcher it
+sends and starts through (`Commands`, `Launcher`), the cache daemons (`Daemons`), what it
+shares with the cache daemons (`Term`), and what the parts report to it (`Reports`,
 handed to the agents socket's `serve` and to each `Launcher.spawn`)."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from supervisor.units import Daemon, Engine, Incarnation
 
 @dataclass
 class Term:
-    """What the cluster and the daemon pool share: the epoch (one more with each
+    """What the crew and the cache daemons share: the epoch (one more with each
     promotion) and the event that runs the reconcile loop's next tick now."""
 
     epoch: int = 0
@@ -32,7 +32,7 @@ class Term:
 
 
 class AgentReports(Protocol):
-    """What the agents report (`Cluster`), as the agents socket delivers it."""
+    """What the agents report (`Crew`), as the agents socket delivers it."""
 
     def on_hello(self, msg: Hello) -> None: ...
 
@@ -44,7 +44,7 @@ class AgentReports(Protocol):
 
 
 class Reports(AgentReports, Protocol):
-    """All the parts report (`Cluster`): the agents, and an engine's exit, answered
+    """All the parts report (`Crew`): the agents, and an engine's exit, answered
     health check and load, as the launcher and its probes deliver them."""
 
     def on_exit(self, e: Engine, inc: Incarnation, detail: str) -> None: ...
@@ -71,7 +71,7 @@ class Launcher(Protocol):
 
 
 class Daemons(Protocol):
-    """The cache daemons as the cluster sees them (`DaemonPool`)."""
+    """The cache daemons as the crew sees them (`CacheDaemons`)."""
 
     @property
     def daemons(self) -> Sequence[Daemon]: ...

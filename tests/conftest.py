@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -16,6 +17,22 @@ if TYPE_CHECKING:
     from tests.fleet_etcd import Etcd
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def chaos_run(
+    scenario: Path, out: Path, *extra: str, timeout: float = 300
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """`python -m chaos run SCENARIO --out OUT EXTRA...` with this tree first on the path:
+    how it ended, and its results.json."""
+    done = subprocess.run(
+        [sys.executable, "-m", "chaos", "run", str(scenario), "--out", str(out), *extra],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return done, json.loads((out / "results.json").read_text())
 
 
 def has_cuda() -> bool:

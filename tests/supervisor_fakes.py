@@ -1,6 +1,6 @@
 """Stand-ins for what a unit test of the supervisor's decisions cannot have: engine and
 daemon processes (`FakeProc`), the launcher that starts them, and the agents socket the
-supervisor sends commands through. The event bus, the primary view and the daemon pool's
+supervisor sends commands through. The event bus, the primary view and the cache daemons'
 inotify watch stay real."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 from holdfast_contract.agent_protocol import Drain, Promote, Stop
 from holdfast_contract.events import Event
-from supervisor.core import Cluster
+from supervisor.core import Crew
 from supervisor.errors import StartupError
 from supervisor.events import EventBus
 from supervisor.policy import (
@@ -167,7 +167,7 @@ class Events:
 
 @dataclass
 class Rig:
-    c: Cluster
+    c: Crew
     hub: FakeHub
     launcher: FakeLauncher
     events: Events
@@ -185,11 +185,11 @@ async def bus_at(run: Path) -> AsyncIterator[EventBus]:
 
 @asynccontextmanager
 async def rig(run: Path, p: Policy | None = None) -> AsyncIterator[Rig]:
-    """A Cluster over fakes, with a real event bus at ipc://<run>/events."""
+    """A Crew over fakes, with a real event bus at ipc://<run>/events."""
     async with bus_at(run) as bus:
         hub, launcher = FakeHub(), FakeLauncher()
         events = Events(bus)
-        c = Cluster(
+        c = Crew(
             p or policy(),
             bus,
             PrimaryView(),

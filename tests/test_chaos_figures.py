@@ -15,7 +15,7 @@ from chaos.load import RequestRow
 from chaos.metrics import StageSpan, TrialRow, evaluate, run_figures, with_requests
 from chaos.plots import _rates, bin_seconds, timeline
 from chaos.report import Results, RunMeta, markdown, num
-from chaos.scenario import FAULT_KINDS
+from chaos.scenario import FAULTS
 from chaos.throughput import baseline, per_fault
 
 META = RunMeta("t", "chaos run t.yaml", "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", "m", True)
@@ -38,7 +38,7 @@ def test_a_passed_trial_without_a_baseline_reports_no_added_latency_timeout() ->
     run = run_figures(rows, [trial], None)
     text = markdown(Results(META, run, [], [trial], rows, []))
     assert "| timeout |" not in text and "| added_latency_ms |" not in text
-    check = parse_check("kill-standby.added_latency_ms.max < 100", fault_kinds=FAULT_KINDS)
+    check = parse_check("kill-standby.added_latency_ms.max < 100", faults=FAULTS)
     assert evaluate(check, [trial], run).value is None  # no data: n/a, and the check fails
 
 
@@ -129,7 +129,7 @@ def test_bins_follow_the_run_length_and_stage_gaps_are_not_zero(tmp_path: Path) 
     assert all(v > 0 for x, v in zip(xs, ok, strict=True) if 1 <= x <= 9)
     trials = [
         TrialRow(i, "main", kind, "e", 1, 102.0 + i, 102.5 + i, 1.0, None)
-        for i, kind in enumerate(FAULT_KINDS)
+        for i, kind in enumerate(FAULTS)
     ]
     timeline(tmp_path / "t.png", rows, trials, stages)
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
@@ -143,7 +143,7 @@ def test_detection_checks_leave_out_faults_that_are_not_detected() -> None:
         TrialRow(1, "main", "kill-supervisor", "main", 2, 102.0, 110.0, 944.0, None),
     ]
     run = run_figures([], trials, None)
-    result = evaluate(parse_check("detection_ms.p99 < 1000", fault_kinds=FAULT_KINDS), trials, run)
+    result = evaluate(parse_check("detection_ms.p99 < 1000", faults=FAULTS), trials, run)
     assert result.value == 2.0 and result.passed
 
 

@@ -7,20 +7,18 @@ whole killed group goes down, no request fails, and the file's promotion bar hol
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from tests.conftest import chaos_run
+
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ROOT / "chaos" / "scenarios"
 GPU_SCENARIO = SCENARIOS / "gpu-tp2.yaml"
-KINDS = {"kill-primary": 3, "kill-tp-rank": 1}  # trials here (the GPU scenario runs 20 and 5)
+TRIALS = {"kill-primary": 3, "kill-tp-rank": 1}  # trials here (the GPU scenario runs 20 and 5)
 MEMORY_SCALE = 100  # the GPU figures (MB) over this: 8 engine processes on a 23 GB box
 
 
@@ -44,7 +42,7 @@ def _overrides(policy: dict[str, Any]) -> dict[str, Any]:
 def _checks(gpu: list[str]) -> list[str]:
     """gpu-tp2.yaml's own bars on the faults run here (promotion p99, failed requests,
     group_left), and no process left behind; not its counts of 20 trials."""
-    mine = [c for c in gpu if c.split(".")[0] in KINDS and ".count" not in c]
+    mine = [c for c in gpu if c.split(".")[0] in TRIALS and ".count" not in c]
     assert any("promotion_ms" in c for c in mine) and any("group_left" in c for c in mine)
     return [*mine, "lingering_processes == 0"]
 
@@ -53,8 +51,8 @@ def _scenario(tmp_path: Path) -> Path:
     gpu = yaml.safe_load(GPU_SCENARIO.read_text())
     (stage,) = gpu["stages"]
     policy_file = (GPU_SCENARIO.parent / stage["policy"]).resolve()
-    faults = [{**f, "trials": KINDS[f["kind"]]} for f in stage["faults"] if f["kind"] in KINDS]
-    assert {f["kind"] for f in faults} == set(KINDS), "gpu-tp2.yaml no longer has these faults"
+    faults = [{**f, "trials": TRIALS[f["kind"]]} for f in stage["faults"] if f["kind"] in TRIALS]
+    assert {f["kind"] for f in faults} == set(TRIALS), "gpu-tp2.yaml no longer has these faults"
     load = {
         **gpu["load"],
         "concurrency": 4,  # 2 cores serve 8 engine processes: a shorter request, fewer clients
@@ -92,22 +90,13 @@ def _scenario(tmp_path: Path) -> Path:
 @pytest.mark.slow
 def test_gpu_tp2_policy_fails_over_on_cpu_with_gloo(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    done = subprocess.run(
-        [sys.executable, "-m", "chaos", "run", str(_scenario(tmp_path)), "--out", str(out)]
-        + ["--no-progress"],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    results = json.loads((out / "results.json").read_text())
+    done, results = chaos_run(_scenario(tmp_path), out, "--no-progress")
     assert done.returncode == 0, done.stdout + done.stderr[-3000:] + results["meta"]["note"]
     ran = yaml.safe_load((out / "tp2" / "policy.yaml").read_text())
     assert ran["model"]["tp_size"] == 2 and ran["cache"]["backend"] == "memfd"
     trials = results["trials"]
     assert sorted(t["fault"] for t in trials) == sorted(
-        k for k, n in KINDS.items() for _ in range(n)
+        k for k, n in TRIALS.items() for _ in range(n)
     )
     promotions = {t["fault"]: [] for t in trials}
     for t in trials:

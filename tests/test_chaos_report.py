@@ -13,7 +13,7 @@ from chaos.load import RequestRow
 from chaos.metrics import TrialRow, baseline_ms, evaluate, run_figures, stat, with_requests
 from chaos.plots import recovery, timeline
 from chaos.report import Results, RunMeta, markdown, write
-from chaos.scenario import FAULT_KINDS
+from chaos.scenario import FAULTS
 
 
 def _rows() -> list[RequestRow]:
@@ -46,14 +46,12 @@ def test_missing_promotion_counts_as_timeout_and_fails_the_check() -> None:
     rows = _rows()
     trials = _trials(rows)
     run = run_figures(rows, trials, baseline_ms(rows, 102.0))
-    p99 = parse_check("kill-primary.promotion_ms.p99 < 100", fault_kinds=FAULT_KINDS)
+    p99 = parse_check("kill-primary.promotion_ms.p99 < 100", faults=FAULTS)
     result = evaluate(p99, trials, run)
     assert not result.passed and result.value is not None and math.isinf(result.value)
-    p50 = parse_check("kill-primary.promotion_ms.p50 < 100", fault_kinds=FAULT_KINDS)
+    p50 = parse_check("kill-primary.promotion_ms.p50 < 100", faults=FAULTS)
     assert evaluate(p50, trials, run).passed
-    assert not evaluate(
-        parse_check("failed_requests == 0", fault_kinds=FAULT_KINDS), trials, run
-    ).passed
+    assert not evaluate(parse_check("failed_requests == 0", faults=FAULTS), trials, run).passed
     assert run.availability == pytest.approx(61 / 62)
 
 
@@ -67,7 +65,7 @@ def test_report_files(tmp_path: Path) -> None:
     rows = _rows()
     trials = _trials(rows)
     run = run_figures(rows, trials, baseline_ms(rows, 102.0))
-    checks = [evaluate(parse_check("failed_requests == 0", fault_kinds=FAULT_KINDS), trials, run)]
+    checks = [evaluate(parse_check("failed_requests == 0", faults=FAULTS), trials, run)]
     meta = RunMeta(
         "synthetic", "chaos run x.yaml", "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", "m", True
     )

@@ -10,7 +10,7 @@ import yaml
 
 from chaos.checks import parse_check
 from chaos.errors import CheckSyntaxError, ScenarioError
-from chaos.scenario import FAULT_KINDS, Scenario, load_scenario
+from chaos.scenario import FAULTS, Scenario, load_scenario
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "chaos" / "scenarios"
 
@@ -79,7 +79,7 @@ def test_unknown_fault_kind_lists_the_valid_ones(tmp_path: Path) -> None:
 )
 def test_bad_checks_are_refused_with_the_grammar(text: str, match: str) -> None:
     with pytest.raises(CheckSyntaxError, match=match):
-        parse_check(text, fault_kinds=FAULT_KINDS)
+        parse_check(text, faults=FAULTS)
 
 
 def test_bad_check_in_scenario_fails_at_load(tmp_path: Path) -> None:
@@ -88,7 +88,7 @@ def test_bad_check_in_scenario_fails_at_load(tmp_path: Path) -> None:
 
 
 def test_check_parts_and_defaults() -> None:
-    check = parse_check("kill-primary.promotion_ms.p99 < 100", fault_kinds=FAULT_KINDS)
+    check = parse_check("kill-primary.promotion_ms.p99 < 100", faults=FAULTS)
     assert (check.scope, check.metric, check.stat, check.op) == (
         "kill-primary",
         "promotion_ms",
@@ -96,9 +96,9 @@ def test_check_parts_and_defaults() -> None:
         "<",
     )
     assert check.holds(99.0) and not check.holds(100.0) and not check.holds(None)
-    run_level = parse_check("failed_requests == 0", fault_kinds=FAULT_KINDS)
+    run_level = parse_check("failed_requests == 0", faults=FAULTS)
     assert run_level.stat is None
-    per_fault = parse_check("kill-batch.failed_requests <= 2", fault_kinds=FAULT_KINDS)
+    per_fault = parse_check("kill-batch.failed_requests <= 2", faults=FAULTS)
     assert per_fault.stat == "sum"
 
 

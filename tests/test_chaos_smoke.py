@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from chaos.fleet.kinds import FLEET_FAULTS
-from chaos.scenario import FAULT_KINDS
+from chaos.scenario import FAULTS
 
-NODE_KINDS = [k for k in FAULT_KINDS if k not in FLEET_FAULTS]  # fleet kinds: fleet.yaml
+NODE_FAULTS = [k for k in FAULTS if k not in FLEET_FAULTS]  # fleet kinds: fleet.yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ROOT / "chaos" / "scenarios"
@@ -39,10 +39,10 @@ def test_smoke_scenario_passes_and_reports_every_fault_kind(tmp_path: Path) -> N
     )
     report = (out / "report.md").read_text()
     assert done.returncode == 0, done.stdout + done.stderr[-3000:] + report
-    for kind in NODE_KINDS:
+    for kind in NODE_FAULTS:
         assert f"### {kind} (" in report, kind
     results = json.loads((out / "results.json").read_text())
-    assert {t["fault"] for t in results["trials"]} == set(NODE_KINDS)
+    assert {t["fault"] for t in results["trials"]} == set(NODE_FAULTS)
     assert results["meta"]["complete"] and results["run"]["lingering_processes"] == 0
     assert all(c["passed"] for c in results["checks"]) and len(results["checks"]) >= 10
     assert results["run"]["requests"] > 500

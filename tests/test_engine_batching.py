@@ -19,7 +19,7 @@ from cachedaemon.loader import LoadOptions, load_state_dict
 from engine.batcher import BatchEngine
 from engine.errors import BadRequest, QueueFull
 from engine.job import Generation, Job, Step
-from engine.kvcache import BlockPool, KVCache, blocks_for
+from engine.kvcache import BlockAllocator, KVCache, blocks_for
 from engine.model import LlamaForCausalLM, TPGroup
 from engine.modelargs import read_model_args
 from engine.runner import Runner
@@ -52,7 +52,7 @@ def build_engine(
     )
     runner.warmup()
     scheduler = Scheduler(
-        BlockPool(blocks if blocks is not None else cache.blocks),
+        BlockAllocator(blocks if blocks is not None else cache.blocks),
         runner.eos,
         block_size=cache.block_size,
         max_running=max_batch,
@@ -204,15 +204,15 @@ def test_eos_ends_a_request_and_frees_its_blocks(engine: BatchEngine) -> None:
 
 
 def test_scheduler_admits_first_come_first_served() -> None:
-    pool = BlockPool(6)
+    allocator = BlockAllocator(6)
     s = Scheduler(
-        pool, frozenset(), block_size=16, max_running=8, max_waiting=8, prefill_tokens=100
+        allocator, frozenset(), block_size=16, max_running=8, max_waiting=8, prefill_tokens=100
     )
     big, small = Seq(tuple(range(60)), 30), Seq((1,), 2)  # 89 positions: 6 blocks; then 1
     s.add(big)
     s.add(small)
     running = Seq((1,), 20)
-    running.blocks = pool.take(1)  # one block held: big no longer fits
+    running.blocks = allocator.take(1)  # one block held: big no longer fits
     s.running.append(running)
     plan = s.plan()
     assert plan is not None and plan.prefill == ()  # small may not jump ahead of big
@@ -221,7 +221,7 @@ def test_scheduler_admits_first_come_first_served() -> None:
     s.drop(running)
     plan = s.plan()
     assert plan is not None and (plan.prefill, plan.decode) == ((big,), ())
-    assert blocks_for(big.kv_tokens) == 6 and pool.free == 0
+    assert blocks_for(big.kv_tokens) == 6 and allocator.free == 0
     running.out.append(Step(5, -1.0))
     s.running.append(running)  # a new prompt is prefilled in the step that decodes the rest
     s.drop(big)

@@ -18,7 +18,7 @@ import pytest
 from engine import batcher as engine_batcher
 from engine.batcher import BatchEngine
 from engine.job import Job, Step
-from engine.kvcache import BlockPool, blocks_for
+from engine.kvcache import BlockAllocator, blocks_for
 from engine.launch import EngineProcess
 from engine.scheduler import Scheduler, Seq
 from tests.test_engine_batching import build_engine
@@ -252,12 +252,22 @@ def standby_engine(tiny_model: Path) -> Iterator[str]:
         p.stop()
 
 
+def fresh_scheduler() -> Scheduler:
+    """A scheduler of 64 blocks with room for a whole prompt in one step."""
+    return Scheduler(
+        BlockAllocator(64),
+        frozenset(),
+        block_size=16,
+        max_running=8,
+        max_waiting=8,
+        prefill_tokens=1024,
+    )
+
+
 def test_a_continuation_cancels_the_wait_of_a_warm_request_for_its_own_past() -> None:
     """Once promoted, a standby gets continuations behind warm requests still queued for
     the same streams: those would only delay them, so they are cancelled; others stay."""
-    s = Scheduler(
-        BlockPool(64), frozenset(), block_size=16, max_running=8, max_waiting=8, prefill_tokens=1024
-    )
+    s = fresh_scheduler()
     mine = Seq(PROMPT, 1, warm_key="k", warming=True)
     other = Seq(PROMPT, 1, warm_key="j", warming=True)
     s.add(mine)
@@ -270,9 +280,7 @@ def test_continuations_step_first_and_apart_from_whole_prompts() -> None:
     """A continuation queued behind a request's prompt and a warm past runs first, in a
     step of its own (a few fresh tokens, not a long prefill); the prompts join the next
     step, beside its decode."""
-    s = Scheduler(
-        BlockPool(64), frozenset(), block_size=16, max_running=8, max_waiting=8, prefill_tokens=1024
-    )
+    s = fresh_scheduler()
     first, warm = Seq(PROMPT, 4), Seq(PROMPT + (7,), 1, warm_key="j", warming=True)
     cont = Seq(PROMPT + (1, 2), 5, warm_key="k")
     for seq in (first, warm, cont):
@@ -288,16 +296,6 @@ def test_warm_prefills_fill_a_step_only_up_to_the_rows_of_a_graph() -> None:
     graph's): the rest wait for the next step, in arrival order. A past longer than that
     still runs, alone; continuations are bounded the same way; with no bound the prefill
     budget alone decides."""
-
-    def fresh_scheduler() -> Scheduler:
-        return Scheduler(
-            BlockPool(64),
-            frozenset(),
-            block_size=16,
-            max_running=8,
-            max_waiting=8,
-            prefill_tokens=1024,
-        )
 
     def warm(n: int, key: str) -> Seq:
         return Seq(tuple(range(1, n + 1)), 1, warm_key=key, warming=True)

@@ -17,8 +17,8 @@ import supervisor
 from holdfast_contract.agent_protocol import Drain, Promote
 from holdfast_contract.ready import DaemonReady
 from supervisor.backoff import RestartBook
-from supervisor.core import Cluster
-from supervisor.daemons import DaemonPool
+from supervisor.core import Crew
+from supervisor.daemons import CacheDaemons
 from supervisor.policy import RestartSpec
 from supervisor.primary import Target
 from supervisor.states import (
@@ -91,7 +91,7 @@ def proc(e: Engine) -> FakeProc:
 
 
 class Driver:
-    """Makes one row happen to `e` through the Cluster method the row names."""
+    """Makes one row happen to `e` through the Crew method the row names."""
 
     def __init__(self, g: Rig) -> None:
         self.g = g
@@ -166,7 +166,7 @@ def test_engine_transition(row: Row[EngineState, str], tmp_path: Path) -> None:
             assert e.state == row.dst
             published = [(x.event, x.data["state"]) for x in g.events.since(mark, e.name)]
             assert (row.event, row.dst) in published, published
-            assert hasattr(Cluster, row.action), f"{row.action} is no Cluster method"
+            assert hasattr(Crew, row.action), f"{row.action} is no Crew method"
 
     run(go())
 
@@ -328,24 +328,24 @@ def test_table_lookup_names_what_is_wrong() -> None:
     assert move(unit, DAEMON, "starting").dst == D.STARTING and unit.state == D.STARTING
 
 
-def test_the_daemon_pool_wakes_the_cluster_it_shares_a_term_with(tmp_path: Path) -> None:
+def test_the_cache_daemons_wake_the_crew_they_share_a_term_with(tmp_path: Path) -> None:
     async def go() -> None:
         async with rig(tmp_path) as g:
-            pool = DaemonPool(policy(), tmp_path, "model", g.bus, g.c.term)
-            d = pool.daemons[0]
+            daemons = CacheDaemons(policy(), tmp_path, "model", g.bus, g.c.term)
+            d = daemons.daemons[0]
             try:
                 g.c.raise_epoch(4, cluster_epoch=1)  # no primary: the epoch only
                 mark = g.events.mark()
-                pool.follow(d, Incarnation([FakeProc()]))
+                daemons.follow(d, Incarnation([FakeProc()]))
                 g.c.wake.clear()
-                pool.served(d, DaemonReady(1, None, "s", ""), 1, time.monotonic())
+                daemons.served(d, DaemonReady(1, None, "s", ""), 1, time.monotonic())
                 assert g.c.wake.is_set()
                 assert [(x.event, x.epoch) for x in g.events.since(mark, "0")] == [
                     ("starting", 4),
                     ("serving", 4),
                 ]
             finally:
-                await pool.stop()
+                await daemons.stop()
 
     run(go())
 
@@ -353,20 +353,20 @@ def test_the_daemon_pool_wakes_the_cluster_it_shares_a_term_with(tmp_path: Path)
 # ---- daemons ----
 
 
-async def drive_daemon(pool: DaemonPool, d: Daemon, row: Row[DaemonState, str]) -> None:
+async def drive_daemon(daemons: CacheDaemons, d: Daemon, row: Row[DaemonState, str]) -> None:
     now = time.monotonic()
     if row.event == "starting":
-        pool.follow(d, Incarnation([FakeProc()]))
+        daemons.follow(d, Incarnation([FakeProc()]))
     elif row.event == "serving":
-        pool.served(d, DaemonReady(1, None, "s", "f00d", adopted=True), 4096, now)
+        daemons.served(d, DaemonReady(1, None, "s", "f00d", adopted=True), 4096, now)
     elif row.event in ("dead", "quarantined"):
         assert d.inc is not None
         d.book.reset()
-        for _ in range(pool.policy.restart.max_restarts if row.event == "quarantined" else 0):
+        for _ in range(daemons.policy.restart.max_restarts if row.event == "quarantined" else 0):
             d.book.record(now)
-        pool.exited(d, d.inc, -9, now)
+        daemons.exited(d, d.inc, -9, now)
     elif row.event == "stopped":
-        await pool.stop()
+        await daemons.stop()
     else:
         raise AssertionError(f"no driver for daemon {label(row)}: add one to tests/test_states.py")
 
@@ -388,15 +388,15 @@ def test_daemon_transition(row: Row[DaemonState, str], tmp_path: Path) -> None:
     async def go() -> None:
         async with bus_at(tmp_path) as bus:
             events = bus.subscribe()
-            pool = DaemonPool(policy(), tmp_path, "model", bus, Term(epoch=3))
-            d = pool.daemons[0]
+            daemons = CacheDaemons(policy(), tmp_path, "model", bus, Term(epoch=3))
+            d = daemons.daemons[0]
             try:
                 for step in daemon_path(row.src):
-                    await drive_daemon(pool, d, step)
+                    await drive_daemon(daemons, d, step)
                     assert d.state == step.dst, f"on the way to {row.src}: {label(step)}"
                 while not events.empty():
                     events.get_nowait()
-                await drive_daemon(pool, d, row)
+                await drive_daemon(daemons, d, row)
                 assert d.state == row.dst
                 published = []
                 while not events.empty():
@@ -405,9 +405,9 @@ def test_daemon_transition(row: Row[DaemonState, str], tmp_path: Path) -> None:
                     (x.event, x.topic) for x in published
                 ]
                 assert all(x.epoch == 3 for x in published)
-                assert hasattr(DaemonPool, row.action), f"{row.action} is no DaemonPool method"
+                assert hasattr(CacheDaemons, row.action), f"{row.action} is no CacheDaemons method"
             finally:
-                await pool.stop()
+                await daemons.stop()
 
     run(go())
 
@@ -416,15 +416,15 @@ def test_a_dead_daemon_with_a_live_spare_follows_the_spare_at_once(tmp_path: Pat
     async def go() -> None:
         async with bus_at(tmp_path) as bus:
             events = bus.subscribe()
-            pool = DaemonPool(policy(), tmp_path, "model", bus, Term(epoch=1))
-            d = pool.daemons[0]
+            daemons = CacheDaemons(policy(), tmp_path, "model", bus, Term(epoch=1))
+            d = daemons.daemons[0]
             try:
-                pool.follow(d, Incarnation([FakeProc()]))
-                pool.served(d, DaemonReady(1, None, "s", ""), 1, time.monotonic())
+                daemons.follow(d, Incarnation([FakeProc()]))
+                daemons.served(d, DaemonReady(1, None, "s", ""), 1, time.monotonic())
                 spare = Incarnation([FakeProc()])
                 d.spare = spare
                 assert d.inc is not None
-                pool.exited(d, d.inc, -9, time.monotonic())
+                daemons.exited(d, d.inc, -9, time.monotonic())
                 assert d.state == D.STARTING and d.inc is spare and d.spare is None
                 seen = []
                 while not events.empty():
@@ -434,7 +434,7 @@ def test_a_dead_daemon_with_a_live_spare_follows_the_spare_at_once(tmp_path: Pat
                     ("starting", True),
                 ]
             finally:
-                await pool.stop()
+                await daemons.stop()
 
     run(go())
 
@@ -442,12 +442,12 @@ def test_a_dead_daemon_with_a_live_spare_follows_the_spare_at_once(tmp_path: Pat
 def test_reconcile_starts_a_dead_daemon_once_when_its_backoff_ran_out(tmp_path: Path) -> None:
     async def go() -> None:
         async with bus_at(tmp_path) as bus:
-            pool = DaemonPool(policy(), tmp_path, "model", bus, Term(epoch=1))
-            d = pool.daemons[0]
+            daemons = CacheDaemons(policy(), tmp_path, "model", bus, Term(epoch=1))
+            d = daemons.daemons[0]
             d.next_start = 10.0
-            assert pool.reconcile(now=9.0) == 10.0 and not d.spawning
-            assert pool.reconcile(now=10.0) is None and d.spawning
-            assert pool.reconcile(now=11.0) is None  # the start under way is not repeated
-            await pool.stop()
+            assert daemons.reconcile(now=9.0) == 10.0 and not d.spawning
+            assert daemons.reconcile(now=10.0) is None and d.spawning
+            assert daemons.reconcile(now=11.0) is None  # the start under way is not repeated
+            await daemons.stop()
 
     run(go())

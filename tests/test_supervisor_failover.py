@@ -3,9 +3,9 @@ kill -9 and SIGSTOP of the primary under router load, daemon death, batch evicti
 quarantine, operator commands, control hardening; and a clean stop of another one.
 
 The tests share one supervisor but not an order: each first waits, on the events it
-publishes, for the cluster to be as it needs it (a ready standby, a daemon with a spare,
+publishes, for the crew to be as it needs it (a ready standby, a daemon with a spare,
 a running batch engine), and none waits a fixed time. The one exception is the metrics
-test, which counts what all the others put the cluster through, so the file runs on one
+test, which counts what all the others put the crew through, so the file runs on one
 pytest-xdist worker (its own xdist group): split across two, each half has a supervisor
 of its own.
 """
@@ -399,7 +399,7 @@ def test_metrics_count_what_the_cluster_went_through(sup: Supervisor) -> None:
     """After the failovers, fences, evictions and refusals above, /metrics counts them."""
     wait_primary(sup)
     if sup.status()["epoch"] < 4:
-        pytest.skip("counts what the tests above put the cluster through: run the whole file")
+        pytest.skip("counts what the tests above put the crew through: run the whole file")
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

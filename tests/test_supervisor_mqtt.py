@@ -18,8 +18,8 @@ import aiomqtt
 import msgspec
 import pytest
 
-from chaos.pool import kept_out
-from holdfast_contract.control import ClusterStatus
+from chaos.crew import kept_out
+from holdfast_contract.control import CrewStatus
 from holdfast_contract.wire import free_port
 from tests.engines.harness import Load, Supervisor, get, topic, write_policy
 
@@ -176,10 +176,10 @@ def test_mqtt_events_survive_a_broker_outage_and_last_will(
             sub.wait(f"{PREFIX}/engine/batch-1/state", b'"memory-cap"', timeout=5)
         )
         assert retained["state"] == "dead" and retained["wanted"]["detail"] == cap, retained
-        view = msgspec.convert(get(f"{sup.api}/cluster")[1], ClusterStatus)
+        view = msgspec.convert(get(f"{sup.api}/cluster")[1], CrewStatus)
         batch = view.engine("batch-1")
         assert batch is not None and kept_out(batch) == f"memory-cap: {cap}"
-        assert msgspec.convert(sup.status(), ClusterStatus).engine("batch-1") == batch
+        assert msgspec.convert(sup.status(), CrewStatus).engine("batch-1") == batch
         assert f"batch-1 wanted stopped: memory-cap: {cap}\n" in sup.cli("status").stdout
 
         broker.stop()  # mid-run outage: failover must not notice

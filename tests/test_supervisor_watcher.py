@@ -68,7 +68,7 @@ def test_a_handled_end_is_not_reported_and_stop_cancels_the_watch(tmp_path: Path
         inc = Incarnation([await w.spawn(cmd(tmp_path, sleeper))])
         seen: list[int] = []
         w.watch(inc, lambda rank, code: seen.append(rank), one_for_all=False)
-        inc.handled = True  # (as Cluster.down or DaemonPool.exited do)
+        inc.handled = True  # (as Crew.down or CacheDaemons.exited do)
         assert await inc.procs[0].fence()
         async with asyncio.timeout(30):
             await asyncio.gather(*w.tasks)  # the watch ends by itself

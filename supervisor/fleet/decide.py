@@ -72,7 +72,7 @@ def yield_to(
 ) -> str | None:
     """The node a leader hands leadership to, or None to keep it: the highest-priority
     healthy node seen healthy for `wait_s` (no flapping on a node that just came up) that
-    either has a higher priority, or any such node once this leader's own pool has not
+    either has a higher priority, or any such node once this leader's own crew has not
     been whole for `wait_s` (a local failover, quicker than that, moves nothing)."""
     sick = unhealthy_since is not None and now - unhealthy_since >= wait_s
     ready = [

@@ -163,7 +163,7 @@ class Elector:
         return self.clock() - self._renewed_at if self.lease else None
 
     def set_healthy(self, healthy: bool) -> None:
-        """Whether this node's pool is whole: an unhealthy node does not campaign, and a
+        """Whether this node's crew is whole: an unhealthy node does not campaign, and a
         leader unhealthy for ttl_s hands over to a healthy node."""
         if healthy:
             self._unhealthy_since = None

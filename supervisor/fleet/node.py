@@ -1,7 +1,7 @@
 """A `supervisor run` with a `cluster:` section: this node's part in the fleet.
 
 `Node` owns the etcd client and the `Elector` for as long as the supervisor runs. It tells
-the elector whether the local pool can serve (`whole`), turns the elector's changes into
+the elector whether the local crew can serve (`whole`), turns the elector's changes into
 events (MQTT included) and a retained per-node state, and, on becoming leader, raises the
 local epoch above anything any earlier leader used and tells the primary (`EPOCH_SHIFT`).
 
@@ -24,7 +24,7 @@ from typing import Any
 import structlog
 
 from holdfast_contract.control import FleetNodeStatus, FleetStatus
-from supervisor.core import Cluster
+from supervisor.core import Crew
 from supervisor.events import EventBus, UnitState
 from supervisor.fleet.election import Elector
 from supervisor.fleet.etcd import EtcdClient
@@ -48,14 +48,14 @@ def term_floor(cluster_epoch: int) -> int:
     return cluster_epoch << EPOCH_SHIFT
 
 
-def whole(c: Cluster) -> bool:
-    """The pool can serve: every cache daemon serves and a primary is promoted."""
+def whole(c: Crew) -> bool:
+    """The crew can serve: every cache daemon serves and a primary is promoted."""
     p = c.primary
     return p is not None and p.state == EngineState.PRIMARY and c.daemons.all_serving()
 
 
 class FleetView(PrimaryView):
-    """The local primary (`target`, set by the cluster) behind the cluster's leadership."""
+    """The local primary (`target`, set by the crew) behind the cluster's leadership."""
 
     def __init__(self, node: str) -> None:
         super().__init__()
@@ -166,16 +166,16 @@ class Node:
     """This node in the cluster, for the life of `supervisor run`."""
 
     def __init__(
-        self, spec: ClusterSpec, api: str, bus: EventBus, cluster: Cluster, view: FleetView
+        self, spec: ClusterSpec, api: str, bus: EventBus, crew: Crew, view: FleetView
     ) -> None:
-        self.spec, self.bus, self.cluster, self.view = spec, bus, cluster, view
+        self.spec, self.bus, self.crew, self.view = spec, bus, crew, view
         host, _ = split_listen(spec.advertise)
         self.api = f"{host}:{split_listen(api)[1]}"  # the health API, on the advertised host
         self.elector: Elector | None = None
 
     async def run(self, fingerprint: str) -> None:
         """Join, campaign and follow until cancelled; raises JoinRefused if refused."""
-        c = self.cluster
+        c = self.crew
         async with (
             EtcdClient(self.spec.etcd, timeout_s=self.spec.renew_s) as etcd,
             Elector(
@@ -190,18 +190,18 @@ class Node:
             self.elector = self.view.elector = e
             self._state(e)
             try:
-                await asyncio.gather(self._follow_pool(e), self._report_failures(e))
+                await asyncio.gather(self._follow_crew(e), self._report_failures(e))
             finally:
                 self.view.elector = None  # leaving: nothing is routed by a stale view
                 self.view.changed(stepped_down=True)
 
-    async def _follow_pool(self, e: Elector) -> None:
-        """Tell the elector each time the pool's health changes (every event is a chance)."""
+    async def _follow_crew(self, e: Elector) -> None:
+        """Tell the elector each time the crew's health changes (every event is a chance)."""
         events = self.bus.subscribe()
         healthy = e.healthy
         while True:
             await events.get()
-            if whole(self.cluster) != healthy:
+            if whole(self.crew) != healthy:
                 healthy = not healthy
                 e.set_healthy(healthy)
                 self.bus.emit("fleet", self.spec.node, "health", e.cluster_epoch, healthy=healthy)
@@ -251,10 +251,10 @@ class Node:
         self._state(e)
 
     def _take_term(self, e: Elector) -> None:
-        """A new term, or a lapsed one resumed: the cluster's epoch jumps to at least the
+        """A new term, or a lapsed one resumed: the crew's epoch jumps to at least the
         term's floor (one past the last, on a resume) and its primary is told
-        (`Cluster.raise_epoch`), so the engine's epoch grows across leaderships."""
-        self.cluster.raise_epoch(term_floor(e.epoch), cluster_epoch=e.epoch)
+        (`Crew.raise_epoch`), so the engine's epoch grows across leaderships."""
+        self.crew.raise_epoch(term_floor(e.epoch), cluster_epoch=e.epoch)
 
     def _state(self, e: Elector) -> None:
         """The retained `<prefix>/node/<node>/state` on MQTT."""
@@ -277,7 +277,7 @@ class Node:
                 cluster=self.spec.name,
                 node=self.spec.node,
                 role="starting",
-                healthy=whole(self.cluster),
+                healthy=whole(self.crew),
                 epoch=0,
                 cluster_epoch=0,
             )

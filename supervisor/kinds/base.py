@@ -12,7 +12,7 @@ a missed deadline means is judged in `decisions.liveness`, not here.
 
 A probe runs as a task of the launcher's `Watcher` for as long as the incarnation lives,
 and reports what it sees through `Reports`: a 200 of its health (ready, alive), and the
-engine's load. It writes nothing of the engine itself: `core.Cluster` owns engine state.
+engine's load. It writes nothing of the engine itself: `core.Crew` owns engine state.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 
 class Reports(Protocol):
-    """Where a probe reports: the cluster (`core.Cluster`), as `Launcher.spawn` is given it."""
+    """Where a probe reports: the crew (`core.Crew`), as `Launcher.spawn` is given it."""
 
     def on_http_beat(self, e: Engine, inc: Incarnation) -> None: ...
 

@@ -9,7 +9,7 @@ process in the vLLM venv that has imported vLLM, and (`engines.vllm.fork_engine_
 forks its EngineCore in turn: neither imports vLLM again. vLLM speaks no agent
 protocol, so it is watched like any foreign engine: its pid exit, and `GET /health` at the
 heartbeat interval for hangs. Its load for the batch rules comes from its `/metrics`
-(`watch_load`, reported to `core.Cluster`, which owns engine state).
+(`watch_load`, reported to `core.Crew`, which owns engine state).
 
 Nothing here imports vLLM or torch: the venv is looked at from outside.
 """

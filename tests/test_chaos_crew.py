@@ -1,25 +1,22 @@
-"""What a trial waits for: the pool the policy wants now, as the supervisor's rules say it
-(a table of engines run through its decisions), and a pool that never gets whole again
+"""What a trial waits for: the crew the policy wants now, as the supervisor's rules say it
+(a table of engines run through its decisions), and a crew that never gets whole again
 fails its trial with the reason while the run goes on."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from chaos.pool import absent_batch, coming_batch, kept_out, missing
-from holdfast_contract.control import ClusterStatus, DaemonStatus, EngineStatus
+from chaos.crew import absent_batch, coming_batch, kept_out, missing
+from holdfast_contract.control import CrewStatus, DaemonStatus, EngineStatus
 from supervisor.backoff import RestartBook
 from supervisor.decisions import BatchGovernor, load_of
 from supervisor.policy_file import load_policy
 from supervisor.states import EngineState
 from supervisor.units import Engine, Incarnation
+from tests.conftest import chaos_run
 from tests.supervisor_fakes import FakeProc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +44,7 @@ def _unit(name: str, role: str, state: EngineState, **kw: object) -> Engine:
 
 def _decided(
     load: int, batch_state: EngineState, cap_mb: int = POLICY.devices.memory_mb, **batch: object
-) -> ClusterStatus:
+) -> CrewStatus:
     """The supervisor's view at t=10 of a primary at `load`, a standby and one batch engine,
     each with what the rules want of it (the load as it is since t=9), under a memory cap
     of `cap_mb` (0: none, as in the policy)."""
@@ -61,7 +58,7 @@ def _decided(
         plan = rules.plan(units, load_of(units[0]), now)
     for e in units:
         e.wanted = plan.wants[e.name]
-    return ClusterStatus(
+    return CrewStatus(
         epoch=1,
         primary="e1",
         engines=[e.status(10.0, WALL + 10.0) for e in units],
@@ -86,7 +83,7 @@ def _daemon(state: str, pid: int) -> DaemonStatus:
         (6, E.DEAD, {}, False, False),  # crashed at a modest load: restarted, wait for it
         (6, E.DEAD, {"next_start": 11.0}, False, False),  # (after its backoff)
         (0, E.STARTING, {}, False, False),
-        (0, E.QUARANTINED, {}, False, False),  # lost: the pool is not whole
+        (0, E.QUARANTINED, {}, False, False),  # lost: the crew is not whole
     ],
 )
 def test_the_supervisors_wants_decide_whether_a_batch_engine_is_missing(
@@ -150,7 +147,7 @@ def test_a_batch_engine_wanted_back_or_starting_is_on_its_way(
 
 
 def test_missing_names_every_unit_and_its_state() -> None:
-    view = ClusterStatus(
+    view = CrewStatus(
         epoch=2,
         primary=None,
         engines=[EngineStatus("e2", "standby", "starting", 11, 0, 0, None)],
@@ -184,7 +181,7 @@ checks:
 
 
 @pytest.mark.slow
-def test_a_pool_that_stays_broken_fails_the_trial_with_its_reason_and_the_run_goes_on(
+def test_a_crew_that_stays_broken_fails_the_trial_with_its_reason_and_the_run_goes_on(
     tmp_path: Path,
 ) -> None:
     policy = yaml.safe_load((SCENARIOS / "policy-cpu.yaml").read_text())
@@ -198,15 +195,7 @@ def test_a_pool_that_stays_broken_fails_the_trial_with_its_reason_and_the_run_go
     (tmp_path / "policy.yaml").write_text(yaml.safe_dump(policy))
     (tmp_path / "stuck.yaml").write_text(SCENARIO)
     out = tmp_path / "out"
-    done = subprocess.run(
-        [sys.executable, "-m", "chaos", "run", str(tmp_path / "stuck.yaml"), "--out", str(out)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    results = json.loads((out / "results.json").read_text())
+    done, results = chaos_run(tmp_path / "stuck.yaml", out)
     assert done.returncode == 1, done.stdout + done.stderr[-2000:]  # the check fails: no data
     assert results["meta"]["complete"], results["meta"]["note"]
     batch, primary = results["trials"]

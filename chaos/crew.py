@@ -1,9 +1,9 @@
-"""Whether the pool is as whole as the policy wants it *now*, and what it still lacks.
+"""Whether the crew is as whole as the policy wants it *now*, and what it still lacks.
 
 The supervisor publishes what its rules want of each engine (`EngineStatus.wanted`, decided
 by `supervisor.decisions.BatchGovernor.wants`): a batch engine it wants stopped (the load
 rule, an eviction by hand, the memory cap) is not missing, so it never holds a trial up.
-One it quarantined is: the pool has lost it.
+One it quarantined is: the crew has lost it.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 from supervisor.policy import Policy
 
 if TYPE_CHECKING:
-    from holdfast_contract.control import ClusterStatus, EngineStatus
+    from holdfast_contract.control import CrewStatus, EngineStatus
 
 
 def kept_out(engine: EngineStatus) -> str | None:
     """Why the supervisor keeps this batch engine out now, as it says (its `wanted`), or
-    None when the pool should have it: wanted running (on its way, after a backoff or a
+    None when the crew should have it: wanted running (on its way, after a backoff or a
     respawn hold), quarantined (lost), or not yet decided about."""
     w = engine.wanted
     if engine.role != "batch" or w is None or w.state == "running" or w.reason == "quarantined":
@@ -26,8 +26,8 @@ def kept_out(engine: EngineStatus) -> str | None:
     return f"{w.reason}: {w.detail}"
 
 
-def missing(view: ClusterStatus, policy: Policy, standbys: int | None = None) -> list[str]:
-    """What the pool lacks for the policy as it stands now; empty when it is whole.
+def missing(view: CrewStatus, policy: Policy, standbys: int | None = None) -> list[str]:
+    """What the crew lacks for the policy as it stands now; empty when it is whole.
     `standbys`: that many ready standbys are enough (None: every one the policy wants)."""
     out: list[str] = []
     if view.primary is None or len(view.in_state("primary")) != 1:
@@ -52,12 +52,12 @@ def missing(view: ClusterStatus, policy: Policy, standbys: int | None = None) ->
     return out
 
 
-def _others(view: ClusterStatus, role: str, ready: set[str]) -> str:
+def _others(view: CrewStatus, role: str, ready: set[str]) -> str:
     rest = [f"{e.name} {e.state}" for e in view.engines if e.role == role and e.name not in ready]
     return f" ({', '.join(rest)})" if rest else ""
 
 
-def absent_batch(view: ClusterStatus) -> str | None:
+def absent_batch(view: CrewStatus) -> str | None:
     """Why no batch engine runs now, when the supervisor keeps every one out; else None."""
     batch = [e for e in view.engines if e.role == "batch"]
     reasons = [kept_out(e) for e in batch]
@@ -66,7 +66,7 @@ def absent_batch(view: ClusterStatus) -> str | None:
     return f"every batch engine is kept out by the supervisor ({batch[0].name} {reasons[0]})"
 
 
-def coming_batch(view: ClusterStatus) -> list[str]:
+def coming_batch(view: CrewStatus) -> list[str]:
     """Batch engines on their way: starting, or out and wanted running (after their
     backoff, or once the load has stayed low for respawn_hold_s)."""
     return [f"{e.name} {e.state}" for e in view.engines if e.role == "batch" and _coming(e)]
