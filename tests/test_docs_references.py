@@ -44,7 +44,7 @@ NAME = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)?"
 # A backticked path, then the backticked names right after it ("`a.py` `X.y`, `z` and `w`").
 CHAIN = re.compile(rf"`([\w./-]+)`((?:(?:\s+|\s*,\s*|\s+(?:and|or)\s+)`{NAME}(?:\([^`]*\))?`)+)")
 CHAIN_NAME = re.compile(rf"`({NAME})(?:\([^`]*\))?`")
-# Or a name, then the path it is in ("`Cluster.on_state` in `supervisor/core.py`").
+# Or a name, then the path it is in ("`Crew.on_state` in `supervisor/core.py`").
 NAME_IN = re.compile(rf"`({NAME})` in `([\w./-]+)`")
 # Any `Class.attr` where the repo defines a class of that name (else it is another
 # project's: vLLM's, the standard library's).
