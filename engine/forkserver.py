@@ -26,7 +26,8 @@ from engine import spare
 from engine.errors import EngineError
 from holdfast_fork.errors import ForkError
 from holdfast_fork.listener import bind
-from holdfast_fork.server import Server, Spares
+from holdfast_fork.server import Server
+from holdfast_fork.spares import Spares
 
 log = structlog.get_logger("engine.forkserver")
 

@@ -12,7 +12,7 @@ of the fork server nor one of the supervisor leaves an engine behind or takes on
 
 With `Spares`, after forking an engine the server forks a spare from the same request: it
 warms up (`Spares.warm`) and waits, and the next request with the same `Spares.key` is
-handed to it (the reference engine's: engine.spare).
+handed to it (the reference engine's: engine.spare); holdfast_fork/spares.py keeps them.
 """
 
 from __future__ import annotations
@@ -22,67 +22,26 @@ import os
 import selectors
 import signal
 import socket
-import struct
-import threading
 import time
 from collections.abc import Callable
-from typing import NamedTuple
 
 import msgspec
 import structlog
 
 from holdfast_contract import wire
 from holdfast_contract.errors import HoldfastError, ProtocolError
-from holdfast_contract.forkserver import (
-    MAX_FRAME,
-    Exited,
-    Refused,
-    Spawn,
-    Started,
-    decode_spawn,
-    frame,
-)
+from holdfast_contract.forkserver import Exited, Refused, Spawn, Started, decode_spawn, frame
 from holdfast_fork.errors import ForkError
 from holdfast_fork.forking import die_with, fork_running
 from holdfast_fork.listener import Request
+from holdfast_fork.spares import NO_SPARES, Key, Shelf, Spares, wait_for_claim
 
 log = structlog.get_logger("holdfast_fork")
-
-_CLAIM = struct.Struct(">dd")  # a spare's claim: the request's arrival, the spare's warm-up ms
 
 # what a fork runs once it has its fds, environment and directory: (flags, clock, spare ms)
 # -> exit status: engine.forkserver's runs `python -m engine`, holdfast_vllm.forkserver's
 # vLLM's API server
 Program = Callable[[list[str], float, float], int]
-
-
-class Spares(NamedTuple):
-    """What an engine kind's spares are made of: `key`, what a spare made from a request
-    depends on (a request with the same key may take it; None: no spare for it), and
-    `warm`, run in the spare before it is claimed (ms by phase, "total" among them)."""
-
-    key: Callable[[Spawn], tuple[str, ...] | None]
-    warm: Callable[[Spawn], dict[str, float]]
-
-
-def _no_key(spawn: Spawn) -> None:
-    return None
-
-
-def _no_warm(spawn: Spawn) -> dict[str, float]:
-    raise ForkError("this fork server makes no spares")
-
-
-NO_SPARES = Spares(_no_key, _no_warm)
-
-
-class _Spare:
-    """A forked spare (`Spares`) as the server sees it: warming up, or warm and waiting
-    on `sock` for the request that claims it."""
-
-    def __init__(self, pid: int, pidfd: int, sock: socket.socket, key: tuple[str, ...]) -> None:
-        self.pid, self.pidfd, self.sock, self.key = pid, pidfd, sock, key
-        self.warm_ms: float | None = None  # set when it says it is warm
 
 
 class Server:
@@ -103,9 +62,7 @@ class Server:
         self.sel.register(self.wake_r, selectors.EVENT_READ)
         self.children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, conn)
         self.requests: dict[int, Request] = {}  # conn fd -> its request, still arriving
-        self.make_spares = spares
-        self.spares: dict[str, _Spare] = {}  # device -> its one spare
-        self.spare_fds: dict[int, _Spare] = {}  # its pidfd and its socket's fd -> spare
+        self.spares = Shelf(self.sel, spares)
 
     def loop(self) -> None:
         while True:
@@ -119,8 +76,8 @@ class Server:
                         self.wake_r.recv(512)  # the handler runs once select has returned
                 elif key.fd in self.children:
                     self._reap(key.fd)
-                elif key.fd in self.spare_fds:
-                    self._spare_event(key.fd)
+                elif key.fd in self.spares.by_fd:
+                    self.spares.event(key.fd)
                 elif key.fd in self.requests:
                     self._read(self.requests[key.fd])
             now = time.monotonic()
@@ -165,8 +122,8 @@ class Server:
             spawn = decode_spawn(body)
             if len(fds) != 3:
                 raise ForkError(f"send stdin, stdout and stderr as 3 fds, not {len(fds)}")
-            key = self.make_spares.key(spawn)
-            claimed = self._claim(key, spawn, fds, arrived)
+            key = self.spares.key(spawn)
+            claimed = self.spares.claim(key, spawn, fds, arrived)
             if claimed is None:
                 pid = self._fork(spawn, fds, conn)
                 pidfd = os.pidfd_open(pid)
@@ -184,7 +141,7 @@ class Server:
         self.children[pidfd] = (pid, conn)
         with contextlib.suppress(OSError):  # a client gone already: its engine runs on
             conn.sendall(frame(Started(pid)))
-        if key is not None and key[0] not in self.spares:
+        if key is not None and self.spares.wanted(key):
             self._fork_spare(spawn, key)
 
     def _done_reading(self, req: Request) -> None:
@@ -206,110 +163,17 @@ class Server:
             conn.sendall(frame(Exited(os.waitstatus_to_exitcode(status))))
         conn.close()
 
-    # ---- spares (Spares) ----
-    def _claim(
-        self, key: tuple[str, ...] | None, spawn: Spawn, fds: list[int], arrived: float
-    ) -> tuple[int, int] | None:
-        """Hand `spawn` to the warm spare made for `key`: (pid, pidfd), or None to fork.
-        A spare of the same device made for another key is dropped."""
-        if key is None:
-            return None
-        s = self.spares.get(key[0])
-        if s is not None and s.key != key:
-            self._drop_spare(s, "another request's settings")
-            return None
-        if s is None or s.warm_ms is None:  # none, or still warming: this one forks
-            return None
-        del self.spares[key[0]], self.spare_fds[s.sock.fileno()], self.spare_fds[s.pidfd]
-        self.sel.unregister(s.sock)
-        try:
-            socket.send_fds(s.sock, [_CLAIM.pack(arrived, s.warm_ms)], fds)
-            s.sock.sendall(frame(spawn))
-        except OSError as e:  # it died as it was claimed
-            log.warning("spare lost", pid=s.pid, error=str(e))
-            self._drop_spare(s, "")
-            return None
-        s.sock.close()
-        log.info("engine from a spare", pid=s.pid, warm_ms=round(s.warm_ms, 1))
-        return s.pid, s.pidfd
+    # ---- spares (holdfast_fork/spares.py) ----
+    def _fork_spare(self, spawn: Spawn, key: Key) -> None:
+        def in_spare(sock: socket.socket) -> int:
+            server = os.getppid()
+            self._detach()
+            return wait_for_claim(spawn, sock, server, self.spares.make, self._become)
 
-    def _fork_spare(self, spawn: Spawn, key: tuple[str, ...]) -> None:
-        mine, theirs = socket.socketpair()
-
-        def in_spare() -> int:
-            mine.close()
-            return self._spare(spawn, theirs)
-
-        pid = fork_running(in_spare)
-        theirs.close()
-        s = _Spare(pid, os.pidfd_open(pid), mine, key)
-        self.spares[key[0]] = s
-        self.spare_fds[s.pidfd] = self.spare_fds[mine.fileno()] = s
-        self.sel.register(s.pidfd, selectors.EVENT_READ)
-        self.sel.register(mine, selectors.EVENT_READ)
-        log.info("spare forked", pid=pid, device=key[0])
-
-    def _spare_event(self, fd: int) -> None:
-        """A spare said it is warm (or why it is not), or exited unclaimed."""
-        s = self.spare_fds[fd]
-        if fd == s.pidfd:
-            self._drop_spare(s, "exited")
-            return
-        try:
-            said = s.sock.recv(512)
-        except OSError:
-            said = b""
-        if said.startswith(b"W"):
-            phases = msgspec.json.decode(said[1:], type=dict[str, float])
-            s.warm_ms = phases["total"]
-            log.info("spare warm", pid=s.pid, warm_ms=s.warm_ms, phases=phases)
-        else:
-            self._drop_spare(s, said[1:].decode(errors="replace") or "closed its socket")
-
-    def _drop_spare(self, s: _Spare, why: str) -> None:
-        """Kill and reap `s` (reaping waits at most for a SIGKILL to land)."""
-        if self.spares.get(s.key[0]) is s:
-            del self.spares[s.key[0]]
-        for fd in (s.pidfd, s.sock.fileno()):
-            if self.spare_fds.pop(fd, None) is not None:
-                self.sel.unregister(fd)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(s.pid, signal.SIGKILL)
-        os.waitpid(s.pid, 0)
-        os.close(s.pidfd)
-        s.sock.close()
-        if why:
-            log.warning("spare dropped", pid=s.pid, reason=why)
+        self.spares.fork(key, in_spare)
 
     def close_spares(self) -> None:
-        for s in list(self.spares.values()):
-            self._drop_spare(s, "")
-
-    def _spare(self, template: Spawn, sock: socket.socket) -> int:
-        """In a spare: warm up for `template`, say so, wait for a claim, then be its engine.
-        It dies with the server until claimed; after, with the claim's owner."""
-        server = os.getppid()
-        self._detach()
-        claimed = threading.Event()
-        die_with(server, unless=claimed)
-        os.environ.clear()
-        os.environ.update(template.env)  # CUDA starts in the environment engines get
-        try:
-            phases = self.make_spares.warm(template)
-        except (HoldfastError, OSError, RuntimeError, ValueError) as e:
-            with contextlib.suppress(OSError):
-                sock.sendall(b"F" + f"{type(e).__name__}: {e}".encode()[:500])
-            return 1
-        sock.sendall(b"W" + msgspec.json.encode(phases))
-        data, fds, _, _ = socket.recv_fds(sock, _CLAIM.size, 3)
-        if not data:
-            return 0  # dropped, or the server is gone
-        data += wire.recv_exact(sock, _CLAIM.size - len(data), "spare's claim")
-        arrived, warm_ms = _CLAIM.unpack(data)
-        body, _ = wire.recv_frame(sock, max_frame=MAX_FRAME, what="claimed request")
-        claimed.set()
-        sock.close()
-        return self._become(decode_spawn(body), fds, arrived, spare_ms=warm_ms)
+        self.spares.close()
 
     # ---- in a fork ----
     def _fork(self, spawn: Spawn, fds: list[int], conn: socket.socket) -> int:
@@ -336,9 +200,7 @@ class Server:
             conn.close()
         for req in self.requests.values():  # other peers' requests, still arriving
             req.close()
-        for s in self.spares.values():
-            os.close(s.pidfd)
-            s.sock.close()
+        self.spares.close_fds()
 
     def _become(self, spawn: Spawn, fds: list[int], t0: float, spare_ms: float = 0.0) -> int:
         """Run the program `spawn` asks for, on its fds, its clock started at `t0`."""

@@ -5,12 +5,13 @@ group, seen killed), epoch += 1, route to the best standby, tell it to promote, 
 the replacement standby comes from the reconcile loop's next tick. `Failover` does each
 step through the state table (`Roster._move`); whom to promote is decided in
 `decisions.best_standby`. `CpuMark` measures how much of a promotion the supervisor spent
-on a CPU.
+on a CPU, `Cost` what it cost in all.
 """
 
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import structlog
 
@@ -48,6 +49,14 @@ class CpuMark:
     def since(self) -> float:
         """CPU ms since this mark."""
         return round((time.thread_time() - self.cpu) * 1000, 3)
+
+
+class Cost(NamedTuple):
+    """What a promotion cost, as its `promoted` event says (see `Failover.promote`)."""
+
+    promote_ms: float
+    promote_cpu_ms: float | None
+    promote_realtime: bool
 
 
 class Failover(Roster):
@@ -211,9 +220,7 @@ class Failover(Roster):
         s.role = "primary"
         self.primary = s
         told = self._route_to(s)
-        cpu_ms = cpu.since() if cpu is not None else None  # (inside the wall-clock window)
-        promote_ms = round((time.monotonic() - t_detect) * 1000, 3)
-        realtime = self.realtime.held
+        cost = self._cost(t_detect, cpu)
         self.realtime.leave()  # (entered where the loss was seen, if it was)
         if s.inc is not None and self.policy.engines.primary_nice:  # before it is said
             renice([p.pid for p in s.inc.procs], self.policy.engines.primary_nice)
@@ -224,12 +231,17 @@ class Failover(Roster):
             cause=cause,
             told=told,
             silent_ms=silent_ms,
-            promote_ms=promote_ms,
-            promote_cpu_ms=cpu_ms,
-            promote_realtime=realtime,
+            **cost._asdict(),
         )
         if self.exit_watch is not None and s.inc is not None:  # once routed and told
             self.exit_watch.watch(s.name, [p.pid for p in s.inc.procs])
+
+    def _cost(self, t_detect: float, cpu: CpuMark | None) -> Cost:
+        """What a promotion cost once routed and told; read before the real-time section
+        is left."""
+        cpu_ms = cpu.since() if cpu is not None else None  # (inside the wall-clock window)
+        promote_ms = round((time.monotonic() - t_detect) * 1000, 3)
+        return Cost(promote_ms, cpu_ms, self.realtime.held)
 
     def _route_to(self, p: Engine) -> bool:
         """Tell `p` to serve at the current epoch and route to it (the router waits for

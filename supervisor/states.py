@@ -145,17 +145,17 @@ ENGINE = Table[EngineState, EventName](
 )
 
 D = DaemonState
+_RUNNING_DAEMON = (D.STARTING, D.SERVING)
 DAEMON = Table[DaemonState, EventName](
     "daemon",
     [
         (D.DEAD, N.STARTING, D.STARTING, "follow"),  # a new process, or its spare took over
         (D.STARTING, N.SERVING, D.SERVING, "served"),
-        (D.STARTING, N.DEAD, D.DEAD, "exited"),
-        (D.SERVING, N.DEAD, D.DEAD, "exited"),
-        (D.STARTING, N.QUARANTINED, D.QUARANTINED, "exited"),
-        (D.SERVING, N.QUARANTINED, D.QUARANTINED, "exited"),
-        *[(s, N.STOPPED, D.STOPPED, "stop") for s in (D.STARTING, D.SERVING, D.DEAD)],
-        (D.QUARANTINED, N.STOPPED, D.STOPPED, "stop"),
+        # an exit: dead (restarted after its backoff, or by its spare), or quarantined
+        *[(s, N.DEAD, D.DEAD, "exited") for s in _RUNNING_DAEMON],
+        *[(s, N.QUARANTINED, D.QUARANTINED, "exited") for s in _RUNNING_DAEMON],
+        # the supervisor stops
+        *[(s, N.STOPPED, D.STOPPED, "stop") for s in (*_RUNNING_DAEMON, D.DEAD, D.QUARANTINED)],
     ],
 )
 

@@ -4,104 +4,39 @@ Only what the election needs: leases (grant, keepalive, time to live, revoke), a
 transaction, get (one key or a prefix), a delete guarded by the key's create revision, and
 a watch from a revision. Every request has its own deadline; a connection failure moves on
 to the next endpoint, and `EtcdUnavailable` names every endpoint tried. Wire replies are
-decoded once, here, into frozen structs (int64 fields arrive as JSON strings, bytes as
-base64: msgspec's lax mode converts both).
+decoded once, here, into the frozen structs of supervisor/fleet/gateway.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 from collections.abc import AsyncIterator
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import aiohttp
 import msgspec
 
 from supervisor.fleet.errors import EtcdError, EtcdUnavailable, LeaseLost
+from supervisor.fleet.gateway import (
+    ErrorReply,
+    Header,
+    KeepAlive,
+    KeyValue,
+    Lease,
+    Range,
+    TimeToLive,
+    Txn,
+    WatchEvent,
+    WatchFrame,
+    b64,
+    prefix_end,
+    watch_result,
+)
 
 T = TypeVar("T")
 __all__ = ["EtcdClient", "EtcdError", "EtcdUnavailable", "KeyValue", "LeaseLost", "WatchEvent"]
 NOT_FOUND = 5  # gRPC status code etcd answers for a lease that does not exist (any more)
-
-
-class KeyValue(msgspec.Struct, frozen=True):
-    key: bytes = b""
-    value: bytes = b""
-    create_revision: int = 0
-    mod_revision: int = 0
-    version: int = 0
-    lease: int = 0
-
-
-class WatchEvent(msgspec.Struct, frozen=True):
-    type: Literal["PUT", "DELETE"] = "PUT"
-    kv: KeyValue = msgspec.field(default_factory=KeyValue)
-
-
-class _Header(msgspec.Struct, frozen=True):
-    revision: int = 0
-
-
-class _Range(msgspec.Struct, frozen=True):
-    header: _Header = msgspec.field(default_factory=_Header)
-    kvs: list[KeyValue] = msgspec.field(default_factory=list)
-
-
-class _Lease(msgspec.Struct, frozen=True):
-    ID: int = 0
-    TTL: int = 0
-
-
-class _TimeToLive(msgspec.Struct, frozen=True):
-    TTL: int = 0  # the gateway leaves a zero out
-    grantedTTL: int = 0
-
-
-class _KeepAlive(msgspec.Struct, frozen=True):
-    result: _Lease = msgspec.field(default_factory=_Lease)
-
-
-class _TxnPart(msgspec.Struct, frozen=True):
-    response_range: _Range | None = None
-
-
-class _Txn(msgspec.Struct, frozen=True):
-    header: _Header = msgspec.field(default_factory=_Header)
-    succeeded: bool = False
-    responses: list[_TxnPart] = msgspec.field(default_factory=list)
-
-
-class _WatchResult(msgspec.Struct, frozen=True):
-    header: _Header = msgspec.field(default_factory=_Header)
-    created: bool = False
-    canceled: bool = False
-    compact_revision: int = 0
-    cancel_reason: str = ""
-    events: list[WatchEvent] = msgspec.field(default_factory=list)
-
-
-class _WatchFrame(msgspec.Struct, frozen=True):
-    result: _WatchResult | None = None
-    error: dict[str, Any] | None = None
-
-
-class _Error(msgspec.Struct, frozen=True):
-    message: str = ""
-    error: str = ""
-    code: int = 0
-
-
-def b64(data: str | bytes) -> str:
-    raw = data.encode() if isinstance(data, str) else data
-    return base64.b64encode(raw).decode()
-
-
-def prefix_end(prefix: str) -> str:
-    """etcd's range_end for every key starting with `prefix` (its last byte plus one)."""
-    raw = prefix.encode()
-    return b64(raw[:-1] + bytes([raw[-1] + 1]))
 
 
 def _url(endpoint: str) -> str:
@@ -162,7 +97,7 @@ class EtcdClient:
                 continue
             self._current = index
             if resp.status != 200:
-                err = msgspec.json.decode(data, type=_Error, strict=False)
+                err = msgspec.json.decode(data, type=ErrorReply, strict=False)
                 raise EtcdError(f"etcd {path}: {err.message or err.error}", err.code)
             return msgspec.json.decode(data, type=kind, strict=False)
         raise EtcdUnavailable(
@@ -172,13 +107,13 @@ class EtcdClient:
 
     async def grant(self, ttl_s: int, *, timeout: float | None = None) -> tuple[int, int]:
         """A new lease: (id, granted TTL in seconds; etcd may raise a TTL to its minimum)."""
-        reply = await self._call("/v3/lease/grant", {"TTL": ttl_s}, _Lease, self._t(timeout))
+        reply = await self._call("/v3/lease/grant", {"TTL": ttl_s}, Lease, self._t(timeout))
         return reply.ID, reply.TTL
 
     async def keepalive(self, lease: int, *, timeout: float | None = None) -> int:
         """Renew `lease` once; its TTL again. LeaseLost if it has expired."""
         body = {"ID": str(lease)}
-        reply = await self._call("/v3/lease/keepalive", body, _KeepAlive, self._t(timeout))
+        reply = await self._call("/v3/lease/keepalive", body, KeepAlive, self._t(timeout))
         if reply.result.TTL <= 0:
             raise LeaseLost(f"etcd lease {lease:x} expired", NOT_FOUND)
         return reply.result.TTL
@@ -187,13 +122,13 @@ class EtcdClient:
         """(remaining TTL in whole seconds rounded down, granted TTL) of `lease`; the
         remaining TTL is -1 once the lease is gone."""
         body = {"ID": str(lease)}
-        reply = await self._call("/v3/lease/timetolive", body, _TimeToLive, self._t(timeout))
+        reply = await self._call("/v3/lease/timetolive", body, TimeToLive, self._t(timeout))
         return reply.TTL, reply.grantedTTL
 
     async def revoke(self, lease: int, *, timeout: float | None = None) -> None:
         """Revoke `lease` (its keys are deleted); a lease already gone is not an error."""
         try:
-            await self._call("/v3/lease/revoke", {"ID": str(lease)}, _Header, self._t(timeout))
+            await self._call("/v3/lease/revoke", {"ID": str(lease)}, Header, self._t(timeout))
         except EtcdError as exc:
             if exc.code != NOT_FOUND or isinstance(exc, EtcdUnavailable):
                 raise
@@ -203,7 +138,7 @@ class EtcdClient:
     ) -> int:
         """Put unconditionally; the new revision."""
         body = {"key": b64(key), "value": b64(value), "lease": str(lease)}
-        reply = await self._call("/v3/kv/put", body, _Range, self._t(timeout))
+        reply = await self._call("/v3/kv/put", body, Range, self._t(timeout))
         return reply.header.revision
 
     async def _put_if(
@@ -220,7 +155,7 @@ class EtcdClient:
             ],
             "failure": [{"request_range": {"key": k}}],
         }
-        reply = await self._call("/v3/kv/txn", body, _Txn, self._t(timeout))
+        reply = await self._call("/v3/kv/txn", body, Txn, self._t(timeout))
         kvs = [
             kv for part in reply.responses if part.response_range for kv in part.response_range.kvs
         ]
@@ -233,7 +168,7 @@ class EtcdClient:
             "compare": [{"key": k, **compare}],
             "success": [{"request_delete_range": {"key": k}}],
         }
-        reply = await self._call("/v3/kv/txn", body, _Txn, self._t(timeout))
+        reply = await self._call("/v3/kv/txn", body, Txn, self._t(timeout))
         return reply.succeeded
 
     async def put_if_absent(
@@ -262,7 +197,7 @@ class EtcdClient:
         return await self._put_if(key, value, unchanged, lease, timeout)
 
     async def get(self, key: str, *, timeout: float | None = None) -> KeyValue | None:
-        reply = await self._call("/v3/kv/range", {"key": b64(key)}, _Range, self._t(timeout))
+        reply = await self._call("/v3/kv/range", {"key": b64(key)}, Range, self._t(timeout))
         return reply.kvs[0] if reply.kvs else None
 
     async def get_prefix(
@@ -270,7 +205,7 @@ class EtcdClient:
     ) -> tuple[int, list[KeyValue]]:
         """Every key under `prefix`, and the store revision they were read at."""
         body = {"key": b64(prefix), "range_end": prefix_end(prefix)}
-        reply = await self._call("/v3/kv/range", body, _Range, self._t(timeout))
+        reply = await self._call("/v3/kv/range", body, Range, self._t(timeout))
         return reply.header.revision, reply.kvs
 
     async def delete_if_created(
@@ -292,7 +227,7 @@ class EtcdClient:
         return await self._delete_if(key, {"target": "LEASE", "lease": str(lease)}, timeout)
 
     async def delete(self, key: str, *, timeout: float | None = None) -> None:
-        await self._call("/v3/kv/deleterange", {"key": b64(key)}, _Header, self._t(timeout))
+        await self._call("/v3/kv/deleterange", {"key": b64(key)}, Header, self._t(timeout))
 
     async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[WatchEvent]:
         """Events on keys under `prefix` from `start_revision` on, until the stream breaks
@@ -313,8 +248,8 @@ class EtcdClient:
                 async for line in resp.content:
                     if not line.strip():
                         continue
-                    frame = msgspec.json.decode(line, type=_WatchFrame, strict=False)
-                    result = _watch_result(frame, prefix)
+                    frame = msgspec.json.decode(line, type=WatchFrame, strict=False)
+                    result = watch_result(frame, prefix)
                     for event in result.events:
                         yield event
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
@@ -323,14 +258,3 @@ class EtcdClient:
 
     def _t(self, timeout: float | None) -> float:
         return self.timeout_s if timeout is None else timeout
-
-
-def _watch_result(frame: _WatchFrame, prefix: str) -> _WatchResult:
-    if frame.error is not None or frame.result is None:
-        raise EtcdError(f"etcd watch on {prefix}: {frame.error}")
-    if frame.result.canceled or frame.result.compact_revision:
-        raise EtcdError(
-            f"etcd watch on {prefix} canceled: {frame.result.cancel_reason or 'compacted'} "
-            f"(compact revision {frame.result.compact_revision})"
-        )
-    return frame.result
