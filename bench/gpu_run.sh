@@ -10,7 +10,7 @@
 #   chaos / chaos-tp2 (chaos/scenarios/gpu.yaml / gpu-tp2.yaml; results in $OUT/chaos-gpu*),
 #   scenario=FILE (any chaos scenario file; results in $OUT/chaos-NAME),
 #   load-digest (the daemon's llama-8b load with and without the content digest: bench/load_digest.py),
-#   digest-tests (tests/test_blake3_gpu.py: the digest hashed on the GPU equals the CPU's),
+#   digest-tests (tests/cachedaemon/test_blake3_gpu.py: the digest hashed on the GPU equals the CPU's),
 #   vllm-part (keep the carried part of vLLM, .vllm/part-NN, in /tmp/holdfast-vllm-cuda/parts),
 #   vllm (once every part is kept: reassemble and check it; the stages after it run with
 #     vLLM importable and HOLDFAST_VLLM_VENV set, so engines.kind vllm policies find it)
@@ -119,11 +119,11 @@ for stage in $stages; do
         sync; echo 3 > /proc/sys/vm/drop_caches && echo "drop_caches: ok"
       } 2>&1 | tee "$OUT/env.txt" ;;
     digest-tests)  # the GPU's BLAKE3 against the CPU's
-      timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_blake3_gpu.py 2>&1 | tee "$OUT/tests_digest.txt" ;;
+      timeout 180 python3 -m pytest -q -p no:cacheprovider tests/cachedaemon/test_blake3_gpu.py 2>&1 | tee "$OUT/tests_digest.txt" ;;
     checksum-tests)
-      timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_backend.py -k checksum 2>&1 | tee "$OUT/tests_checksum.txt" ;;
+      timeout 60 python3 -m pytest -q -p no:cacheprovider tests/cachedaemon/test_cuda_backend.py -k checksum 2>&1 | tee "$OUT/tests_checksum.txt" ;;
     tests)
-      timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_cuda*.py 2>&1 | tee "$OUT/tests.txt" ;;
+      timeout 180 python3 -m pytest -q -p no:cacheprovider tests/*/test_cuda*.py 2>&1 | tee "$OUT/tests.txt" ;;
     probe)
       timeout 300 python3 bench/cuda_vmm_probe.py --out "$OUT/h200_checksum_fp8_probe.json" 2>&1 | tail -20 ;;
     moe)
@@ -136,7 +136,7 @@ for stage in $stages; do
       timeout 150 python3 bench/cuda_load_bench.py --only llama-8b --no-baselines \
         --out "$OUT/h200_load_llama-8b_daemon.json" 2>&1 | tee "$OUT/bench_llama-8b_daemon.txt" ;;
     engine)  # GPU engine tests while the llama-8b checkpoint is written; then startup, alone
-      ( timeout 230 python3 -m pytest -q -p no:cacheprovider -rA tests/test_cuda_engine.py \
+      ( timeout 230 python3 -m pytest -q -p no:cacheprovider -rA tests/engine/test_cuda_engine.py \
           > "$OUT/engine_tests.txt" 2>&1; echo "exit $?" >> "$OUT/engine_tests.txt" ) &
       tests=$!
       [ -f /tmp/models/llama-8b/config.json ] || timeout 300 python3 -m cachedaemon \
@@ -146,8 +146,8 @@ for stage in $stages; do
         --model-dir /tmp/models/llama-8b --trials 3 --out "$OUT/h200_engine_startup_llama-8b.json" \
         2>&1 | tee "$OUT/engine_startup.txt" ;;
     batching)  # batching GPU tests while llama-8b is written; then the throughput bench
-      ( timeout 300 python3 -m pytest -q -p no:cacheprovider -rA tests/test_cuda_batching.py \
-          tests/test_cuda_engine.py > "$OUT/batching_tests.txt" 2>&1; echo "exit $?" >> "$OUT/batching_tests.txt" ) &
+      ( timeout 300 python3 -m pytest -q -p no:cacheprovider -rA tests/engine/test_cuda_batching.py \
+          tests/engine/test_cuda_engine.py > "$OUT/batching_tests.txt" 2>&1; echo "exit $?" >> "$OUT/batching_tests.txt" ) &
       tests=$!
       [ -f /tmp/models/llama-8b/config.json ] || timeout 300 python3 -m cachedaemon \
         make-checkpoint /tmp/models/llama-8b --preset llama-8b 2>&1 | tail -2
@@ -173,7 +173,7 @@ for stage in $stages; do
         sort -t'|' -k2 -n -r "$OUT/importtime_engine.txt" | head -45
       } 2>&1 | tee "$OUT/imports.txt" ;;
     nccl-tests)
-      timeout 200 python3 -m pytest -q -p no:cacheprovider -rA tests/test_cuda_engine.py \
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -rA tests/engine/test_cuda_engine.py \
         -k nccl_group 2>&1 | tee "$OUT/nccl_tests.txt" ;;
     checkpoint) checkpoint ;;
     load-digest)  # the daemon's llama-8b load with and without the content digest, interleaved

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The tools tests/test_deploy.py checks deploy/ with, installed when missing (idempotent):
+# The tools tests/deploy/test_deploy.py checks deploy/ with, installed when missing (idempotent):
 #   promtool (Debian's prometheus package)      deploy/prometheus/holdfast-alerts.yaml
 #   node + npm (Debian), and in a tools dir of its own the TypeScript compiler and
 #   Grafana's @grafana/grafana-foundation-sdk   deploy/grafana/holdfast-dashboard.json

@@ -4,7 +4,7 @@ Who is promoted, whom to fence and why, which batch engine to evict and which to
 again, and what the rules want of each engine (published with its status): each is decided
 here from the engines' records and `now`, and carried out by
 `Crew` and `reconcile`. Nothing here awaits, spawns, signals or publishes, so each rule
-is tested with a fake clock and no processes (tests/test_decisions.py).
+is tested with a fake clock and no processes (tests/supervisor/test_decisions.py).
 """
 
 from __future__ import annotations

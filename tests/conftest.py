@@ -221,7 +221,7 @@ def forkserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServerP
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """The `fuzz` properties tests recorded (tests/test_fuzz_wire.py): what each sent."""
+    """The `fuzz` properties tests recorded (tests/holdfast_contract/test_fuzz_wire.py): what each sent."""
     lines = [
         str(value)
         for key in ("passed", "failed")
