@@ -10,16 +10,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import msgspec
+import yaml
 
 from chaos.errors import ScenarioError
 from chaos.faults import requirement
 from chaos.scenario import Plan
 from chaos.stagepolicy import load_stage_policy, policy_data
-from supervisor import schema
 from supervisor.errors import PolicyError
 from supervisor.policy import Policy
-from supervisor.policy_file import rule_errors
+from supervisor.policy_file import parse_policy
 
 
 def preflight(
@@ -57,20 +56,10 @@ def preflight(
 
 
 def schema_policy(path: Path, overrides: dict[str, Any] | None = None) -> Policy:
-    """A policy (with a stage's overrides) checked for shape and cross-field rules only:
-    nothing of this machine is looked for (model.path is taken as given, vLLM need not be
-    installed)."""
+    """A policy (with a stage's overrides) checked for shape and cross-field rules only, as
+    `supervisor validate --schema-only` checks it: nothing of this machine is looked for
+    (model.path is taken as given, vLLM need not be installed)."""
     data = policy_data(path, overrides or {})
     if not isinstance(data, dict):
         raise PolicyError(["$: expected a mapping at the top"], str(path))
-    errors = schema.check(data, Policy)
-    if errors:
-        raise PolicyError(errors, str(path))
-    policy = msgspec.convert({**data, "source": str(path)}, Policy)
-    model = policy.model
-    if model.path is not None:  # stands in for the checkpoint: its files are not checked
-        model = msgspec.structs.replace(model, path=None, preset=model.preset or "tiny")
-    errors = rule_errors(msgspec.structs.replace(policy, model=model), schema_only=True)
-    if errors:
-        raise PolicyError(errors, str(path))
-    return policy
+    return parse_policy(yaml.safe_dump(data), path, schema_only=True)
