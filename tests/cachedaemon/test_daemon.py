@@ -25,11 +25,11 @@ from tests.conftest import REPO, child_env
 
 
 class Client:
-    """tests/attach_client.py in its own process."""
+    """tests/programs/attach_client.py in its own process."""
 
     def __init__(self, sock: Path) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(REPO / "tests" / "attach_client.py"), str(sock)],
+            [sys.executable, str(REPO / "tests" / "programs" / "attach_client.py"), str(sock)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

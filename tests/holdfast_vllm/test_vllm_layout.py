@@ -136,7 +136,12 @@ def generate(
         VLLM_NO_USAGE_STATS="1",
     )
     env.pop("HOLDFAST_DAEMONS", None)
-    argv = [str(VLLM_PYTHON), str(REPO / "tests" / "vllm_generate.py"), str(model), load_format]
+    argv = [
+        str(VLLM_PYTHON),
+        str(REPO / "tests" / "programs" / "vllm_generate.py"),
+        str(model),
+        load_format,
+    ]
     argv += [json.dumps(extra), json.dumps(prompts), str(NEW_TOKENS)]
     return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900, cwd=tmp)
 
@@ -189,7 +194,11 @@ def test_an_engine_asking_for_the_other_layout_is_refused_with_both_named(
 def test_each_tensor_parallel_rank_is_sharded_as_vllm_shards_it(
     pools: Pools, tmp_path: Path
 ) -> None:
-    argv = [str(VLLM_PYTHON), str(REPO / "tests" / "vllm_layout_check.py"), str(pools.model)]
+    argv = [
+        str(VLLM_PYTHON),
+        str(REPO / "tests" / "programs" / "vllm_layout_check.py"),
+        str(pools.model),
+    ]
     done = subprocess.run(
         [*argv, "2", str(tmp_path)], capture_output=True, text=True, env=child_env(), timeout=900
     )

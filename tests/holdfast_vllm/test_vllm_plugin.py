@@ -262,7 +262,7 @@ def run_vllm(
     env.pop("HOLDFAST_DAEMONS", None)
     argv = [
         str(VLLM_PYTHON),
-        str(REPO / "tests" / "vllm_generate.py"),
+        str(REPO / "tests" / "programs" / "vllm_generate.py"),
         str(model_dir),
         "holdfast",
         json.dumps(extra),

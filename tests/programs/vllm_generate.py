@@ -1,7 +1,7 @@
 """Run in the vLLM venv: load a model with vLLM's offline LLM class in this one process,
 greedy-generate from token ids, print one JSON line {"tokens": [[...], ...]}.
 
-    python tests/vllm_generate.py MODEL LOAD_FORMAT EXTRA_CONFIG_JSON PROMPTS_JSON MAX_TOKENS
+    python tests/programs/vllm_generate.py MODEL LOAD_FORMAT EXTRA_CONFIG_JSON PROMPTS_JSON MAX_TOKENS
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ what vLLM's own DefaultModelLoader reads from the checkpoint's files for that ra
 OUT/rank-R.safetensors (the pool's tensors) and prints one JSON line
 {"ranks": [{"names": [...], "differ": [...], "missing": [...]}, ...]}.
 
-    python tests/vllm_layout_check.py MODEL TP_SIZE OUT
+    python tests/programs/vllm_layout_check.py MODEL TP_SIZE OUT
 """
 
 from __future__ import annotations
