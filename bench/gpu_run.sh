@@ -18,7 +18,7 @@
 #     $OUT/vllm_gpu_tiny.json)
 #   vllm-bench (after vllm: bench/vllm_gpu.py on llama-8b, holdfast against vLLM's default
 #     loader: parity, memory per engine, start to ready; $OUT/vllm_gpu.json, logs in $OUT/vllm_gpu_logs;
-#     VLLM_BENCH_ARGS adds its flags, e.g. "--stages restart --trials 1")
+#     VLLM_BENCH_ARGS adds its flags, e.g. "--stages restart --prime forked --trials 1")
 # Wheels for packages the GPU image lacks travel in .whl/ (scripts/carry-wheels.sh; carry
 # it), the MQTT broker in .mqtt/ (scripts/carry-mosquitto.sh; carry it for the chaos stages),
 # vLLM for CUDA in parts in .vllm/ (scripts/carry-vllm.sh; docs/gpu.md says in what order).
