@@ -50,9 +50,8 @@ def compares_event(cmp: ast.Compare) -> bool:
 def written_names(tree: ast.AST) -> Iterator[tuple[int, str]]:
     """(line, source) of each emit or comparison that writes an event name as a string."""
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and literal(event_of(node)):
-            yield node.lineno, ast.unparse(node)
-        elif isinstance(node, ast.Compare) and compares_event(node):
+        call = isinstance(node, ast.Call) and literal(event_of(node))
+        if call or (isinstance(node, ast.Compare) and compares_event(node)):
             yield node.lineno, ast.unparse(node)
 
 
