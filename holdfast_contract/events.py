@@ -41,15 +41,30 @@ class EventName(StrEnum):
     DAEMONS_READY = "daemons-ready"
     STARTED = "started"
     STOPPING = "stopping"
-    # the router's
+    # the router's (`router.<node or main>.<event>`, supervisor/proxy/cuts.py)
     MIGRATING = "migrating"
+    MIGRATED = "migrated"
+    MIGRATION_FAILED = "migration-failed"
+    # the fleet's (`fleet.<node>.<event>`, supervisor/fleet/node.py)
+    HEALTH = "health"
+    ETCD_UNREACHABLE = "etcd-unreachable"
+    JOINED = "joined"
+    JOIN_REFUSED = "join-refused"
+    BECAME_LEADER = "became-leader"
+    RESUMED_LEADER = "resumed-leader"
+    STEPPED_DOWN = "stepped-down"
+    LEASE_LOST = "lease-lost"
+    LEADER_VACANT = "leader-vacant"
+    LEADER_ELECTED = "leader-elected"
+    FOLLOWER_OF = "follower-of"
+    STOP = "stop"
 
 
 class Event(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One state change. Topic-style name: `<kind>.<name>.<event>` (engine.e1.promoted)."""
 
     ts: float
-    kind: str  # engine | daemon | supervisor | broker | router
+    kind: str  # engine | daemon | supervisor | broker | router | fleet
     name: str
     event: str
     epoch: int

@@ -24,6 +24,7 @@ from typing import Any
 import structlog
 
 from holdfast_contract.control import FleetNodeStatus, FleetStatus
+from holdfast_contract.events import EventName as N
 from supervisor.core import Crew
 from supervisor.events import EventBus, UnitState
 from supervisor.fleet.election import Elector
@@ -35,6 +36,10 @@ from supervisor.primary import LeadershipEnded, PrimaryView, Target
 from supervisor.states import EngineState
 
 log = structlog.get_logger("holdfast.fleet")
+
+# the elector's changes published under their own names (`fleet.<node>.joined`); the
+# others have theirs in `Node._changed`
+OWN_NAME: dict[Event, N] = {Event.JOINED: N.JOINED, Event.STOP: N.STOP}
 
 # A leader's engine epoch is at least its term's epoch (the leader key's create revision)
 # shifted left by this many bits; local failovers within the term add one each. Terms'
@@ -204,7 +209,7 @@ class Node:
             if whole(self.crew) != healthy:
                 healthy = not healthy
                 e.set_healthy(healthy)
-                self.bus.emit("fleet", self.spec.node, "health", e.cluster_epoch, healthy=healthy)
+                self.bus.emit("fleet", self.spec.node, N.HEALTH, e.cluster_epoch, healthy=healthy)
 
     async def _report_failures(self, e: Elector) -> None:
         """Each failed session start as an event and an error naming the endpoints; the
@@ -218,7 +223,7 @@ class Node:
             await e.wait_for(more, timeout=float("inf"))
             for _, why in e.failures[seen:]:
                 log.error("fleet.etcd_unreachable", endpoints=self.spec.etcd, error=why)
-                self.bus.emit("fleet", self.spec.node, "etcd-unreachable", 0, error=why)
+                self.bus.emit("fleet", self.spec.node, N.ETCD_UNREACHABLE, 0, error=why)
             seen = len(e.failures)
 
     def _changed(self, e: Elector, change: Change) -> None:
@@ -229,25 +234,25 @@ class Node:
         data: dict[str, Any] = {"role": e.role.value, "leader": e.view.leader_node}
         if isinstance(change, StepDown):
             reason = change.reason
-            self.bus.emit("fleet", node, "stepped-down", e.epoch, reason=reason, **data)
+            self.bus.emit("fleet", node, N.STEPPED_DOWN, e.epoch, reason=reason, **data)
         elif change is Event.WON:
-            self.bus.emit("fleet", node, "became-leader", e.epoch, **data)
+            self.bus.emit("fleet", node, N.BECAME_LEADER, e.epoch, **data)
         elif change is Event.RESUMED:
-            self.bus.emit("fleet", node, "resumed-leader", e.epoch, **data)
+            self.bus.emit("fleet", node, N.RESUMED_LEADER, e.epoch, **data)
         elif change is Event.SESSION_LOST:
-            self.bus.emit("fleet", node, "lease-lost", e.cluster_epoch, **data)
+            self.bus.emit("fleet", node, N.LEASE_LOST, e.cluster_epoch, **data)
         elif change is Event.REFUSED:
-            self.bus.emit("fleet", node, "join-refused", 0, error=str(e.error), **data)
+            self.bus.emit("fleet", node, N.JOIN_REFUSED, 0, error=str(e.error), **data)
         elif change is Event.LEADER:
             leader = e.view.leader_node
             if leader is None:
-                self.bus.emit("fleet", node, "leader-vacant", 0, **data)
+                self.bus.emit("fleet", node, N.LEADER_VACANT, 0, **data)
             else:
-                self.bus.emit("fleet", node, "leader-elected", e.cluster_epoch, **data)
+                self.bus.emit("fleet", node, N.LEADER_ELECTED, e.cluster_epoch, **data)
                 if leader != node:
-                    self.bus.emit("fleet", node, "follower-of", e.cluster_epoch, **data)
+                    self.bus.emit("fleet", node, N.FOLLOWER_OF, e.cluster_epoch, **data)
         else:  # joined, stop: published under their own names
-            self.bus.emit("fleet", node, str(change), e.cluster_epoch, **data)
+            self.bus.emit("fleet", node, OWN_NAME[change], e.cluster_epoch, **data)
         self._state(e)
 
     def _take_term(self, e: Elector) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import structlog
 from aiohttp import web
 
+from holdfast_contract.events import EventName as N
 from supervisor.primary import LeadershipEnded, Target
 from supervisor.proxy.answers import Answer, ClientGone, JsonAnswer, SseAnswer
 from supervisor.proxy.migration import Stream, StreamCut
@@ -163,7 +164,7 @@ class Cuts:
         # its log line is the event's: a failover cuts every stream at once, and each line
         # logged then delays the continuations
         self.events(
-            "migrating", target.epoch, engine=target.name, tokens=len(st.emitted), why=reason
+            N.MIGRATING, target.epoch, engine=target.name, tokens=len(st.emitted), why=reason
         )
 
     def resumed(self, st: Stream, tokens: int) -> None:
@@ -172,7 +173,7 @@ class Cuts:
         stall, st.cut_at = st.last_token_at - st.cut_at, 0.0
         self.tally.stalls.observe(stall)
         stall_ms = round(stall * 1e3, 2)
-        self.events("migrated", st.epoch, tokens=tokens, kept=st.kept, stall_ms=stall_ms)
+        self.events(N.MIGRATED, st.epoch, tokens=tokens, kept=st.kept, stall_ms=stall_ms)
 
     async def finish(self, out: Answer, st: Stream) -> web.StreamResponse:
         """The end of a stream that came whole (its migration, if any, succeeded)."""
@@ -191,7 +192,7 @@ class Cuts:
         if st.pending:
             st.pending = False
             self.tally.migrations["failed"] += 1
-            self.events("migration-failed", 0, tokens=len(st.emitted), why=reason)
+            self.events(N.MIGRATION_FAILED, 0, tokens=len(st.emitted), why=reason)
         if isinstance(out, SseAnswer) and out.opened:
             self.tally.broken += 1
             return await out.failed(reason)

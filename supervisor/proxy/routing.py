@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import aiohttp
 from aiohttp import web
 
+from holdfast_contract.events import EventName
 from supervisor.aio import unless_set
 from supervisor.histogram import Histogram
 from supervisor.policy import RouterSpec
@@ -116,7 +117,7 @@ class Events:
     node: str = ""  # this node's name in a cluster; "" alone
     emit: Emit | None = None
 
-    def __call__(self, event: str, epoch: int, **data: Any) -> None:
+    def __call__(self, event: EventName, epoch: int, **data: Any) -> None:
         if self.emit is not None:
             self.emit("router", self.node or "main", event, epoch, **data)
 

@@ -19,6 +19,7 @@ from supervisor.fleet.decide import NodeInfo, Term, may_campaign, yield_to
 from supervisor.fleet.election import DuplicateNode, Elector, FingerprintMismatch
 from supervisor.fleet.errors import LeaseLost
 from supervisor.fleet.etcd import EtcdClient, EtcdUnavailable
+from supervisor.fleet.node import OWN_NAME
 from supervisor.fleet.registry import register
 from supervisor.fleet.roles import ROLE, Change, Event, Role, StepDown, Why
 from supervisor.fleet_spec import ClusterSpec, parse_cluster
@@ -135,6 +136,11 @@ def test_changes_are_published_under_the_names_they_had() -> None:
         "yield_to_n2",
         False,
     )
+    # those the node publishes under their own names, as the event names they have always been
+    assert {str(change): name.value for change, name in OWN_NAME.items()} == {
+        "joined": "joined",
+        "stop": "stop",
+    }
 
 
 # against etcd
