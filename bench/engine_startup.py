@@ -245,10 +245,11 @@ def main() -> int:
     )
     p.add_argument(
         "--spares",
-        choices=("auto", "on", "off"),
+        choices=("auto", "on", "ready", "off"),
         default="auto",
         help="the fork server's --spares: auto (on for CUDA) hands each forked start after "
-        "the first to a spare that made its CUDA context and loaded its kernels ahead",
+        "the first to a spare that made its CUDA context and loaded its kernels ahead; "
+        "ready (any device): to a spare that built the whole engine ahead",
     )
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--out", type=Path, default=None)
@@ -262,7 +263,9 @@ def main() -> int:
     run_dir = Path(tempfile.mkdtemp(prefix="holdfast-bench-"))
     daemon, daemon_s = start_daemon(args, run_dir)
     forks = ForkServer(args, run_dir)
-    spares = args.spares == "on" or (args.spares == "auto" and args.device.startswith("cuda"))
+    spares = args.spares in ("on", "ready") or (
+        args.spares == "auto" and args.device.startswith("cuda")
+    )
     results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     try:
         for trial in range(args.trials):

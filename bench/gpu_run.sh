@@ -2,7 +2,8 @@
 # Everything that needs the GPU machine, in one call. Writes logs and JSON under $OUT.
 #   bench/gpu_run.sh [env] [tests] [probe] [moe] [lifetime] [llama]   (default: all)
 # also: checksum-tests, llama-daemon, engine (the engine's GPU tests, then its startup bench),
-#   startup (forked engine start to ready, 6 trials, without and with spares),
+#   startup (forked engine start to ready, 6 trials, without and with spares: STARTUP_SPARES
+#     names the fork server's --spares modes, off auto ready by default; STARTUP_S bounds each),
 #   batching (the batching GPU tests, then bench/engine_throughput.py with the transformers baseline),
 #   checkpoint (write the llama-8b checkpoint to /tmp/models/llama-8b; a stage that needs it
 #     waits for a writer already at it), checkpoint-bg (start writing it and go on: it is
@@ -157,8 +158,8 @@ for stage in $stages; do
         --out "$OUT/h200_engine_throughput_llama-8b.json" 2>&1 | tee "$OUT/engine_throughput.txt" ;;
     startup)  # forked engine start to ready, alone, without and with the fork server's spares
       checkpoint  # (the first start compiles Triton's kernels if its cache is empty)
-      for spares in off auto; do
-        timeout 200 python3 bench/engine_startup.py --device cuda:0 --preset llama-8b \
+      for spares in ${STARTUP_SPARES:-off auto ready}; do  # the fork server's --spares modes
+        timeout "${STARTUP_S:-200}" python3 bench/engine_startup.py --device cuda:0 --preset llama-8b \
           --model-dir /tmp/models/llama-8b --modes attach_forked --trials 6 --spares $spares \
           --out "$OUT/h200_engine_startup_forked_spares-$spares.json" 2>&1 \
           | tee "$OUT/engine_startup_forked_spares-$spares.txt"

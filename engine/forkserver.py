@@ -47,7 +47,9 @@ def run_engine(argv: list[str], t0: float, spare_ms: float) -> int:
 
 def spares(mode: str) -> Spares:
     """The reference engine's spares (engine.spare), made as `--spares` says."""
-    return Spares(key=functools.partial(spare.key, mode=mode), warm=spare.warm)
+    return Spares(
+        key=functools.partial(spare.key, mode=mode), warm=functools.partial(spare.warm, mode=mode)
+    )
 
 
 def prepare_kernels(kernels: list[Any]) -> None:
@@ -103,7 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=spare.MODES,
         default="auto",
         help="after forking an engine of one rank, fork a spare that makes its CUDA context "
-        "and loads its kernels ahead, for the next request like it (auto: CUDA devices only)",
+        "and loads its kernels ahead, for the next request like it (auto: CUDA devices only; "
+        "ready: any device, and the spare also attaches the weights, allocates the KV cache, "
+        "warms up and captures its CUDA graphs, so a claim only starts serving)",
     )
     args = p.parse_args(argv)
     from holdfast_contract import logs

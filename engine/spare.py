@@ -33,7 +33,9 @@ from engine.errors import EngineError
 from holdfast_contract.forkserver import Spawn
 
 log = structlog.get_logger("engine.spare")
-MODES = ("auto", "on", "off")  # auto: spares for CUDA devices only
+# auto: spares for CUDA devices only; on: on any device; ready: on any device, each
+# building the whole engine ahead (engine.ready); off: none
+MODES = ("auto", "on", "ready", "off")
 
 
 def config(spawn: Spawn) -> EngineConfig | None:
@@ -54,17 +56,23 @@ def key(spawn: Spawn, mode: str) -> tuple[str, ...] | None:
         return None
     if mode == "auto" and not cfg.device.startswith("cuda"):
         return None
+    if mode == "ready":  # built for one request's settings: only the same ones may take it
+        from engine.ready import settings
+
+        env = sorted((k, v) for k, v in spawn.env.items() if not k.startswith("HOLDFAST_"))
+        return (cfg.device, repr(settings(cfg)), repr(env))
     # every variable but the engine's own settings may change how CUDA starts
     env = sorted((k, v) for k, v in spawn.env.items() if not k.startswith("HOLDFAST_"))
     shapes = (cfg.model, cfg.dtype, cfg.quantization, cfg.max_batch, cfg.max_model_len)
     return (cfg.device, *map(str, shapes), str(cfg.kv_cache_mb), repr(env))
 
 
-def warm(spawn: Spawn) -> dict[str, float]:
-    """In the spare, before it is claimed: the context and the kernels; ms by phase."""
+def warm(spawn: Spawn, mode: str = "auto") -> dict[str, float]:
+    """In the spare, before it is claimed: the context and the kernels (with mode "ready",
+    the whole engine: engine.ready); ms by phase."""
     import torch
 
-    from engine.app import context_init
+    from engine.build import context_init
     from engine.kvcache import KVCache
     from engine.model import LlamaForCausalLM, TPGroup
     from engine.modelargs import read_model_args
@@ -83,6 +91,10 @@ def warm(spawn: Spawn) -> dict[str, float]:
     cfg = config(spawn)
     if cfg is None:
         raise EngineError("the request a spare was made from does not parse")
+    if mode == "ready":
+        from engine import ready
+
+        return ready.build(cfg)
     device = context_init(cfg)
     lap("context_init")
     args = read_model_args(cfg.model)

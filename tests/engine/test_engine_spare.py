@@ -9,7 +9,7 @@ import os
 import select
 from pathlib import Path
 
-from conftest import ForkServerProc
+from conftest import Daemons, ForkServerProc
 
 from engine.launch import EngineProcess
 from tests.engine.test_engine_forkserver import complete, disk_flags
@@ -92,6 +92,111 @@ def test_a_request_with_other_settings_forks_and_replaces_the_spare(
         engines[2].wait_ready()
         assert engines[2].proc.pid == new
         assert complete(engines[2].url, [5, 6]) == complete(engines[1].url, [5, 6])
+    finally:
+        for e in engines:
+            e.proc.kill()
+            e.exited.wait(30)
+        server.stop()
+
+
+def test_a_ready_spare_is_claimed_built_and_serves_the_tokens_of_a_fresh_fork(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """`--spares ready`: the spare attaches, allocates and warms before it is asked; the
+    engine that claims it builds nothing (its build, attach and warm-up phases are 0)."""
+    server = ForkServerProc(tmp_path / "forkserver.sock", "--spares", "ready")
+    engines: list[EngineProcess] = []
+    try:
+        server.wait_ready()
+        first = EngineProcess(disk_flags(tiny_model), forkserver=server.sock)
+        engines.append(first)
+        fresh = first.wait_ready()["phases"]
+        assert fresh["spare"] == 0 and fresh["attach"] > 0
+        (warm,) = spare_pids(server, "spare warm", 1)
+        prompts = ([1, 2, 3], [200, 17, 5, 9])
+        want = [complete(first.url, p) for p in prompts]
+
+        second = EngineProcess(disk_flags(tiny_model), forkserver=server.sock)
+        engines.append(second)
+        phases = second.wait_ready()["phases"]
+        assert second.proc.pid == warm
+        assert phases["spare"] > 0
+        assert phases["context_init"] == phases["build"] == phases["attach"] == 0
+        assert phases["warmup"] == 0
+        assert "spare's build not used" not in "".join(second.lines)
+        assert [complete(second.url, p) for p in prompts] == want
+        assert [complete(first.url, p) for p in prompts] == want  # both serve at once
+    finally:
+        for e in engines:
+            e.proc.kill()
+            e.exited.wait(30)
+        server.stop()
+
+
+def test_a_ready_spare_built_from_files_since_changed_is_not_used(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """The checkpoint's files rewritten in place (same shapes, other values) between the
+    spare's build and its claim: the claiming engine drops what the spare built, says why,
+    and serves the new weights, as an engine started afresh on them does."""
+    import shutil
+
+    from cachedaemon.checkpoint_gen import make_checkpoint
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    other = make_checkpoint(tmp_path / "other", "tiny", seed=7)
+    server = ForkServerProc(tmp_path / "forkserver.sock", "--spares", "ready")
+    engines: list[EngineProcess] = []
+    try:
+        server.wait_ready()
+        engines.append(EngineProcess(disk_flags(model), forkserver=server.sock))
+        engines[0].wait_ready()
+        (warm,) = spare_pids(server, "spare warm", 1)
+        old = complete(engines[0].url, [1, 2, 3])
+        for f in other.glob("*.safetensors"):
+            shutil.copyfile(f, model / f.name)  # rewritten in place: same names and shapes
+
+        claimed = EngineProcess(disk_flags(model), forkserver=server.sock)
+        engines.append(claimed)
+        phases = claimed.wait_ready()["phases"]
+        assert claimed.proc.pid == warm and phases["attach"] > 0
+        assert "the checkpoint's files changed since the spare was built" in "".join(claimed.lines)
+        fresh = EngineProcess(disk_flags(model))
+        engines.append(fresh)
+        fresh.wait_ready()
+        new = complete(claimed.url, [1, 2, 3])
+        assert new == complete(fresh.url, [1, 2, 3])
+        assert new != old  # the test's two checkpoints answer apart
+    finally:
+        for e in engines:
+            e.proc.kill()
+            e.exited.wait(30)
+        server.stop()
+
+
+def test_a_ready_spare_attached_to_a_daemon_becomes_an_engine_of_another_name(
+    tmp_path: Path, tiny_model: Path, start_daemon: Daemons
+) -> None:
+    """Weights from a daemon's pool: the spare attached them before it was asked; the engine
+    it becomes, under its own name and port, serves them with no attach of its own."""
+    start_daemon(tiny_model, tmp_path / "run", "--dtype", "float32")
+    sock = tmp_path / "run" / "daemon-0.sock"
+    flags = ["--model", str(tiny_model), "--dtype", "float32", "--daemons", str(sock)]
+    server = ForkServerProc(tmp_path / "forkserver.sock", "--spares", "ready")
+    engines: list[EngineProcess] = []
+    try:
+        server.wait_ready()
+        engines.append(EngineProcess([*flags, "--name", "first"], forkserver=server.sock))
+        assert engines[0].wait_ready()["weights"] == "daemon"
+        (warm,) = spare_pids(server, "spare warm", 1)
+        engines.append(EngineProcess([*flags, "--name", "second"], forkserver=server.sock))
+        ready = engines[1].wait_ready()
+        assert engines[1].proc.pid == warm
+        assert ready["engine"] == "second" and ready["weights"] == "daemon"
+        assert ready["port"] == engines[1].port != engines[0].port
+        assert ready["phases"]["attach"] == 0 and ready["phases"]["spare"] > 0
+        assert complete(engines[1].url, [4, 5, 6]) == complete(engines[0].url, [4, 5, 6])
     finally:
         for e in engines:
             e.proc.kill()
