@@ -1,18 +1,40 @@
 """Spares of the engine fork server (engine.spare), on the CPU (`--spares on`): a spare
 warms up ahead, the next request like the last one is handed to it, it serves the tokens a
-fresh fork serves, and an unclaimed spare never outlives its server."""
+fresh fork serves, and an unclaimed spare never outlives its server. Ready spares
+(`--spares ready`, engine.ready): the engine that claims one builds nothing, serves what a
+fresh fork serves, and drops the build when the checkpoint's files changed since."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
+from collections.abc import Iterator
 from pathlib import Path
 
 from conftest import Daemons, ForkServerProc
 
 from engine.launch import EngineProcess
 from tests.engine.test_engine_forkserver import complete, disk_flags
+
+
+@contextlib.contextmanager
+def spares_server(
+    tmp_path: Path, mode: str
+) -> Iterator[tuple[ForkServerProc, list[EngineProcess]]]:
+    """A fork server with `--spares mode`, ready, and a list for the engines a test starts
+    from it; all of them killed, and the server stopped, at the end."""
+    server = ForkServerProc(tmp_path / "forkserver.sock", "--spares", mode)
+    engines: list[EngineProcess] = []
+    try:
+        server.wait_ready()
+        yield server, engines
+    finally:
+        for e in engines:
+            e.proc.kill()
+            e.exited.wait(30)
+        server.stop()
 
 
 def spare_pids(server: ForkServerProc, event: str, count: int) -> list[int]:
@@ -37,10 +59,7 @@ def wait_gone(pid: int) -> None:
 def test_the_next_request_takes_the_warm_spare_and_serves_the_same_tokens(
     tmp_path: Path, tiny_model: Path
 ) -> None:
-    server = ForkServerProc(tmp_path / "forkserver.sock", "--spares", "on")
-    engines: list[EngineProcess] = []
-    try:
-        server.wait_ready()
+    with spares_server(tmp_path, "on") as (server, engines):
         first = EngineProcess(disk_flags(tiny_model), forkserver=server.sock)
         engines.append(first)
         assert first.wait_ready()["phases"]["spare"] == 0  # none existed: a fresh fork
@@ -64,20 +83,12 @@ def test_the_next_request_takes_the_warm_spare_and_serves_the_same_tokens(
         server.proc.wait()
         wait_gone(unclaimed)
         assert [complete(second.url, p) for p in prompts] == want
-    finally:
-        for e in engines:
-            e.proc.kill()
-            e.exited.wait(30)
-        server.stop()
 
 
 def test_a_request_with_other_settings_forks_and_replaces_the_spare(
     tmp_path: Path, tiny_model: Path
 ) -> None:
-    server = ForkServerProc(tmp_path / "forkserver.sock", "--spares", "on")
-    engines: list[EngineProcess] = []
-    try:
-        server.wait_ready()
+    with spares_server(tmp_path, "on") as (server, engines):
         engines.append(EngineProcess(disk_flags(tiny_model), forkserver=server.sock))
         engines[0].wait_ready()
         (old,) = spare_pids(server, "spare warm", 1)
@@ -92,11 +103,6 @@ def test_a_request_with_other_settings_forks_and_replaces_the_spare(
         engines[2].wait_ready()
         assert engines[2].proc.pid == new
         assert complete(engines[2].url, [5, 6]) == complete(engines[1].url, [5, 6])
-    finally:
-        for e in engines:
-            e.proc.kill()
-            e.exited.wait(30)
-        server.stop()
 
 
 def test_a_ready_spare_is_claimed_built_and_serves_the_tokens_of_a_fresh_fork(
@@ -104,10 +110,7 @@ def test_a_ready_spare_is_claimed_built_and_serves_the_tokens_of_a_fresh_fork(
 ) -> None:
     """`--spares ready`: the spare attaches, allocates and warms before it is asked; the
     engine that claims it builds nothing (its build, attach and warm-up phases are 0)."""
-    server = ForkServerProc(tmp_path / "forkserver.sock", "--spares", "ready")
-    engines: list[EngineProcess] = []
-    try:
-        server.wait_ready()
+    with spares_server(tmp_path, "ready") as (server, engines):
         first = EngineProcess(disk_flags(tiny_model), forkserver=server.sock)
         engines.append(first)
         fresh = first.wait_ready()["phases"]
@@ -126,11 +129,6 @@ def test_a_ready_spare_is_claimed_built_and_serves_the_tokens_of_a_fresh_fork(
         assert "spare's build not used" not in "".join(second.lines)
         assert [complete(second.url, p) for p in prompts] == want
         assert [complete(first.url, p) for p in prompts] == want  # both serve at once
-    finally:
-        for e in engines:
-            e.proc.kill()
-            e.exited.wait(30)
-        server.stop()
 
 
 def test_a_ready_spare_built_from_files_since_changed_is_not_used(
@@ -146,10 +144,7 @@ def test_a_ready_spare_built_from_files_since_changed_is_not_used(
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
     other = make_checkpoint(tmp_path / "other", "tiny", seed=7)
-    server = ForkServerProc(tmp_path / "forkserver.sock", "--spares", "ready")
-    engines: list[EngineProcess] = []
-    try:
-        server.wait_ready()
+    with spares_server(tmp_path, "ready") as (server, engines):
         engines.append(EngineProcess(disk_flags(model), forkserver=server.sock))
         engines[0].wait_ready()
         (warm,) = spare_pids(server, "spare warm", 1)
@@ -168,11 +163,6 @@ def test_a_ready_spare_built_from_files_since_changed_is_not_used(
         new = complete(claimed.url, [1, 2, 3])
         assert new == complete(fresh.url, [1, 2, 3])
         assert new != old  # the test's two checkpoints answer apart
-    finally:
-        for e in engines:
-            e.proc.kill()
-            e.exited.wait(30)
-        server.stop()
 
 
 def test_a_ready_spare_attached_to_a_daemon_becomes_an_engine_of_another_name(
@@ -183,10 +173,7 @@ def test_a_ready_spare_attached_to_a_daemon_becomes_an_engine_of_another_name(
     start_daemon(tiny_model, tmp_path / "run", "--dtype", "float32")
     sock = tmp_path / "run" / "daemon-0.sock"
     flags = ["--model", str(tiny_model), "--dtype", "float32", "--daemons", str(sock)]
-    server = ForkServerProc(tmp_path / "forkserver.sock", "--spares", "ready")
-    engines: list[EngineProcess] = []
-    try:
-        server.wait_ready()
+    with spares_server(tmp_path, "ready") as (server, engines):
         engines.append(EngineProcess([*flags, "--name", "first"], forkserver=server.sock))
         assert engines[0].wait_ready()["weights"] == "daemon"
         (warm,) = spare_pids(server, "spare warm", 1)
@@ -197,8 +184,3 @@ def test_a_ready_spare_attached_to_a_daemon_becomes_an_engine_of_another_name(
         assert ready["port"] == engines[1].port != engines[0].port
         assert ready["phases"]["attach"] == 0 and ready["phases"]["spare"] > 0
         assert complete(engines[1].url, [4, 5, 6]) == complete(engines[0].url, [4, 5, 6])
-    finally:
-        for e in engines:
-            e.proc.kill()
-            e.exited.wait(30)
-        server.stop()
