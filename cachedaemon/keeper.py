@@ -93,6 +93,16 @@ class Keeper:
                 for fp, e in self._pools.items()
             ]
 
+    def withdraw(self, fingerprint: str) -> bool:
+        """Drop a pool from escrow (its fds closed); whether it was there."""
+        with self._lock:
+            gone = self._pools.pop(fingerprint, None)
+        if gone is None:
+            return False
+        wire.close_fds(gone.fds)
+        log.info("pool withdrawn", fingerprint=fingerprint)
+        return True
+
     def _handle(self, msg: protocol._Msg, fds: list[int]) -> Reply:
         if isinstance(msg, protocol.Deposit):
             return self._deposit(msg, fds)
@@ -108,11 +118,7 @@ class Keeper:
                 # close the escrow's own fds before the reply is sent
                 return protocol.Reclaimed(esc.manifest), _dup_all(esc.fds)
         if isinstance(msg, protocol.Withdraw):
-            with self._lock:
-                gone = self._pools.pop(msg.fingerprint, None)
-            if gone is not None:
-                wire.close_fds(gone.fds)
-                log.info("pool withdrawn", fingerprint=msg.fingerprint)
+            self.withdraw(msg.fingerprint)
             return protocol.Ok(), []
         if isinstance(msg, protocol.ListPools):
             return protocol.Pools(self.pools()), []

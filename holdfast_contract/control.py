@@ -36,7 +36,22 @@ class RestartReq(ControlRequest, frozen=True):
     name: str
 
 
-Request = StatusReq | PromoteReq | EvictReq | RestartReq | StopReq
+class UpdateReq(ControlRequest, frozen=True):
+    """`supervisor update --model DIR`: a rolling update to the checkpoint in `model` (an
+    absolute path); `dtype` and `quantization` None: the running pool's."""
+
+    model: str
+    dtype: str | None = None
+    quantization: str | None = None
+
+
+class RollbackReq(ControlRequest, frozen=True):
+    pass
+
+
+Request = StatusReq | PromoteReq | EvictReq | RestartReq | StopReq | UpdateReq | RollbackReq
+# a request with this header is answered by a standby too: an update's smoke request
+SMOKE_HEADER = "X-Holdfast-Smoke"
 
 
 WantedState = Literal["running", "stopped"]
@@ -82,6 +97,7 @@ class EngineStatus(msgspec.Struct, frozen=True):
     queued: int = 0  # accepted, waiting for the engine's KV cache (from heartbeats)
     pids: list[int] = []  # one per tensor-parallel rank; pid is rank 0's
     wanted: Wanted | None = None  # None until the supervisor's first decision about it
+    version: str = ""  # the model version of the pool it runs on ("" before its first start)
 
 
 class DaemonStatus(msgspec.Struct, frozen=True):
@@ -94,6 +110,23 @@ class DaemonStatus(msgspec.Struct, frozen=True):
     adopted: bool = False
     # each checkpoint file that changed on disk since the pool was loaded, and how
     checkpoint_changed: list[str] = []
+    version: str = ""  # the model version of its pool (supervisor/versions.py)
+    generation: int = 1  # one more with each update: its own sockets, <run>/gen-<n>/
+
+
+UpdateState = Literal["building", "warming", "switching", "draining", "keeping", "rolling-back"]
+
+
+class UpdateStatus(msgspec.Struct, frozen=True):
+    """The rolling model update under way, or the last one (`supervisor status`)."""
+
+    state: UpdateState | Literal["finished", "rolled-back"]
+    version_from: str
+    version_to: str
+    model: str  # the checkpoint dir it goes to
+    detail: str = ""  # why it rolled back; what it waits for
+    started: float = 0.0  # wall clock
+    keep_until: float | None = None  # wall clock: the old pool is freed then (`keeping`)
 
 
 class FleetNodeStatus(msgspec.Struct, frozen=True):
@@ -135,6 +168,8 @@ class CrewStatus(msgspec.Struct, frozen=True):
     events: int = 0
     events_dropped: int = 0
     mqtt_connected: bool = False
+    version: str = ""  # the model version the router's primary serves
+    update: UpdateStatus | None = None  # the rolling update under way, or the last one
 
     def in_state(self, state: str) -> list[EngineStatus]:
         """The engines in `state` that have a process."""
@@ -159,9 +194,9 @@ def encode(msg: ControlRequest | ControlReply) -> bytes:
     return msgspec.msgpack.encode(msg)
 
 
-def decode_request(data: bytes) -> StatusReq | PromoteReq | EvictReq | RestartReq | StopReq:
+def decode_request(data: bytes) -> Request:
     """Raises msgspec.DecodeError on garbage."""
-    req: StatusReq | PromoteReq | EvictReq | RestartReq | StopReq = _req_decoder.decode(data)
+    req: Request = _req_decoder.decode(data)
     return req
 
 

@@ -27,6 +27,8 @@ class EventName(StrEnum):
     EVICTED = "evicted"
     RESTARTING = "restarting"
     STOPPED = "stopped"
+    SUPERSEDED = "superseded"  # an update's old primary: routed no more, finishing its requests
+    RETIRED = "retired"  # an engine of a version no longer served, gone from the crew
     SERVING = "serving"
     DEAD = "dead"
     # an engine's, beside its moves (and `reported-<state>`, what its agent reported)
@@ -41,6 +43,12 @@ class EventName(StrEnum):
     DAEMONS_READY = "daemons-ready"
     STARTED = "started"
     STOPPING = "stopping"
+    # a rolling model update's (`update.main.<event>`, supervisor/update/; also `started`,
+    # `ready`)
+    SWITCHED = "switched"
+    ROLLED_BACK = "rolled-back"
+    FINISHED = "finished"
+    POOL_FREED = "pool-freed"  # an old or refused version's daemons stopped, its escrow withdrawn
     # the router's (`router.<node or main>.<event>`, supervisor/proxy/cuts.py)
     MIGRATING = "migrating"
     MIGRATED = "migrated"
@@ -64,7 +72,7 @@ class Event(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One state change. Topic-style name: `<kind>.<name>.<event>` (engine.e1.promoted)."""
 
     ts: float
-    kind: str  # engine | daemon | supervisor | broker | router | fleet
+    kind: str  # engine | daemon | supervisor | broker | router | fleet | update
     name: str
     event: str
     epoch: int

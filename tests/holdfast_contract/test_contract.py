@@ -219,7 +219,7 @@ def test_what_the_supervisor_sets_the_engine_reads(tmp_path: Path) -> None:
     env = launch.env(engine, rank=0, epoch=4)
     cfg = from_args([], env=env)
     assert (cfg.name, cfg.role, cfg.port, cfg.epoch) == ("e2", "standby", 9123, 4)
-    assert (cfg.model, cfg.daemons, cfg.heartbeat_ms) == ("/models/m", tuple(launch.daemons), 30)
+    assert (cfg.model, cfg.daemons, cfg.heartbeat_ms) == ("/models/m", launch.source.daemons, 30)
     assert cfg.agent == f"ipc://{tmp_path / 'agents'}"
 
 
