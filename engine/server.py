@@ -27,6 +27,7 @@ from engine.job import Generation, Job, OnStep, Stats, Step
 from engine.metrics import Live, Metrics
 from engine.replies import ChatReply, CompletionReply, Reply
 from engine.tokenizer import Tokenizer
+from holdfast_contract.control import SMOKE_HEADER
 
 log = structlog.get_logger("engine.server")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -198,12 +199,15 @@ class EngineServer:
         self.metrics.count(response.status)
         return response
 
-    def _check_serving(self, kind: str) -> None:
+    def _check_serving(self, kind: str, request: web.Request | None = None) -> None:
+        """Refuse a request this engine does not serve now. A standby answers an update's
+        smoke request (the SMOKE_HEADER), which the supervisor sends it before it may be
+        promoted."""
         if self.state == "draining":
             raise Unavailable(f"engine {self.name} is draining and takes no new requests")
         if self.state == "starting":
             raise Unavailable(f"engine {self.name} is still starting")
-        if self.role == "standby":
+        if self.role == "standby" and (request is None or SMOKE_HEADER not in request.headers):
             raise Unavailable(
                 f"engine {self.name} is a standby: it serves once promoted "
                 f"(`supervisor promote {self.name}`)"
@@ -238,7 +242,7 @@ class EngineServer:
         return web.Response(body=body, headers={"Content-Type": self.metrics.CONTENT_TYPE})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        self._check_serving("generate")
+        self._check_serving("generate", request)
         req = api.decode_body(await request.read(), api.CompletionRequest)
         prompt, max_tokens = api.completion_prompt(req, self.tokenizer, self.limits)
         job = Job(tuple(prompt), max_tokens, req.logprobs or 0, req.ignore_eos, req.holdfast_warm)

@@ -24,6 +24,7 @@ from supervisor.proxy.migration import Stream
 from supervisor.proxy.routing import UPSTREAM_ERRORS, end_to_end
 
 HOLDFAST = "x-holdfast-"  # the router's own response headers
+VERSION_HEADER = "X-Holdfast-Model-Version"  # the model version that made the answer
 
 
 class ClientGone(Exception):
@@ -43,6 +44,8 @@ def answered_by(headers: MutableMapping[str, str], target: Target) -> None:
     set by the router that forwarded to its local primary; another router's pass through."""
     headers["X-Holdfast-Engine"] = target.name
     headers["X-Holdfast-Epoch"] = str(target.epoch)
+    if target.version:
+        headers[VERSION_HEADER] = target.version
     if target.node:
         headers["X-Holdfast-Node"] = target.node
         headers["X-Holdfast-Cluster-Epoch"] = str(target.cluster_epoch)
@@ -218,7 +221,10 @@ class JsonAnswer:
 
     async def done(self, st: Stream) -> web.StreamResponse:
         st.closing()  # a finish_reason when every owed token came without one
-        return await self._send(200, body(st))
+        out = body(st)
+        if self.target is not None and self.target.version and st.fingerprint is None:
+            out["system_fingerprint"] = self.target.version  # the model version that made it
+        return await self._send(200, out)
 
     async def engine_error(self, raw: bytes, error: Any) -> web.StreamResponse:
         return await self._send(502, {"error": error})

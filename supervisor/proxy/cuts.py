@@ -119,7 +119,7 @@ class Cuts:
                 return self._aborted(f)
         if (self.routes.stopping or ended) and f.tries.forwarded:
             return self._hand_back(f)
-        why = self._unmigratable(f.st)
+        why = self._other_version(target) or self._unmigratable(f.st)
         if why:
             f.tries.reason = f"{f.tries.reason}; {why}"
             return None
@@ -155,6 +155,18 @@ class Cuts:
         if st.migrated >= spec.migration_limit:
             return f"router.migration_limit ({spec.migration_limit}) reached"
         return ""
+
+    def _other_version(self, cut: Target) -> str:
+        """Why a stream cut on `cut` is not continued: the router serves another model
+        version now (a rolling update), and an answer never mixes versions."""
+        now = self.routes.view.route()
+        if now is None or cut.remote or now.version == cut.version or not cut.version:
+            return ""
+        return (
+            f"the model was updated from version {cut.version} to {now.version} while "
+            f"this answer was made, and the old version's engine {cut.name} ended before "
+            "it was done (update.drain_s); an answer is never continued on another version"
+        )
 
     def _migrating(self, st: Stream, target: Target, reason: str) -> None:
         st.migrated += 1

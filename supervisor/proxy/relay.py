@@ -24,7 +24,13 @@ from supervisor.proxy import migration, sse
 from supervisor.proxy.answers import Answer, ClientGone, JsonAnswer, SseAnswer, as_it_came
 from supervisor.proxy.cuts import CUT, Cuts, Flight, NotAStream, Refused, Relayed
 from supervisor.proxy.migration import Stream, StreamCut
-from supervisor.proxy.routing import Events, Routes, Tally, refuse_if_not_leading
+from supervisor.proxy.routing import (
+    Events,
+    Routes,
+    Tally,
+    refuse_if_not_leading,
+    refuse_if_superseded,
+)
 from supervisor.proxy.warming import Warmer
 
 
@@ -41,6 +47,7 @@ class StreamRelay:
     events: Events
     # upstream streams by the local primary's epoch: cut at once when another is routed
     _upstreams: dict[int, set[aiohttp.ClientResponse]] = field(default_factory=dict, init=False)
+    _versions: dict[int, str] = field(default_factory=dict, init=False)  # each epoch's version
     cuts: Cuts = field(init=False)  # what becomes of a try that failed
 
     def __post_init__(self) -> None:
@@ -50,8 +57,13 @@ class StreamRelay:
     def _superseded(self, target: Target | None) -> None:
         """The primary changed: a primary is replaced only once fenced, so the streams
         still read from an older one are cut now (and migrated), not when its sockets
-        close, which the kernel does only after tearing down the dead process's memory."""
+        close, which the kernel does only after tearing down the dead process's memory.
+        A primary of another model version is not dead but superseded by a rolling
+        update: its streams finish there (supervisor/update/)."""
         for epoch in [e for e in self._upstreams if target is None or e < target.epoch]:
+            if target is not None and _superseded(self._versions.get(epoch, ""), target):
+                continue
+            self._versions.pop(epoch, None)
             for up in self._upstreams.pop(epoch):
                 up.close()
 
@@ -96,8 +108,10 @@ class StreamRelay:
         st.epoch = target.epoch
         async with self.client().post(url, headers=headers, data=body) as up:
             refuse_if_not_leading(up, target)
+            refuse_if_superseded(up, target, self.routes.view)
             if not target.remote:
                 self._upstreams.setdefault(target.epoch, set()).add(up)
+                self._versions[target.epoch] = target.version
             try:
                 return await self._answer(f, target, up, cont)
             finally:
@@ -106,6 +120,7 @@ class StreamRelay:
                     live.discard(up)
                     if not live:
                         del self._upstreams[target.epoch]
+                        self._versions.pop(target.epoch, None)
 
     async def _answer(
         self, f: Flight, target: Target, up: aiohttp.ClientResponse, cont: bool
@@ -172,3 +187,9 @@ class StreamRelay:
             self.cuts.resumed(st, tokens)
         if len(st.emitted) > tokens:
             self.warmer.heard(st)
+
+
+def _superseded(version: str, target: Target) -> bool:
+    """Whether streams from a primary of `version` are left to finish now that `target` is
+    routed: a local primary of another model version took its place (a rolling update)."""
+    return bool(version and target.version and not target.remote and version != target.version)

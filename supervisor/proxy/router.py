@@ -43,6 +43,7 @@ from supervisor.proxy.routing import (
     error,
     not_leader,
     refuse_if_not_leading,
+    refuse_if_superseded,
 )
 from supervisor.proxy.warming import Warmer
 
@@ -185,6 +186,7 @@ class Router:
             request.method, url, headers=headers, data=body, allow_redirects=False
         ) as up:
             refuse_if_not_leading(up, target)
+            refuse_if_superseded(up, target, self.view)
             resp = as_it_came(up, target, lambda: self.view.valid(target))
             if "Content-Encoding" in up.headers:
                 resp.headers["Content-Encoding"] = up.headers["Content-Encoding"]

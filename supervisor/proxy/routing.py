@@ -46,7 +46,18 @@ class NotLeader(Exception):
     """The node forwarded to does not lead (said before any byte of an answer)."""
 
 
-UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError, NotLeader)
+class Superseded(Exception):
+    """A primary superseded by a rolling update refused a request it got after the switch
+    (503, draining): nothing was answered, so it goes to the primary routed now."""
+
+
+UPSTREAM_ERRORS = (
+    aiohttp.ClientConnectionError,
+    aiohttp.ClientPayloadError,
+    OSError,
+    NotLeader,
+    Superseded,
+)
 NOT_LEADER_WAIT_S = 0.02  # after a 421, ask the same term again this much later at most
 A = TypeVar("A")  # what a try answers
 
@@ -71,6 +82,20 @@ def refuse_if_not_leading(up: aiohttp.ClientResponse, target: Target) -> None:
     """NotLeader when another node's router answered 421: its node does not lead."""
     if target.remote and up.status == 421 and NOT_LEADER in up.headers:
         raise NotLeader(f"{target.name} answered that it does not lead")
+
+
+def refuse_if_superseded(up: aiohttp.ClientResponse, target: Target, view: PrimaryView) -> None:
+    """Superseded when a local primary of another version than the one routed now (a
+    rolling update passed its place on) answered 503: it drains and takes nothing new."""
+    now = view.route()
+    if (
+        up.status == 503
+        and not target.remote
+        and now is not None
+        and now.epoch > target.epoch
+        and now.version != target.version
+    ):
+        raise Superseded(f"{target.name} was superseded by {now.name} (version {now.version})")
 
 
 def attempts(spec: RouterSpec) -> int:
