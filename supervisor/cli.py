@@ -1,5 +1,5 @@
 """`supervisor` (also `python -m supervisor`): run, validate, status, promote, evict, restart,
-stop."""
+stop, update, rollback."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from holdfast_contract.errors import HoldfastError
 from supervisor.control import request
 from supervisor.errors import ControlError, PolicyError
 from supervisor.policy_file import load_policy
+from supervisor.update import cli as update_cli
 
 EXAMPLES = """examples:
   supervisor run                          # the demo policy: tiny CPU model, 1+1+1 engines
@@ -39,6 +40,8 @@ EXAMPLES = """examples:
   supervisor promote e2 --policy policies/h200.yaml
   supervisor evict batch-1 --runtime-dir /tmp/holdfast-demo
   supervisor restart batch-1
+  supervisor update --model /models/tiny-v2 --wait  # a rolling model update
+  supervisor rollback
   supervisor stop
 """
 
@@ -75,6 +78,7 @@ def parser() -> argparse.ArgumentParser:
         help="check keys, types and rules between them, not this machine "
         "(skips whether model.path holds a checkpoint)",
     )
+    control = [*update_cli.add_parsers(sub)]
     for name, text in (
         (
             "status",
@@ -108,6 +112,8 @@ def parser() -> argparse.ArgumentParser:
                 "health API (its address from its registration)",
             )
             c.add_argument("--api", help="with --cluster: this node's health API, HOST:PORT")
+        control.append(c)
+    for c in control:
         where = c.add_mutually_exclusive_group()
         where.add_argument("--policy", help="find the runtime dir from this policy")
         where.add_argument("--runtime-dir", help="the supervisor's runtime dir")
@@ -165,15 +171,18 @@ def _print_status(st: CrewStatus, as_json: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"epoch {st.epoch}, primary {st.primary or '-'}")
-    for col in ("name", "role", "state", "pid", "port", "restarts", "heartbeat ms", "load"):
+    served = f", version {st.version}" if st.version else ""
+    t = Table(title=f"epoch {st.epoch}, primary {st.primary or '-'}{served}")
+    for col in ("name", "role", "state", "version", "pid", "port", "restarts", "heartbeat ms"):
         t.add_column(col)
+    t.add_column("load")
     for e in st.engines:
         age = "-" if e.heartbeat_age_ms is None else f"{e.heartbeat_age_ms:.0f}"
         t.add_row(
             e.name,
             e.role,
             e.state,
+            e.version or "-",
             str(e.pid or "-"),
             str(e.port or "-"),
             str(e.restarts),
@@ -202,6 +211,8 @@ def _print_status(st: CrewStatus, as_json: bool) -> None:
                 _why(e.name, e.wanted, now), highlight=False, markup=False, soft_wrap=True
             )
     console.print(d)
+    if st.update is not None:
+        console.print(update_cli.line(st.update), highlight=False, markup=False, soft_wrap=True)
     for x in changed:
         console.print(
             f"daemon {x.rank}: the checkpoint changed on disk since its pool was loaded "
@@ -227,6 +238,8 @@ def _command(args: argparse.Namespace) -> int:
         api = args.api or load_policy(args.policy).api.listen
         return print_cluster(api, bool(args.json))
     endpoint = _endpoint(args)
+    if args.cmd in ("update", "rollback"):
+        return update_cli.command(args, endpoint, request)
     reqs = {"status": StatusReq, "stop": StopReq}
     named = {"promote": PromoteReq, "evict": EvictReq, "restart": RestartReq}
     req = reqs[args.cmd]() if args.cmd in reqs else named[args.cmd](name=args.name)

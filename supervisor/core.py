@@ -18,7 +18,7 @@ import os
 import time
 
 from holdfast_contract.agent_protocol import Ack, Drain, Heartbeat, Hello, StateChange
-from holdfast_contract.control import CrewStatus, DaemonStatus
+from holdfast_contract.control import CrewStatus, DaemonStatus, UpdateStatus
 from holdfast_contract.events import EventName as N
 from supervisor import decisions
 from supervisor.errors import ControlError, StartupError
@@ -53,6 +53,7 @@ class Crew(Failover):
         self.daemons = daemons
         self.refused: dict[str, str] = {}  # primaries that failed their promotion
         self.early_hellos: dict[str, Hello] = {}  # arrived while their engine was spawning
+        self.update: UpdateStatus | None = None  # a rolling update's, set by its Rollout
         interval_s = policy.heartbeat.interval_ms / 1000.0
         # the supervisor's own stalls (run by the service), not counted as engines' silence
         self.pace = LoopPace(
@@ -176,6 +177,24 @@ class Crew(Failover):
         if e.state == S.DRAINING:  # not stopped meanwhile (the supervisor stops)
             self._move(e, N.EVICTED, reason=reason)
 
+    async def retire(self, e: Engine) -> None:
+        """An engine of a version no longer served leaves the crew (a rolling update's old
+        engines, or a refused version's): SIGTERM, `engines.stop_grace_s`, SIGKILL, then
+        -> stopped (`retired`) and out of the roster. A superseded primary is drained
+        first (supervisor/update/)."""
+        if e is self.primary:
+            raise ControlError(f"{e.name} is the primary; an update supersedes it first")
+        inc = e.inc
+        if inc is not None:
+            inc.handled = True
+            grace = self.policy.engines.stop_grace_s
+            await asyncio.gather(*(p.terminate(grace) for p in inc.procs))
+        e.in_flight = e.queued = 0
+        if e.state != S.STOPPED:  # (stopped meanwhile: the supervisor stops)
+            self._move(e, N.RETIRED, version=e.version)
+        self.engines.pop(e.name, None)
+        self.wake.set()
+
     async def restart(self, e: Engine) -> None:
         """`supervisor restart NAME`: fence it if it runs (uncounted), forget its restart
         count and start it again now, even if it was evicted by hand or quarantined."""
@@ -205,6 +224,8 @@ class Crew(Failover):
                 adoptions=d.adoptions,
                 adopted=d.adopted,
                 checkpoint_changed=list(d.checkpoint_changed),
+                version=d.version,
+                generation=self.daemons.generation,
             )
             for d in self.daemons.daemons
         ]
@@ -217,6 +238,8 @@ class Crew(Failover):
             events=self.bus.count,
             events_dropped=self.bus.dropped,
             mqtt_connected=bool(mqtt and mqtt.connected),
+            version=self.version,
+            update=self.update,
         )
 
     def find(self, name: str) -> Engine:
@@ -232,8 +255,13 @@ class Crew(Failover):
         try:
             inc = await self.launcher.spawn(e, self.epoch, self)
         except StartupError as err:
-            e.book.record()
-            self._move(e, N.QUARANTINED, cause="spawn", detail=str(err))
+            if e.state != S.STOPPED:  # (retired meanwhile)
+                e.book.record()
+                self._move(e, N.QUARANTINED, cause="spawn", detail=str(err))
+            return
+        if e.state == S.STOPPED:  # retired while it was being started: it never was
+            inc.handled = True
+            await asyncio.gather(*(p.fence() for p in inc.procs))
             return
         e.inc, e.last_beat, e.held = inc, 0.0, False
         e.in_flight = e.queued = 0

@@ -31,6 +31,7 @@ from supervisor.kinds import kind_of
 from supervisor.policy import Policy
 from supervisor.states import DAEMON, DaemonState, move
 from supervisor.units import Daemon, Incarnation
+from supervisor.versions import Source, version_of
 from supervisor.watcher import Command, Watcher, not_ready, until, until_ready
 from supervisor.wiring import Term
 
@@ -69,15 +70,22 @@ class CacheDaemons:
         model_dir: str,
         bus: EventBus,
         term: Term,
+        *,
+        generation: int = 1,
+        keeper: Keeper | None = None,
     ) -> None:
+        """`run`: where its sockets and ready files live (an update's generation n > 1:
+        `<run>/gen-<n>`, beside the keeper of the first, `keeper`, which it shares)."""
         self.policy = policy
         self.run = run
         self.model_dir = model_dir
         self.bus = bus
         self.term = term  # the crew's: its epoch, and the wake-up of its loop
-        self.keeper: Keeper | None = None  # started by start_keeper
+        self.generation = generation
+        self.keeper: Keeper | None = keeper  # started by start_keeper unless shared
+        self.owns_keeper = keeper is None
         self.pace: pace.LoopPace | None = None  # the supervisor's stalls, not a daemon's
-        self.keeper_path = run / "keeper.sock"
+        self.keeper_path = (run if keeper is None else keeper.socket_path.parent) / "keeper.sock"
         self.daemons = [
             Daemon(rank=r, device=dev, book=RestartBook(policy.restart))
             for r, dev in enumerate(policy.devices.ids)
@@ -92,8 +100,30 @@ class CacheDaemons:
     def sockets(self) -> list[str]:
         return [str(self.run / f"daemon-{d.rank}.sock") for d in self.daemons]
 
+    def unit(self, d: Daemon) -> str:
+        """Rank d's name in events and retained states: `0`, or `0-g2` for generation 2."""
+        return str(d.rank) if self.generation == 1 else f"{d.rank}-g{self.generation}"
+
+    @property
+    def version(self) -> str:
+        """The model version of the pool: rank 0's (every rank holds a shard of the same
+        checkpoint); "" until it serves."""
+        return self.daemons[0].version if self.daemons else ""
+
+    def source(self) -> Source:
+        """Where an engine on these daemons' pool gets its weights."""
+        m = self.policy.model
+        return Source(
+            self.version,
+            self.model_dir,
+            tuple(self.sockets()),
+            m.dtype,
+            m.quantization,
+            self.generation,
+        )
+
     def start_keeper(self) -> None:
-        if self.policy.cache.keeper:
+        if self.policy.cache.keeper and self.keeper is None:
             from cachedaemon.keeper import Keeper
 
             self.keeper = Keeper(self.keeper_path).start()
@@ -205,6 +235,7 @@ class CacheDaemons:
         status = await asyncio.to_thread(daemon_status, info.socket)
         if inc.handled or d.inc is not inc:
             return  # it died while it was asked for its status
+        d.version = version_of(status) if status is not None else ""
         self.served(d, info, int(getattr(status, "pool_bytes", 0)), time.monotonic())
         self.checkpoint.loaded(d, status)
         self.watcher.own(self._probe(d, inc))
@@ -224,6 +255,7 @@ class CacheDaemons:
             adopted=d.adopted,
             pool_bytes=d.pool_bytes,
             fingerprint=d.fingerprint,
+            version=d.version,
             down_ms=ms,
         )
         self.term.wake.set()
@@ -281,7 +313,7 @@ class CacheDaemons:
                 log.warning("daemon stopped answering; fencing it", rank=d.rank, pid=inc.pid)
                 self.bus.emit(
                     "daemon",
-                    str(d.rank),
+                    self.unit(d),
                     N.HUNG,
                     self.term.epoch,
                     pid=inc.pid,
@@ -312,7 +344,7 @@ class CacheDaemons:
 
         ok = await until_ready(self.run, check, self.policy.cache.ready_timeout_s)
         if ok and d.spare is inc:
-            self.bus.emit("daemon", str(d.rank), N.SPARE_READY, self.term.epoch, pid=inc.pid)
+            self.bus.emit("daemon", self.unit(d), N.SPARE_READY, self.term.epoch, pid=inc.pid)
 
     def _drop_spare_file(self, d: Daemon, inc: Incarnation) -> None:
         """Remove rank d's .spare file once the spare that wrote it (`inc`) has exited; a
@@ -373,12 +405,12 @@ class CacheDaemons:
         move(d, DAEMON, event)
         self._changed.set()
         epoch = self.term.epoch
-        self.bus.emit("daemon", str(d.rank), event, epoch, pid=d.pid, **data)
+        self.bus.emit("daemon", self.unit(d), event, epoch, pid=d.pid, **data)
         self.bus.state(
             UnitState(
                 ts=time.time(),
                 kind="daemon",
-                name=str(d.rank),
+                name=self.unit(d),
                 state=d.state,
                 epoch=epoch,
                 pid=d.pid,
@@ -386,6 +418,13 @@ class CacheDaemons:
         )
 
     async def stop(self) -> None:
+        """Every daemon and spare, then the keeper if it is this generation's."""
+        await self.stop_daemons()
+        if self.keeper is not None and self.owns_keeper:
+            self.keeper.close()
+            self.keeper = None
+
+    async def stop_daemons(self) -> None:
         for d in self.daemons:
             spare, d.spare = d.spare, None
             if spare is not None:
@@ -399,6 +438,13 @@ class CacheDaemons:
             if d.state != DaemonState.STOPPED:
                 self._move(d, N.STOPPED)
         await self.watcher.stop()
+
+    def withdraw(self) -> list[str]:
+        """Drop every rank's pool from the keeper's escrow (an update's old or refused
+        generation, its daemons stopped): nothing holds it once no engine maps it. The
+        fingerprints withdrawn."""
+        fps = [d.fingerprint for d in self.daemons if d.fingerprint]
         if self.keeper is not None:
-            self.keeper.close()
-            self.keeper = None
+            for fp in fps:
+                self.keeper.withdraw(fp)
+        return fps

@@ -23,6 +23,7 @@ from supervisor.kinds import Forks, kind_of
 from supervisor.policy import Policy
 from supervisor.procs import Proc
 from supervisor.units import Engine, Incarnation
+from supervisor.versions import Source
 from supervisor.watcher import Command, Watcher, until_ready
 from supervisor.wiring import Reports
 
@@ -79,8 +80,10 @@ class EngineLauncher:
         self.policy = policy
         self.forks = forks
         self.run = run
-        self.model_dir = model_dir
-        self.daemons = daemons
+        m = policy.model
+        # the pool an engine starts on unless it names its own (`Engine.source`): the
+        # cache daemons' that serve now; its version is known once they serve
+        self.source = Source("", model_dir, tuple(daemons), m.dtype, m.quantization)
         self._next_port = policy.engines.port_base
         self.watcher = Watcher()  # every exit watch and probe of every engine
         self.probes = kind_of(policy).probes(policy)  # readiness, health, the kind's own
@@ -92,22 +95,22 @@ class EngineLauncher:
         return self._next_port
 
     def env(self, e: Engine, rank: int, epoch: int) -> dict[str, str]:
-        p = self.policy
+        p, src = self.policy, e.source or self.source
         env = {**os.environ, **p.engines.env}
         given = EngineEnv(
             name=e.name,
             role=e.role,
             port=e.port,
             epoch=epoch,
-            model=self.model_dir,
-            daemons=tuple(self.daemons),
+            model=src.model_dir,
+            daemons=src.daemons,
             rank=rank,
             world_size=p.model.tp_size,
             device=p.devices.ids[rank],
             heartbeat_ms=p.heartbeat.interval_ms,
             run=str(self.run),
-            dtype=p.model.dtype,
-            quantization=p.model.quantization,
+            dtype=src.dtype,
+            quantization=src.quantization,
         )
         env.update(to_environ(given))
         if e.memory_mb > 0:  # the engine's budget, less a fifth for activations and graphs
@@ -130,7 +133,7 @@ class EngineLauncher:
             role=e.role,
             port=env[var("port")],
             epoch=env[var("epoch")],
-            model=self.model_dir,
+            model=env[var("model")],
             agent=env.get(var("agent"), ""),
             daemons=env[var("daemons")],
             rank=env[var("rank")],
@@ -144,6 +147,8 @@ class EngineLauncher:
         """Start every rank of `e`; its exit and its health probes' beats are reported to
         `into`. Raises StartupError when the command cannot start."""
         e.port = self._port()
+        if e.source is None:
+            e.source = self.source
         procs: list[Proc] = []
         try:
             for rank in range(self.policy.model.tp_size):

@@ -247,7 +247,7 @@ class Failover(Roster):
         """Tell `p` to serve at the current epoch and route to it (the router waits for
         its ack if it was told); whether it was told."""
         told = self.hub.send(p.name, Promote(epoch=self.epoch))
-        self.view.set(Target(p.name, p.port, self.epoch), await_ack=told)
+        self.view.set(Target(p.name, p.port, self.epoch, version=p.version), await_ack=told)
         return told
 
     def raise_epoch(self, floor: int, *, cluster_epoch: int) -> None:
@@ -262,6 +262,24 @@ class Failover(Roster):
             return
         told = self._route_to(p)
         self._move(p, N.EPOCH_RAISED, cluster_epoch=cluster_epoch, told=told)
+
+    def switch(self, new: Engine) -> Engine | None:
+        """A rolling update's one step: `new`, a ready standby of the next version, becomes
+        primary at epoch + 1 and its version the one served; the old primary is routed no
+        more but not killed (primary -> draining, `superseded`): its requests in flight
+        finish there (supervisor/update/). The old primary, if there was one."""
+        if new.state != S.STANDBY:
+            raise ControlError(f"{new.name} is {new.state}; only a ready standby takes over")
+        old, t0 = self.primary, time.monotonic()
+        if old is not None and old.inc is not None:
+            old.inc.handled = True  # its exit, when it comes, is no loss
+            self.primary = None
+            self._move(old, N.SUPERSEDED, by=new.name, version=old.version, next=new.version)
+            old.role = "standby"  # as after `supervisor promote`; `superseded` says what it was
+        self.version = new.version
+        self.promote(new, t0, cause="update", old=old.name if old else None)
+        self.wake.set()
+        return old
 
     async def hand_over(self, new: Engine) -> None:
         """`supervisor promote NEW`: fence the primary (it restarts at once, as a standby,

@@ -44,6 +44,7 @@ UNITS = ("daemon", "engine")  # the events' `kind`s that restart and are quarant
 DAEMON_STATES = frozenset(DaemonState) - {DaemonState.STOPPED}
 # upper bounds (s) of the state-duration histogram's buckets
 BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
+UPDATE_OUTCOMES = (N.SWITCHED, N.ROLLED_BACK, N.FINISHED)  # update.main.<event>s counted
 QUEUE = 100_000  # events the metrics task may fall behind by before it misses some
 
 
@@ -77,6 +78,10 @@ class SupervisorMetrics:
         self.restarts = collections.Counter(dict.fromkeys(UNITS, 0))
         self.quarantines = collections.Counter(dict.fromkeys(UNITS, 0))
         self.evictions: collections.Counter[str] = collections.Counter()  # by reason
+        # rolling updates, by what became of them (supervisor/update/)
+        self.updates: collections.Counter[str] = collections.Counter(
+            {str(o): 0 for o in UPDATE_OUTCOMES}
+        )
         self._started: set[tuple[str, str]] = set()  # units seen starting once
         self._state: dict[tuple[str, str], tuple[str, float]] = {}  # unit -> (state, since)
         self._seconds: dict[tuple[str, str, str], float] = collections.defaultdict(float)
@@ -110,6 +115,8 @@ class SupervisorMetrics:
             self.quarantines[ev.kind] += 1
         elif ev.event == N.EVICTED:
             self.evictions[_reason(ev.data.get("reason"))] += 1
+        elif ev.kind == "update" and ev.event in UPDATE_OUTCOMES:
+            self.updates[ev.event] += 1
         elif ev.event == N.STARTING:
             if unit in self._started:
                 self.restarts[ev.kind] += 1
@@ -172,6 +179,7 @@ class SupervisorMetrics:
             "kind",
         )
         yield _counter("evictions", "batch engines evicted, by reason", self.evictions, "reason")
+        yield _counter("updates", "rolling model updates, by outcome", self.updates, "outcome")
 
     def _states(self) -> Iterator[Metric]:
         now = time.time()

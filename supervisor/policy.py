@@ -18,6 +18,7 @@ from holdfast_contract.command import FORKABLE, template_errors
 from holdfast_contract.env import DEFAULT_HEARTBEAT_MS
 from holdfast_contract.formats import Dtype, Quantization
 from supervisor.fleet_spec import ClusterSpec, advertise_errors, cluster_errors
+from supervisor.update.spec import UpdateSpec, update_errors
 
 
 class _Spec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -165,6 +166,7 @@ class Policy(_Spec, frozen=True):
     api: ApiSpec = msgspec.field(default_factory=ApiSpec)
     events: EventsSpec = msgspec.field(default_factory=EventsSpec)
     log: LogSpec = msgspec.field(default_factory=LogSpec)
+    update: UpdateSpec = msgspec.field(default_factory=UpdateSpec)  # `supervisor update`
     cluster: ClusterSpec | None = None  # several nodes electing one primary (docs/fleet.md)
     source: str = ""  # the file it came from; set by load_policy (a value in the file is ignored)
 
@@ -196,6 +198,7 @@ def semantic_errors(p: Policy, *, schema_only: bool = False) -> list[str]:
         errors.append("$.engines.primary_nice: must be a nice value, -20..19 (0: unchanged)")
     if p.router.warm_every < 0:
         errors.append("$.router.warm_every: must be 0 (off) or more tokens")
+    errors += update_errors(p.update)
     if p.cluster is not None:
         errors += cluster_errors(p.cluster, p.heartbeat.miss_window_s)
         if not p.cluster.advertise:
@@ -203,17 +206,17 @@ def semantic_errors(p: Policy, *, schema_only: bool = False) -> list[str]:
     return errors
 
 
-def _checkpoint_errors(path: Path) -> list[str]:
+def checkpoint_errors(path: Path, key: str = "$.model.path") -> list[str]:
     """What keeps model.path from being a checkpoint dir on this machine, if anything."""
     fix = "point it at a Hugging Face checkpoint dir (config.json + *.safetensors)"
     if not path.exists():
-        return [f"$.model.path: {path} does not exist; {fix}"]
+        return [f"{key}: {path} does not exist; {fix}"]
     if not path.is_dir():
-        return [f"$.model.path: {path} is not a directory; {fix}"]
+        return [f"{key}: {path} is not a directory; {fix}"]
     if not (path / "config.json").is_file():
-        return [f"$.model.path: {path} holds no config.json; {fix}"]
+        return [f"{key}: {path} holds no config.json; {fix}"]
     if not any(path.glob("*.safetensors")):
-        return [f"$.model.path: {path} holds no *.safetensors; {fix} with its weights"]
+        return [f"{key}: {path} holds no *.safetensors; {fix} with its weights"]
     return []
 
 
@@ -225,7 +228,7 @@ def _model_errors(p: Policy, schema_only: bool) -> list[str]:
             "$.model: set model.path to a checkpoint dir, or model.preset to generate one"
         )
     if m.path is not None and not schema_only:
-        errors += _checkpoint_errors(Path(m.path))
+        errors += checkpoint_errors(Path(m.path))
     if m.tp_size < 1:
         errors.append("$.model.tp_size: must be at least 1")
     elif len(p.devices.ids) != m.tp_size:

@@ -21,7 +21,8 @@ class Target:
     """Where requests go: a local engine, or (`remote`) another node's router.
 
     `epoch` orders targets for the retry rule; `node` and `cluster_epoch` are set in a
-    cluster (docs/fleet.md) and sent as X-Holdfast-Node / X-Holdfast-Cluster-Epoch."""
+    cluster (docs/fleet.md) and sent as X-Holdfast-Node / X-Holdfast-Cluster-Epoch;
+    `version` names the model version whose pool it runs on (docs/update.md)."""
 
     name: str
     port: int
@@ -30,6 +31,7 @@ class Target:
     node: str = ""
     cluster_epoch: int = 0
     remote: bool = False
+    version: str = ""  # the model version it serves (X-Holdfast-Model-Version)
 
 
 def choose(current: Target | None, after_epoch: int) -> Target | None:

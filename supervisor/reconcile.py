@@ -9,9 +9,11 @@ from holdfast_contract.control import (
     ControlReply,
     EvictReq,
     PromoteReq,
-    RestartReq,
+    Request,
+    RollbackReq,
     StatusReq,
     StopReq,
+    UpdateReq,
 )
 from supervisor import decisions
 from supervisor.core import Crew
@@ -20,6 +22,7 @@ from supervisor.errors import ControlError
 from supervisor.pace import sched_state, thread_runs
 from supervisor.states import EngineState
 from supervisor.units import Engine, Incarnation
+from supervisor.update.rollout import Rollout
 
 
 async def tick(c: Crew) -> float | None:
@@ -94,14 +97,20 @@ async def _batch(c: Crew, now: float) -> float | None:
 
 
 async def handle(
-    c: Crew, req: StatusReq | PromoteReq | EvictReq | RestartReq | StopReq, stop: asyncio.Event
+    c: Crew, req: Request, stop: asyncio.Event, rollout: Rollout | None = None
 ) -> ControlReply:
-    """Answer one operator request; StopReq sets `stop`."""
+    """Answer one operator request; StopReq sets `stop`; an update and a rollback go to
+    `rollout` (supervisor/update/)."""
     if isinstance(req, StatusReq):
         return ControlReply(ok=True, status=c.snapshot())
     if isinstance(req, StopReq):
         stop.set()
         return ControlReply(ok=True, message="stopping")
+    if isinstance(req, UpdateReq | RollbackReq):
+        if rollout is None:
+            raise ControlError("this supervisor makes no rolling updates")
+        said = await (rollout.update(req) if isinstance(req, UpdateReq) else rollout.rollback())
+        return ControlReply(ok=True, message=said)
     e = c.find(req.name)
     if isinstance(req, PromoteReq):
         return await _promote(c, e)

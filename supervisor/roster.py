@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from holdfast_contract.events import EventName as N
@@ -37,6 +37,9 @@ class Roster:
         self.windows = decisions.Windows.of(policy)
         self.engines: dict[str, Engine] = {e.name: e for e in engines_of(policy)}
         self.warms = policy.router.warm_every > 0 and kind_of(policy).warms
+        # the model version the router's primary serves: only its standbys are promoted
+        self.version = ""
+        self._moved = asyncio.Event()  # set, and replaced, at each move
 
     @property
     def epoch(self) -> int:
@@ -58,6 +61,13 @@ class Roster:
         move(e, ENGINE, event, to)
         self.publish(e, event, **data)
         self._name_heir()
+        self._moved.set()
+        self._moved = asyncio.Event()
+
+    async def until(self, done: Callable[[], bool]) -> None:
+        """Until `done()` holds, looked at after each move of any engine."""
+        while not done():
+            await self._moved.wait()
 
     def _name_heir(self) -> None:
         """Tell the router which standby is promoted next: it keeps streams' pasts warm
@@ -67,14 +77,13 @@ class Roster:
         if h is None:
             self.view.heir = None
         elif now is None or now.name != h.name or now.port != h.port:
-            self.view.heir = Target(h.name, h.port, 0)
+            self.view.heir = Target(h.name, h.port, 0, version=h.version)
 
     def best_standby(self) -> Engine | None:
         """The standby to promote: the one the router keeps pasts warm on, if ready."""
         heir = self.view.heir.name if self.view.heir is not None else None
-        return decisions.best_standby(
-            self.engines.values(), time.monotonic(), self.windows.hang_s, prefer=heir
-        )
+        ours = [e for e in self.engines.values() if e.version == self.version]
+        return decisions.best_standby(ours, time.monotonic(), self.windows.hang_s, prefer=heir)
 
     def publish(self, e: Engine, event: str, **data: Any) -> None:
         data.setdefault("pid", e.pid)

@@ -57,6 +57,7 @@ from supervisor.policy import Policy, split_listen
 from supervisor.primary import PrimaryView
 from supervisor.proxy.router import Router
 from supervisor.runtime import RuntimeDir
+from supervisor.update.rollout import Rollout
 from supervisor.wiring import Term
 
 log = structlog.get_logger("supervisor")
@@ -205,6 +206,7 @@ class Service:
         launcher = EngineLauncher(p, rd.path, model_dir, daemons.sockets(), forks=forks)
         c = Crew(p, bus, self.view, self.term, hub=hub, launcher=launcher, daemons=daemons)
         daemons.pace = c.pace  # its stalls are no daemon's silence
+        rollout = Rollout(c, daemons, launcher)  # `supervisor update`
         tasks.start(c.pace.run(), "pace")
         node = (
             Node(p.cluster, p.api.listen, bus, c, self.view)
@@ -213,12 +215,15 @@ class Service:
         )
         tasks.start(hub.serve(c), "agents")
         tasks.start(
-            control.serve(functools.partial(reconcile.handle, c, stop=self.stop)), "control"
+            control.serve(functools.partial(reconcile.handle, c, stop=self.stop, rollout=rollout)),
+            "control",
         )
         router = await self._listen(c, hub, control, node, stack)
         bus.start()  # the broker hears from a supervisor that could listen
         t0 = time.monotonic()
-        await stack.enter_async_context(_children(forks, daemons))
+        await stack.enter_async_context(_children(forks, daemons, rollout.stop_daemons))
+        launcher.source = daemons.source()  # the version is known once they serve
+        c.version = launcher.source.version
         bus.emit(
             "supervisor",
             "main",
@@ -227,6 +232,7 @@ class Service:
             ms=round((time.monotonic() - t0) * 1000, 1),
         )
         stack.push_async_callback(_stop_engines, c, launcher)
+        stack.push_async_callback(rollout.close)  # before the engines stop
         if node is not None:  # joins now; campaigns once the crew can serve
             tasks.start(node.run(daemons.daemons[0].fingerprint), "fleet")
             # leave the cluster first (the lease is revoked): another node takes over at once
@@ -339,16 +345,21 @@ def _raise_failure(tasks: Owned) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _children(forks: ForkServer | None, daemons: CacheDaemons) -> AsyncIterator[None]:
+async def _children(
+    forks: ForkServer | None,
+    daemons: CacheDaemons,
+    stop_daemons: Callable[[], Awaitable[None]],
+) -> AsyncIterator[None]:
     """The fork server (it imports while the daemons load), then the keeper and daemons,
     serving; at the end, those started go down side by side (each may use its SIGTERM
-    grace), each logged as it is down, so a slow one is named."""
+    grace), each logged as it is down, so a slow one is named. `stop_daemons` stops every
+    generation of them (supervisor/update/generations.py), the first's keeper last."""
     started: list[tuple[str, Callable[[], Awaitable[None]]]] = []
     try:
         if forks is not None:
             await forks.start()
             started.append(("forkserver", forks.stop))
-        started.append(("daemons", daemons.stop))  # from now on there are daemons to stop
+        started.append(("daemons", stop_daemons))  # from now on there are daemons to stop
         await daemons.start()
         yield
     finally:

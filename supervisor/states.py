@@ -110,6 +110,7 @@ def move(unit: Stateful[S], table: Table[S, V], event: V, dst: S | None = None) 
 E = EngineState
 N = EventName
 _RUNNING_ENGINE = (E.STARTING, E.STANDBY, E.BATCH, E.PRIMARY)
+_RETIRABLE = (E.STARTING, E.STANDBY, E.BATCH, E.DRAINING, E.DEAD, E.QUARANTINED, E.EVICTED)
 
 ENGINE = Table[EngineState, EventName](
     "engine",
@@ -139,6 +140,10 @@ ENGINE = Table[EngineState, EventName](
         (E.DEAD, N.RESTARTING, E.DEAD, "restart"),  # one that died, or was fenced by it
         (E.EVICTED, N.RESTARTING, E.DEAD, "restart"),
         (E.QUARANTINED, N.RESTARTING, E.DEAD, "restart"),
+        # a rolling update: the old primary, routed no more, finishes its requests; the
+        # engines of a version no longer served leave the crew (supervisor/update/)
+        (E.PRIMARY, N.SUPERSEDED, E.DRAINING, "switch"),
+        *[(s, N.RETIRED, E.STOPPED, "retire") for s in _RETIRABLE],
         # the supervisor stops
         *[(s, N.STOPPED, E.STOPPED, "stop_all") for s in (*_RUNNING_ENGINE, E.DRAINING)],
     ],

@@ -15,6 +15,7 @@ from holdfast_contract.control import EngineStatus, Wanted, WantedReason, Wanted
 from supervisor.backoff import RestartBook
 from supervisor.policy import Policy
 from supervisor.states import RUNNING, DaemonState, EngineState
+from supervisor.versions import Source
 
 # what an engine's agent reports once it may be routed to (its own states, not ours)
 READY_STATES = frozenset({"ready", "serving"})
@@ -104,6 +105,12 @@ class Engine:
     held: bool = False  # evicted by hand: stays evicted until `supervisor restart NAME`
     next_start: float = 0.0
     wanted: Want | None = None  # what the rules want of it, as the last tick decided
+    # the pool it starts on: set at its first start (the launcher's), or by an update
+    source: Source | None = None
+
+    @property
+    def version(self) -> str:
+        return self.source.version if self.source is not None else ""
 
     @property
     def pid(self) -> int:
@@ -135,6 +142,7 @@ class Engine:
             queued=self.queued,
             pids=[p.pid for p in self.inc.procs] if self.inc else [],
             wanted=self.wanted.wire(now, wall) if self.wanted is not None else None,
+            version=self.version,
         )
 
 
@@ -158,6 +166,7 @@ class Daemon:
     spawning: bool = False  # a start is under way (its process not spawned yet)
     # how the checkpoint files on disk differ from those its pool was loaded from
     checkpoint_changed: tuple[str, ...] = ()
+    version: str = ""  # of the pool it serves (`versions.version_of`)
 
     @property
     def pid(self) -> int:

@@ -120,6 +120,7 @@ class FakeLauncher:
 @dataclass
 class NoDaemons:
     daemons: list[Daemon] = field(default_factory=list)
+    generation: int = 1
 
     def all_serving(self) -> bool:
         return True

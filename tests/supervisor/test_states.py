@@ -51,7 +51,8 @@ def label(row: Row[Any, Any]) -> str:
 
 # ---- engines ----
 def batch_row(row: Row[EngineState, str]) -> bool:
-    return bool({row.src, row.dst} & BATCH_ONLY)
+    # an update's superseded primary drains: a serving engine's row
+    return bool({row.src, row.dst} & BATCH_ONLY) and row.event != "superseded"
 
 
 def usable(row: Row[EngineState, str], batch: bool) -> bool:
@@ -131,6 +132,12 @@ class Driver:
             await c.evict(e, reason="operator", held=True)
         elif ev == "restarting":
             await c.restart(e)
+        elif ev == "superseded":
+            assert c.switch(await standby(self.g, e)) is e
+        elif ev == "retired":
+            await c.retire(e)
+            await self.finish_eviction(e)
+            assert e.name not in c.engines
         elif ev == "stopped":
             await c.stop_all()
             await self.finish_eviction(e)

@@ -1,0 +1,112 @@
+"""`supervisor update --model DIR` and `supervisor rollback`: a rolling model update over
+the control socket (supervisor/update/rollout.py does it; docs/update.md)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+
+from holdfast_contract.control import (
+    ControlReply,
+    ControlRequest,
+    RollbackReq,
+    StatusReq,
+    UpdateReq,
+    UpdateStatus,
+)
+from holdfast_contract.formats import DTYPES, QUANTIZATIONS
+
+Request = Callable[[str, ControlRequest], ControlReply]
+DONE = frozenset({"finished", "rolled-back"})
+UPDATE = """Update the served model without a stop: the next version's cache daemons load
+DIR beside the pool that serves, standbys of the new version start on it and warm (and
+answer update.smoke, if the policy names one), then the primary's place passes to one of
+them in one fenced, epoch-raising step. Requests in flight on the old primary finish
+there (update.drain_s); the old standbys retire, batch engines restart on the new pool,
+and the old pool is freed after update.keep_old_s (until then `supervisor rollback`
+switches back). A new version not ready within update.ready_timeout_s, or that fails its
+smoke request, is rolled back with nothing lost. Refused before anything changes: an
+update under way, a DIR that is no checkpoint, or one of another architecture or other
+shapes. Every answer names its version (X-Holdfast-Model-Version)."""
+ROLLBACK = """Before the switch: stop the new version (its engines and pool; the old version
+served throughout). After it, while the old pool is kept (update.keep_old_s): switch back
+to it the way an update switches."""
+
+
+def add_parsers(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> list[argparse.ArgumentParser]:
+    """The `update` and `rollback` subcommands; the parsers made (they take the runtime
+    dir's flags like every control command)."""
+    up = sub.add_parser(
+        "update",
+        help="roll the crew over to another checkpoint of the same model, without a stop",
+        description=UPDATE,
+        epilog="example: supervisor update --model /models/tiny-v2 --wait --policy policies/demo.yaml",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    up.add_argument(
+        "--model", required=True, metavar="DIR", help="the next version's checkpoint dir"
+    )
+    up.add_argument("--dtype", choices=DTYPES, help="hold it as (default: as now)")
+    up.add_argument("--quantization", choices=QUANTIZATIONS, help="(default: as now)")
+    up.add_argument(
+        "--wait",
+        action="store_true",
+        help="until the update finished (exit 0) or was rolled back (exit 1)",
+    )
+    back = sub.add_parser(
+        "rollback",
+        help="undo the update under way, or the last one while its old pool is kept",
+        description=ROLLBACK,
+        epilog="example: supervisor rollback --runtime-dir /tmp/holdfast-demo",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    back.add_argument("--wait", action="store_true", help="until it is done (exit 0)")
+    return [up, back]
+
+
+def command(args: argparse.Namespace, endpoint: str, request: Request) -> int:
+    """Send the update or the rollback; with --wait, follow it to its end."""
+    req: ControlRequest = (
+        UpdateReq(os.path.abspath(args.model), args.dtype, args.quantization)
+        if args.cmd == "update"
+        else RollbackReq()
+    )
+    reply = request(endpoint, req)
+    if not reply.ok:
+        print(f"supervisor: {reply.message}", file=sys.stderr)
+        return 1
+    print(reply.message)
+    if not args.wait:
+        return 0
+    st = _until_done(endpoint, request)
+    print(f"update {st.state}: version {st.version_to or st.version_from}{_detail(st)}")
+    wanted = "finished" if args.cmd == "update" else "rolled-back"
+    return 0 if st.state == wanted else 1
+
+
+def _until_done(endpoint: str, request: Request) -> UpdateStatus:
+    """The update's status once it finished or was rolled back (asked twice a second)."""
+    while True:
+        status = request(endpoint, StatusReq()).status
+        st = status.update if status is not None else None
+        if st is not None and st.state in DONE:
+            return st
+        time.sleep(0.5)
+
+
+def line(st: UpdateStatus) -> str:
+    """The update's line under `supervisor status`'s tables."""
+    to = f" to version {st.version_to}" if st.version_to else ""
+    keep = ""
+    if st.keep_until is not None and st.state == "keeping":
+        keep = f", old pool freed in {max(0.0, st.keep_until - time.time()):.0f} s"
+    return f"update {st.state}: {st.model}{to} (from {st.version_from}){keep}{_detail(st)}"
+
+
+def _detail(st: UpdateStatus) -> str:
+    return f": {st.detail}" if st.detail else ""

@@ -1,0 +1,34 @@
+"""The policy's `update:` section: deadlines of a rolling model update and its smoke
+request. Imported by supervisor/policy.py; imports nothing of the supervisor."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SmokeSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One completion a new version's standby must answer with HTTP 200 before the switch."""
+
+    prompt: str = "Hello"
+    max_tokens: int = 4
+
+
+class UpdateSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    ready_timeout_s: float = 120.0  # the new pool serving and its standbys ready, or rollback
+    drain_s: float = 30.0  # the old primary's requests in flight finish within, or end
+    keep_old_s: float = 10.0  # the old pool is kept this long after the switch (rollback)
+    smoke: SmokeSpec | None = None  # unset: no smoke request
+
+
+def update_errors(spec: UpdateSpec) -> list[str]:
+    """The rules of the section, each naming its key."""
+    errors = [
+        f"$.update.{key}: got {value:g}, must be > 0"
+        for key, value in (("ready_timeout_s", spec.ready_timeout_s), ("drain_s", spec.drain_s))
+        if value <= 0
+    ]
+    if spec.keep_old_s < 0:
+        errors.append(f"$.update.keep_old_s: got {spec.keep_old_s:g}, must be >= 0")
+    if spec.smoke is not None and spec.smoke.max_tokens < 1:
+        errors.append(f"$.update.smoke.max_tokens: got {spec.smoke.max_tokens}, must be >= 1")
+    return errors
