@@ -50,6 +50,19 @@ class Ack(_Msg, frozen=True):
     detail: str = ""
 
 
+class Refitted(_Msg, frozen=True):
+    """The end of one Refit: the engine serves `version` now (ok), or still the one it
+    served before, `detail` saying why not."""
+
+    name: str
+    version: str
+    ok: bool
+    detail: str = ""
+    ms: float = 0.0  # from the command to serving again
+    swap_ms: float = 0.0  # the remap itself, at a step boundary
+    cut: int = 0  # requests in flight ended with an error at grace_s
+
+
 # ---- supervisor -> agent ----
 class Stop(_Msg, frozen=True):
     """Stop now: drain with the engine's own grace period, then exit."""
@@ -67,8 +80,20 @@ class Drain(_Msg, frozen=True):
     grace_s: float
 
 
-AgentMessage = Hello | Heartbeat | StateChange | Ack
-Command = Promote | Drain | Stop
+class Refit(_Msg, frozen=True):
+    """Serve the weights of the pool at `socket` (same names, shapes and layout as the
+    one this engine maps) from now on, without a restart: take no new requests, finish
+    those in flight within `grace_s` (past it they end with an error), map the new pool at
+    the old one's addresses at a step boundary, then serve again as `version`. The end is
+    a Refitted message."""
+
+    socket: str
+    version: str
+    grace_s: float
+
+
+AgentMessage = Hello | Heartbeat | StateChange | Ack | Refitted
+Command = Promote | Drain | Stop | Refit
 
 _encoder = msgspec.msgpack.Encoder()
 _agent_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(AgentMessage)
@@ -79,12 +104,12 @@ def encode(msg: _Msg) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode_agent(data: bytes) -> Hello | Heartbeat | StateChange | Ack:
+def decode_agent(data: bytes) -> Hello | Heartbeat | StateChange | Ack | Refitted:
     """Raises msgspec.DecodeError on garbage; callers drop and count such frames."""
-    msg: Hello | Heartbeat | StateChange | Ack = _agent_decoder.decode(data)
+    msg: Hello | Heartbeat | StateChange | Ack | Refitted = _agent_decoder.decode(data)
     return msg
 
 
-def decode_command(data: bytes) -> Promote | Drain | Stop:
-    msg: Promote | Drain | Stop = _command_decoder.decode(data)
+def decode_command(data: bytes) -> Promote | Drain | Stop | Refit:
+    msg: Promote | Drain | Stop | Refit = _command_decoder.decode(data)
     return msg

@@ -49,7 +49,17 @@ class RollbackReq(ControlRequest, frozen=True):
     pass
 
 
-Request = StatusReq | PromoteReq | EvictReq | RestartReq | StopReq | UpdateReq | RollbackReq
+class RefitReq(ControlRequest, frozen=True):
+    """`supervisor refit --model DIR`: new weights of the same names and shapes (a
+    safetensors dir, an absolute path) into a new pool; every engine switches to it in
+    place, without a restart (supervisor/update/refit.py)."""
+
+    model: str
+
+
+Request = (
+    StatusReq | PromoteReq | EvictReq | RestartReq | StopReq | UpdateReq | RollbackReq | RefitReq
+)
 # a request with this header is answered by a standby too: an update's smoke request
 SMOKE_HEADER = "X-Holdfast-Smoke"
 
@@ -114,7 +124,9 @@ class DaemonStatus(msgspec.Struct, frozen=True):
     generation: int = 1  # one more with each update: its own sockets, <run>/gen-<n>/
 
 
-UpdateState = Literal["building", "warming", "switching", "draining", "keeping", "rolling-back"]
+UpdateState = Literal[
+    "building", "warming", "refitting", "switching", "draining", "keeping", "rolling-back"
+]
 
 
 class UpdateStatus(msgspec.Struct, frozen=True):
@@ -127,6 +139,7 @@ class UpdateStatus(msgspec.Struct, frozen=True):
     detail: str = ""  # why it rolled back; what it waits for
     started: float = 0.0  # wall clock
     keep_until: float | None = None  # wall clock: the old pool is freed then (`keeping`)
+    kind: Literal["update", "refit"] = "update"  # new engines switched in, or engines refitted
 
 
 class FleetNodeStatus(msgspec.Struct, frozen=True):

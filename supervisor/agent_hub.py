@@ -24,7 +24,7 @@ import structlog
 import zmq
 
 from holdfast_contract import agent_protocol as wire
-from holdfast_contract.agent_protocol import Ack, Heartbeat, Hello, StateChange
+from holdfast_contract.agent_protocol import Ack, Heartbeat, Hello, Refitted, StateChange
 from supervisor.wiring import AgentReports
 
 log = structlog.get_logger("supervisor.agent_hub")
@@ -91,7 +91,7 @@ class AgentHub:
             self.malformed += 1
             log.warning("agent message dropped", agent=ident.decode(errors="replace"), error=str(e))
 
-    def send(self, name: str, cmd: wire.Promote | wire.Drain | wire.Stop) -> bool:
+    def send(self, name: str, cmd: wire.Promote | wire.Drain | wire.Stop | wire.Refit) -> bool:
         """Queue a command for `name`; False when that agent is not connected (or its queue
         is full)."""
         try:
@@ -108,12 +108,14 @@ class AgentHub:
             self._sock.close(linger=0)
 
 
-def _dispatch(msg: Hello | Heartbeat | StateChange | Ack, into: AgentReports) -> None:
+def _dispatch(msg: Hello | Heartbeat | StateChange | Ack | Refitted, into: AgentReports) -> None:
     if isinstance(msg, Heartbeat):
         into.on_heartbeat(msg)
     elif isinstance(msg, Hello):
         into.on_hello(msg)
     elif isinstance(msg, StateChange):
         into.on_state(msg)
+    elif isinstance(msg, Refitted):
+        into.on_refitted(msg)
     else:
         into.on_ack(msg)

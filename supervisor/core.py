@@ -17,7 +17,7 @@ import asyncio
 import os
 import time
 
-from holdfast_contract.agent_protocol import Ack, Drain, Heartbeat, Hello, StateChange
+from holdfast_contract.agent_protocol import Ack, Drain, Heartbeat, Hello, Refitted, StateChange
 from holdfast_contract.control import CrewStatus, DaemonStatus, UpdateStatus
 from holdfast_contract.events import EventName as N
 from supervisor import decisions
@@ -54,6 +54,8 @@ class Crew(Failover):
         self.refused: dict[str, str] = {}  # primaries that failed their promotion
         self.early_hellos: dict[str, Hello] = {}  # arrived while their engine was spawning
         self.update: UpdateStatus | None = None  # a rolling update's, set by its Rollout
+        # the engines told to refit, each awaiting its Refitted (supervisor/update/refit.py)
+        self.refits: dict[str, asyncio.Future[Refitted]] = {}
         interval_s = policy.heartbeat.interval_ms / 1000.0
         # the supervisor's own stalls (run by the service), not counted as engines' silence
         self.pace = LoopPace(
@@ -136,6 +138,11 @@ class Crew(Failover):
                 command=msg.command,
                 detail=msg.detail,
             )
+
+    def on_refitted(self, msg: Refitted) -> None:
+        waiter = self.refits.pop(msg.name, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(msg)
 
     def on_load(self, e: Engine, inc: Incarnation, in_flight: int, queued: int) -> None:
         """`e`'s load as its kind's probe read it (vLLM's /metrics)."""

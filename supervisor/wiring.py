@@ -16,6 +16,8 @@ from holdfast_contract.agent_protocol import (
     Heartbeat,
     Hello,
     Promote,
+    Refit,
+    Refitted,
     StateChange,
     Stop,
 )
@@ -42,6 +44,8 @@ class AgentReports(Protocol):
 
     def on_ack(self, msg: Ack) -> None: ...
 
+    def on_refitted(self, msg: Refitted) -> None: ...
+
 
 class Reports(AgentReports, Protocol):
     """All the parts report (`Crew`): the agents, and an engine's exit, answered
@@ -57,7 +61,7 @@ class Reports(AgentReports, Protocol):
 class Commands(Protocol):
     """Where commands to engines go (`AgentHub`)."""
 
-    def send(self, name: str, cmd: Promote | Drain | Stop) -> bool: ...
+    def send(self, name: str, cmd: Promote | Drain | Stop | Refit) -> bool: ...
 
     def drain(self, into: AgentReports) -> None:
         """Deliver to `into` now what the agents sent that is waiting to be read."""
