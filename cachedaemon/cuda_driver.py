@@ -144,3 +144,23 @@ def unmap(ctx: Any, ptr: int, size: int) -> None:
     cu.cuCtxSynchronize()
     cu.cuMemUnmap(cu.CUdeviceptr(ptr), size)
     cu.cuMemAddressFree(cu.CUdeviceptr(ptr), size)
+
+
+def address_range(ptr: int) -> tuple[int, int]:
+    """The base and size of the mapped allocation that holds `ptr`."""
+    base, size = check("cuMemGetAddressRange", cu.cuMemGetAddressRange(cu.CUdeviceptr(ptr)))
+    return int(base), int(size)
+
+
+def remap(ordinal: int, ptr: int, size: int, fd: int) -> None:
+    """Map the allocation behind `fd` read-only at `ptr`, in place of what was mapped there
+    (the range stays reserved, so every pointer into it stays valid). Work queued on the
+    range must be finished. A failure after the unmap leaves the range empty: the caller
+    cannot go on using it."""
+    handle = import_fd(fd)
+    try:
+        check("cuMemUnmap", cu.cuMemUnmap(cu.CUdeviceptr(ptr), size))
+        check("cuMemMap", cu.cuMemMap(cu.CUdeviceptr(ptr), size, 0, handle, 0))
+    finally:
+        release(handle)  # the mapping keeps the memory alive from here on
+    set_access(ordinal, ptr, size, writable=False)

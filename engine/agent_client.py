@@ -4,7 +4,7 @@ supervisor (pyzmq + msgspec, no torch; `supervisor.agent_hub` is the other end).
 An engine creates one AgentClient, registers callbacks for the supervisor's commands and
 starts it. The client owns one DEALER socket (identity = the engine's name) and one thread
 that sends Hello, a Heartbeat every interval with the engine's load, queued StateChanges,
-and runs the callbacks for Promote / Drain / Stop, acknowledging each with an Ack (the
+and runs the callbacks for Promote / Drain / Stop / Refit, acknowledging each with an Ack (the
 messages are `holdfast_contract.agent_protocol`).
 
     agent = AgentClient.from_env(load=lambda: (server.in_flight, server.queued))
@@ -35,6 +35,7 @@ LoadFn = Callable[[], tuple[int, int]]
 PromoteCb = Callable[[int], None]
 DrainCb = Callable[[float], None]
 StopCb = Callable[[], None]
+RefitCb = Callable[[wire.Refit], None]
 
 
 def _no_load() -> tuple[int, int]:
@@ -64,6 +65,7 @@ class AgentClient:
         self._on_promote: list[PromoteCb] = []
         self._on_drain: list[DrainCb] = []
         self._on_stop: list[StopCb] = []
+        self._on_refit: list[RefitCb] = []
         self._outbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
@@ -104,6 +106,14 @@ class AgentClient:
 
     def on_stop(self, cb: StopCb) -> None:
         self._on_stop.append(cb)
+
+    def on_refit(self, cb: RefitCb) -> None:
+        """`cb` starts a refit (and returns at once); its end goes out as `refitted`."""
+        self._on_refit.append(cb)
+
+    def refitted(self, msg: wire.Refitted) -> None:
+        """Report the end of a refit to the supervisor."""
+        self._send(wire.encode(msg))
 
     # ---- lifecycle ----
     def start(self) -> None:
@@ -234,7 +244,7 @@ class AgentClient:
                 continue  # garbage from the wire is dropped, never fatal
             self._send_nowait(sock, wire.encode(self._dispatch(cmd)))
 
-    def _dispatch(self, cmd: wire.Promote | wire.Drain | wire.Stop) -> wire.Ack:
+    def _dispatch(self, cmd: wire.Promote | wire.Drain | wire.Stop | wire.Refit) -> wire.Ack:
         name = type(cmd).__name__.lower()
         try:
             if isinstance(cmd, wire.Promote):
@@ -245,6 +255,11 @@ class AgentClient:
             elif isinstance(cmd, wire.Drain):
                 for d in self._on_drain:
                     d(cmd.grace_s)
+            elif isinstance(cmd, wire.Refit):
+                if not self._on_refit:
+                    raise AgentError("this engine does not refit its weights in place")
+                for r in self._on_refit:
+                    r(cmd)
             else:
                 for s in self._on_stop:
                     s()

@@ -26,6 +26,7 @@ from engine.metrics import Metrics, Phases
 from engine.peerwatch import PeerWatch, store_address
 from engine.server import EngineServer, Model
 from engine.tokenizer import load_tokenizer
+from holdfast_contract import agent_protocol as wire
 
 log = structlog.get_logger("engine")
 
@@ -144,6 +145,7 @@ def start_agent(cfg: EngineConfig, load: Load) -> AgentClient:
 
 def wire_agent(
     agent: AgentClient,
+    cfg: EngineConfig,
     server: EngineServer,
     loop: asyncio.AbstractEventLoop,
     request_stop: Callable[[float], None],
@@ -160,9 +162,25 @@ def wire_agent(
     def stop() -> None:
         loop.call_soon_threadsafe(request_stop, grace_s)
 
+    refits: set[asyncio.Task[None]] = set()
+
+    async def refit_now(cmd: wire.Refit) -> None:
+        from engine.refit import refit  # torch's side: imported when first asked
+
+        agent.refitted(await refit(server, cfg, cmd))
+
+    def start_refit(cmd: wire.Refit) -> None:
+        def start() -> None:
+            task = loop.create_task(refit_now(cmd))
+            refits.add(task)
+            task.add_done_callback(refits.discard)
+
+        loop.call_soon_threadsafe(start)
+
     agent.on_promote(promote)
     agent.on_drain(drain)
     agent.on_stop(stop)
+    agent.on_refit(start_refit)
 
 
 async def serve(
@@ -185,7 +203,7 @@ async def serve(
     server.model.start()
     if agent is not None:
         server.on_state = agent.set_state
-        wire_agent(agent, server, loop, request_stop, cfg.grace_s)
+        wire_agent(agent, cfg, server, loop, request_stop, cfg.grace_s)
     # handler_cancellation: a client that hangs up cancels its handler, and so its generation
     runner = web.AppRunner(
         server.app(), handle_signals=False, access_log=None, handler_cancellation=True

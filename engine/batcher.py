@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable
 
 import structlog
+import torch
 
 from engine.errors import BadRequest, EngineError
 from engine.job import Generation, Job, OnStep, Stats, Step
@@ -72,6 +73,7 @@ class BatchEngine:
         self._step_ms, self._steps = 0.0, 0
         self._reused = 0  # prompt tokens a kept prefix spared a step
         self._pending: list[Callable[[], None]] = []  # the last step's callbacks, not yet out
+        self._calls: list[tuple[Callable[[], None], concurrent.futures.Future[None]]] = []
         self._thread = threading.Thread(target=self._loop, name="model", daemon=True)
 
     def start(self) -> None:
@@ -158,6 +160,23 @@ class BatchEngine:
     def embed(self, batch: list[list[int]]) -> list[list[float]]:
         return self.runner.embed(batch)
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The model's parameters and buffers by name (views of the pool when attached)."""
+        m = self.runner.model
+        return {**dict(m.named_parameters()), **dict(m.named_buffers())}
+
+    def between_steps(self, fn: Callable[[], None]) -> concurrent.futures.Future[None]:
+        """Run `fn` on the model thread before its next step or graph capture (a refit's
+        swap); the future ends with it. What is kept warm is given back after it: its
+        keys and values were computed from the weights before."""
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with self._lock:
+            if self._stopping:
+                raise EngineError("the engine loop has stopped")
+            self._calls.append((fn, done))
+        self._wake.set()
+        return done
+
     def follow(self) -> int:
         return self.runner.follow()
 
@@ -173,6 +192,7 @@ class BatchEngine:
     # ---- the loop thread ----
     def _loop(self) -> None:
         while True:
+            self._run_calls()
             with self._lock:
                 if self._stopping:
                     self._flush()
@@ -195,6 +215,19 @@ class BatchEngine:
             self._step(plan)
             if self._steps % CAPTURE_EVERY == 0:
                 self.runner.capture_next()
+
+    def _run_calls(self) -> None:
+        with self._lock:
+            calls, self._calls = self._calls, []
+        for fn, done in calls:
+            try:
+                fn()
+            except BaseException as e:  # the caller learns of it; the loop goes on
+                done.set_exception(e)
+                continue
+            with self._lock:
+                self.scheduler.forget_all()
+            done.set_result(None)
 
     def _gathering(self) -> float:
         """Seconds to wait for more of what arrives together before the next step (0: step

@@ -207,6 +207,15 @@ class Scheduler:
                 seq.cancel.set()
         return self._release(key)
 
+    def forget_all(self) -> None:
+        """Give back every kept prefix and cancel every prefill that would keep one (their
+        keys and values were made by weights now replaced)."""
+        for seq in (*self.waiting, *self.running):
+            if seq.warming:
+                seq.cancel.set()
+        for key in list(self.kept):
+            self._release(key)
+
     def _release(self, key: str) -> bool:
         kept = self.kept.pop(key, None)
         if kept is not None:

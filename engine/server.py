@@ -27,7 +27,7 @@ from engine.job import Generation, Job, OnStep, Stats, Step
 from engine.metrics import Live, Metrics
 from engine.replies import ChatReply, CompletionReply, Reply
 from engine.tokenizer import Tokenizer
-from holdfast_contract.control import SMOKE_HEADER
+from holdfast_contract.control import SMOKE_HEADER, VERSION_HEADER
 
 log = structlog.get_logger("engine.server")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -78,6 +78,7 @@ class EngineServer:
         self.model_id = model_id or name  # what /v1/models lists and replies name
         self.model, self.tokenizer, self.limits, self.metrics = model, tokenizer, limits, metrics
         self.state = "starting"
+        self.version = ""  # the model version it serves since its last refit ("": as started)
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -118,8 +119,16 @@ class EngineServer:
     def promote(self, epoch: int) -> None:
         self.role, self.epoch = "primary", epoch
         log.info("promoted", engine=self.name, epoch=epoch)
-        if self.state != "draining":
+        if self.state not in ("draining", "refitting"):
             self.set_state("serving")
+
+    async def idle(self, within_s: float) -> bool:
+        """Whether every request in flight ends within `within_s`."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), within_s)
+        except TimeoutError:
+            return False
+        return True
 
     async def drain(self, grace_s: float) -> bool:
         """Stop taking requests; wait up to grace_s for in-flight ones. True if all finished."""
@@ -179,6 +188,8 @@ class EngineServer:
         response.headers["X-Holdfast-Engine"] = self.name
         response.headers["X-Holdfast-Epoch"] = str(self.epoch)
         response.headers["X-Holdfast-Role"] = self.role
+        if self.version:  # refitted: the version it serves, which the router passes on
+            response.headers[VERSION_HEADER] = self.version
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -203,8 +214,8 @@ class EngineServer:
         """Refuse a request this engine does not serve now. A standby answers an update's
         smoke request (the SMOKE_HEADER), which the supervisor sends it before it may be
         promoted."""
-        if self.state == "draining":
-            raise Unavailable(f"engine {self.name} is draining and takes no new requests")
+        if self.state in ("draining", "refitting"):
+            raise Unavailable(f"engine {self.name} is {self.state} and takes no new requests")
         if self.state == "starting":
             raise Unavailable(f"engine {self.name} is still starting")
         if self.role == "standby" and (request is None or SMOKE_HEADER not in request.headers):
@@ -222,7 +233,7 @@ class EngineServer:
 
     # ---- handlers ----
     async def health(self, request: web.Request) -> web.Response:
-        ok = self.state in ("ready", "serving")
+        ok = self.state in ("ready", "serving", "refitting")
         body = {
             "name": self.name,
             "role": self.role,

@@ -1,0 +1,90 @@
+"""A refit maps another pool of the same layout at the addresses of the one attached: every
+view reads the new weights, no pointer changes, and a pool of other shapes is refused
+before anything changes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cachedaemon import refit
+from cachedaemon.checkpoint_gen import make_checkpoint
+from cachedaemon.client import attach_model
+from cachedaemon.config import make_config
+from cachedaemon.errors import CacheError
+from tests.cachedaemon.test_attach import meta_module
+
+
+def _module(model: Path) -> torch.nn.Module:
+    full = load_file(model / "model.safetensors")
+    return meta_module({n: tuple(t.shape) for n, t in full.items()})
+
+
+def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return dict(module.named_parameters())
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory, module_daemons: Any) -> tuple[Path, Path]:
+    """Daemons serving two checkpoints of one shape and other weights (seeds 0 and 1)."""
+    root = tmp_path_factory.mktemp("refit")
+    a = make_checkpoint(root / "a", "tiny", seed=0)
+    b = make_checkpoint(root / "b", "tiny", seed=1)
+    module_daemons(a, root / "run-a")
+    module_daemons(b, root / "run-b")
+    return root / "run-a" / "daemon-0.sock", root / "run-b" / "daemon-0.sock"
+
+
+def test_a_refit_swaps_every_tensor_in_place(tmp_path: Path, two: tuple[Path, Path]) -> None:
+    sock_a, sock_b = two
+    a, b = sock_a.parent.parent / "a", sock_b.parent.parent / "b"
+    module = _module(a)
+    attach_model(module, sock_a, make_config(a))
+    before = {n: (t.data_ptr(), t.clone()) for n, t in _state(module).items()}
+    new = load_file(b / "model.safetensors")
+    assert any(not torch.equal(before[n][1], new[n]) for n in new)  # the seeds differ
+
+    r = refit.fetch(sock_b, make_config(b), _state(module))
+    assert all(torch.equal(t, before[n][1]) for n, t in _state(module).items())  # not yet
+    r.swap()
+    assert r.fds == [] and r.swap_ms > 0
+    for name, t in _state(module).items():
+        assert t.data_ptr() == before[name][0]
+        assert torch.equal(t, new[name]), name
+
+
+def test_a_pool_of_other_shapes_is_refused_before_anything_changes(
+    tmp_path: Path, two: tuple[Path, Path], module_daemons: Any
+) -> None:
+    sock_a, _ = two
+    a = sock_a.parent.parent / "a"
+    other = make_checkpoint(tmp_path / "wide", "tiny", seed=2)
+    cfg = json.loads((other / "config.json").read_text())
+    full = load_file(other / "model.safetensors")
+    from safetensors.torch import save_file
+
+    name = "model.norm.weight"
+    full[name] = torch.ones(full[name].shape[0] * 2, dtype=full[name].dtype)
+    save_file(full, str(other / "model.safetensors"), metadata={"format": "pt"})
+    (other / "config.json").write_text(json.dumps(cfg))
+    module_daemons(other, tmp_path / "run")
+    module = _module(a)
+    attach_model(module, sock_a, make_config(a))
+    before = {n: t.clone() for n, t in _state(module).items()}
+    with pytest.raises(CacheError, match=name):
+        refit.fetch(tmp_path / "run" / "daemon-0.sock", None, _state(module))
+    assert all(torch.equal(t, before[n]) for n, t in _state(module).items())
+
+
+def test_nothing_answering_is_a_clear_error(tmp_path: Path, two: tuple[Path, Path]) -> None:
+    sock_a, _ = two
+    a = sock_a.parent.parent / "a"
+    module = _module(a)
+    attach_model(module, sock_a, make_config(a))
+    with pytest.raises(CacheError, match="nothing answers"):
+        refit.fetch(tmp_path / "none.sock", None, _state(module))
