@@ -88,6 +88,7 @@ class Refit(_Msg, frozen=True):
     a Refitted message."""
 
     socket: str
+    model: str  # the checkpoint dir that pool was loaded from
     version: str
     grace_s: float
 

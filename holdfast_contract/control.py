@@ -62,6 +62,8 @@ Request = (
 )
 # a request with this header is answered by a standby too: an update's smoke request
 SMOKE_HEADER = "X-Holdfast-Smoke"
+# the model version that made an answer: the router's, or a refitted engine's own
+VERSION_HEADER = "X-Holdfast-Model-Version"
 
 
 WantedState = Literal["running", "stopped"]

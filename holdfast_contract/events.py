@@ -29,6 +29,7 @@ class EventName(StrEnum):
     STOPPED = "stopped"
     SUPERSEDED = "superseded"  # an update's old primary: routed no more, finishing its requests
     RETIRED = "retired"  # an engine of a version no longer served, gone from the crew
+    REFITTED = "refitted"  # an engine maps a refit's new pool, without a restart
     SERVING = "serving"
     DEAD = "dead"
     # an engine's, beside its moves (and `reported-<state>`, what its agent reported)

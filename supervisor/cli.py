@@ -238,7 +238,7 @@ def _command(args: argparse.Namespace) -> int:
         api = args.api or load_policy(args.policy).api.listen
         return print_cluster(api, bool(args.json))
     endpoint = _endpoint(args)
-    if args.cmd in ("update", "rollback"):
+    if args.cmd in ("update", "refit", "rollback"):
         return update_cli.command(args, endpoint, request)
     reqs = {"status": StatusReq, "stop": StopReq}
     named = {"promote": PromoteReq, "evict": EvictReq, "restart": RestartReq}

@@ -184,6 +184,14 @@ class Crew(Failover):
         if e.state == S.DRAINING:  # not stopped meanwhile (the supervisor stops)
             self._move(e, N.EVICTED, reason=reason)
 
+    def rejoin(self, e: Engine, **data: object) -> None:
+        """A refit's superseded primary, done with its requests and refitted in place,
+        stands by again (draining -> standby, `refitted`): its exit is a loss again."""
+        if e.inc is not None:
+            e.inc.handled = False
+        self._move(e, N.REFITTED, S.STANDBY, version=e.version, **data)
+        self.wake.set()
+
     async def retire(self, e: Engine) -> None:
         """An engine of a version no longer served leaves the crew (a rolling update's old
         engines, or a refused version's): SIGTERM, `engines.stop_grace_s`, SIGKILL, then

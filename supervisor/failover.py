@@ -281,6 +281,13 @@ class Failover(Roster):
         self.wake.set()
         return old
 
+    def serve_version(self, version: str) -> None:
+        """The primary was refitted where it serves (supervisor/update/refit.py): its new
+        version is the one served, and the router's from now on."""
+        self.version = version
+        if self.primary is not None and self.primary.state == S.PRIMARY:
+            self._route_to(self.primary)
+
     async def hand_over(self, new: Engine) -> None:
         """`supervisor promote NEW`: fence the primary (it restarts at once, as a standby,
         uncounted) and promote `new`, a ready standby."""

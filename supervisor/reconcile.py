@@ -9,6 +9,7 @@ from holdfast_contract.control import (
     ControlReply,
     EvictReq,
     PromoteReq,
+    RefitReq,
     Request,
     RollbackReq,
     StatusReq,
@@ -106,10 +107,16 @@ async def handle(
     if isinstance(req, StopReq):
         stop.set()
         return ControlReply(ok=True, message="stopping")
-    if isinstance(req, UpdateReq | RollbackReq):
+    if isinstance(req, UpdateReq | RollbackReq | RefitReq):
         if rollout is None:
             raise ControlError("this supervisor makes no rolling updates")
-        said = await (rollout.update(req) if isinstance(req, UpdateReq) else rollout.rollback())
+        said = await (
+            rollout.update(req)
+            if isinstance(req, UpdateReq)
+            else rollout.refit(req)
+            if isinstance(req, RefitReq)
+            else rollout.rollback()
+        )
         return ControlReply(ok=True, message=said)
     e = c.find(req.name)
     if isinstance(req, PromoteReq):

@@ -143,6 +143,7 @@ ENGINE = Table[EngineState, EventName](
         # a rolling update: the old primary, routed no more, finishes its requests; the
         # engines of a version no longer served leave the crew (supervisor/update/)
         (E.PRIMARY, N.SUPERSEDED, E.DRAINING, "switch"),
+        (E.DRAINING, N.REFITTED, E.STANDBY, "rejoin"),
         *[(s, N.RETIRED, E.STOPPED, "retire") for s in _RETIRABLE],
         # the supervisor stops
         *[(s, N.STOPPED, E.STOPPED, "stop_all") for s in (*_RUNNING_ENGINE, E.DRAINING)],

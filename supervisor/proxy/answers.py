@@ -18,13 +18,13 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from holdfast_contract.control import VERSION_HEADER
 from supervisor.primary import LeadershipEnded, Target
 from supervisor.proxy import sse
 from supervisor.proxy.migration import Stream
 from supervisor.proxy.routing import UPSTREAM_ERRORS, end_to_end
 
 HOLDFAST = "x-holdfast-"  # the router's own response headers
-VERSION_HEADER = "X-Holdfast-Model-Version"  # the model version that made the answer
 
 
 class ClientGone(Exception):
@@ -44,7 +44,7 @@ def answered_by(headers: MutableMapping[str, str], target: Target) -> None:
     set by the router that forwarded to its local primary; another router's pass through."""
     headers["X-Holdfast-Engine"] = target.name
     headers["X-Holdfast-Epoch"] = str(target.epoch)
-    if target.version:
+    if target.version and VERSION_HEADER not in headers:  # (an engine refitted says its own)
         headers[VERSION_HEADER] = target.version
     if target.node:
         headers["X-Holdfast-Node"] = target.node
@@ -222,8 +222,9 @@ class JsonAnswer:
     async def done(self, st: Stream) -> web.StreamResponse:
         st.closing()  # a finish_reason when every owed token came without one
         out = body(st)
-        if self.target is not None and self.target.version and st.fingerprint is None:
-            out["system_fingerprint"] = self.target.version  # the model version that made it
+        version = self.headers.get(VERSION_HEADER) or (self.target and self.target.version)
+        if version and st.fingerprint is None:
+            out["system_fingerprint"] = version  # the model version that made it
         return await self._send(200, out)
 
     async def engine_error(self, raw: bytes, error: Any) -> web.StreamResponse:

@@ -1,5 +1,6 @@
-"""`supervisor update --model DIR` and `supervisor rollback`: a rolling model update over
-the control socket (supervisor/update/rollout.py does it; docs/update.md)."""
+"""`supervisor update --model DIR`, `supervisor refit --model DIR` and `supervisor
+rollback`: a rolling model update, or a refit in place, over the control socket
+(supervisor/update/rollout.py and refit.py do them; docs/update.md)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from holdfast_contract.control import (
     ControlReply,
     ControlRequest,
+    RefitReq,
     RollbackReq,
     StatusReq,
     UpdateReq,
@@ -31,6 +33,16 @@ switches back). A new version not ready within update.ready_timeout_s, or that f
 smoke request, is rolled back with nothing lost. Refused before anything changes: an
 update under way, a DIR that is no checkpoint, or one of another architecture or other
 shapes. Every answer names its version (X-Holdfast-Model-Version)."""
+REFIT = """Switch every engine to new weights of the same names and shapes without a restart
+(a trainer's step): the next generation of cache daemons loads DIR beside the pool that
+serves; the standbys map it in place of the old one at once; the primary's place passes
+to a refitted standby in one fenced, epoch-raising step; the old primary finishes its
+requests in flight on the old weights (update.drain_s), then refits and stands by again;
+batch engines refit once their requests are done. An answer is never made by two
+versions. An engine that cannot refit in time restarts on the new pool. The old pool is
+freed after update.keep_old_s. Refused before anything changes: an update or refit under
+way, engines that do not refit in place (another kind, tensor parallel), a DIR of other
+names or shapes."""
 ROLLBACK = """Before the switch: stop the new version (its engines and pool; the old version
 served throughout). After it, while the old pool is kept (update.keep_old_s): switch back
 to it the way an update switches."""
@@ -58,6 +70,21 @@ def add_parsers(
         action="store_true",
         help="until the update finished (exit 0) or was rolled back (exit 1)",
     )
+    fit = sub.add_parser(
+        "refit",
+        help="switch every engine to new weights of the same shapes in place, without a restart",
+        description=REFIT,
+        epilog="example: supervisor refit --model /ckpt/step-1200 --wait --policy policies/demo.yaml",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    fit.add_argument(
+        "--model", required=True, metavar="DIR", help="the new weights' checkpoint dir"
+    )
+    fit.add_argument(
+        "--wait",
+        action="store_true",
+        help="until every engine serves them (exit 0) or the refit was rolled back (exit 1)",
+    )
     back = sub.add_parser(
         "rollback",
         help="undo the update under way, or the last one while its old pool is kept",
@@ -66,7 +93,7 @@ def add_parsers(
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     back.add_argument("--wait", action="store_true", help="until it is done (exit 0)")
-    return [up, back]
+    return [up, fit, back]
 
 
 def command(args: argparse.Namespace, endpoint: str, request: Request) -> int:
@@ -74,6 +101,8 @@ def command(args: argparse.Namespace, endpoint: str, request: Request) -> int:
     req: ControlRequest = (
         UpdateReq(os.path.abspath(args.model), args.dtype, args.quantization)
         if args.cmd == "update"
+        else RefitReq(os.path.abspath(args.model))
+        if args.cmd == "refit"
         else RollbackReq()
     )
     reply = request(endpoint, req)
@@ -84,8 +113,8 @@ def command(args: argparse.Namespace, endpoint: str, request: Request) -> int:
     if not args.wait:
         return 0
     st = _until_done(endpoint, request)
-    print(f"update {st.state}: version {st.version_to or st.version_from}{_detail(st)}")
-    wanted = "finished" if args.cmd == "update" else "rolled-back"
+    print(f"{st.kind} {st.state}: version {st.version_to or st.version_from}{_detail(st)}")
+    wanted = "rolled-back" if args.cmd == "rollback" else "finished"
     return 0 if st.state == wanted else 1
 
 
@@ -105,7 +134,7 @@ def line(st: UpdateStatus) -> str:
     keep = ""
     if st.keep_until is not None and st.state == "keeping":
         keep = f", old pool freed in {max(0.0, st.keep_until - time.time()):.0f} s"
-    return f"update {st.state}: {st.model}{to} (from {st.version_from}){keep}{_detail(st)}"
+    return f"{st.kind} {st.state}: {st.model}{to} (from {st.version_from}){keep}{_detail(st)}"
 
 
 def _detail(st: UpdateStatus) -> str:

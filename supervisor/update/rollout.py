@@ -25,7 +25,7 @@ import msgspec
 import structlog
 
 from holdfast_contract.agent_protocol import Drain
-from holdfast_contract.control import UpdateReq, UpdateState, UpdateStatus
+from holdfast_contract.control import RefitReq, UpdateReq, UpdateState, UpdateStatus
 from holdfast_contract.events import EventName as N
 from supervisor.backoff import RestartBook
 from supervisor.core import Crew
@@ -34,6 +34,7 @@ from supervisor.engines import EngineLauncher
 from supervisor.errors import ControlError, StartupError
 from supervisor.states import EngineState
 from supervisor.units import Engine
+from supervisor.update import refit
 from supervisor.update.checks import checkpoint_refusals
 from supervisor.update.generations import Generations
 from supervisor.update.smoke import SmokeFailed, smoke
@@ -42,7 +43,7 @@ from supervisor.versions import Source
 
 log = structlog.get_logger("supervisor.update")
 S = EngineState
-UNDER_WAY = frozenset({"building", "warming", "switching", "draining"})
+UNDER_WAY = frozenset({"building", "warming", "refitting", "switching", "draining"})
 
 
 class Rollout:
@@ -61,15 +62,7 @@ class Rollout:
     # ---- control ----
     async def update(self, req: UpdateReq) -> str:
         """Start an update to `req.model`, or refuse it, saying what to fix."""
-        st = self.c.update
-        if st is not None and st.state in UNDER_WAY | {"rolling-back", "keeping"}:
-            raise ControlError(
-                f"an update to version {st.version_to or '?'} ({st.model}) is under way "
-                f"({st.state}); wait for it to finish (`supervisor status`), or "
-                "`supervisor rollback`"
-            )
-        if self.c.policy.cluster is not None:
-            raise ControlError("a fleet node is not updated alone; update each node's policy")
+        self._refuse_if_busy()
         cur = self.current
         m = cur.policy.model
         dtype, quant = req.dtype or m.dtype, req.quantization or m.quantization
@@ -90,11 +83,48 @@ class Rollout:
         self._start(self._go(gen, build=True))
         return f"updating to {new} ({dtype}/{quant}); `supervisor status` follows it"
 
+    async def refit(self, req: RefitReq) -> str:
+        """Start a refit to the weights in `req.model` (same names and shapes), or refuse
+        it, saying what to fix (supervisor/update/refit.py)."""
+        self._refuse_if_busy()
+        why = refit.refusal(self.c)
+        if why:
+            raise ControlError(why)
+        cur = self.current
+        new = Path(req.model)
+        if new.resolve() == Path(cur.model_dir).resolve():
+            raise ControlError(
+                f"--model {new} is the checkpoint that serves now; give the dir of the new weights"
+            )
+        refused = await asyncio.to_thread(checkpoint_refusals, Path(cur.model_dir), new)
+        if refused:
+            raise ControlError("; ".join(refused))
+        m = cur.policy.model
+        gen = self.gens.make(str(new), m.dtype, m.quantization)
+        self._status("building", model=str(new), kind="refit", detail="loading the new pool")
+        self._start(refit.go(self, gen))
+        return f"refitting to {new}; `supervisor status` follows it"
+
+    def _refuse_if_busy(self) -> None:
+        st = self.c.update
+        if st is not None and st.state in UNDER_WAY | {"rolling-back", "keeping"}:
+            raise ControlError(
+                f"an {st.kind} to version {st.version_to or '?'} ({st.model}) is under way "
+                f"({st.state}); wait for it to finish (`supervisor status`), or "
+                "`supervisor rollback`"
+            )
+        if self.c.policy.cluster is not None:
+            raise ControlError("a fleet node is not updated alone; update each node's policy")
+
     async def rollback(self) -> str:
         """Before the switch: stop the new version (nothing was routed to it). After it,
         while the old pool is kept: switch back to it, as an update would."""
         st = self.c.update
-        if st is not None and st.state in ("building", "warming") and self._task is not None:
+        if (
+            st is not None
+            and st.state in ("building", "warming", "refitting")
+            and self._task is not None
+        ):
             self._task.cancel()  # its engines retire, its pool is freed: `rolled-back`
             return f"rolling back: version {self.c.version} serves on"
         if st is not None and st.state in ("switching", "draining", "rolling-back"):
@@ -174,9 +204,10 @@ class Rollout:
             raise
         await self._switch(gen, src, engines, back)
 
-    def _add_serving(self, src: Source) -> list[Engine]:
-        """As many serving engines of `src`'s version as the policy has (a primary and its
-        standbys), named after the highest serving one; started by the next tick."""
+    def _add_serving(self, src: Source, count: int = 0) -> list[Engine]:
+        """`count` serving engines of `src`'s version (0: as many as the policy has, a
+        primary and its standbys), named after the highest serving one; started by the
+        next tick."""
         p, c = self.c.policy, self.c
         top = max((int(n[1:]) for n in c.engines if n[1:].isdigit() and n[0] == "e"), default=0)
         made = [
@@ -189,7 +220,7 @@ class Rollout:
                 command=list(p.engines.command),
                 source=src,
             )
-            for i in range(p.engines.primary + p.engines.standby)
+            for i in range(count or p.engines.primary + p.engines.standby)
         ]
         for e in made:
             c.engines[e.name] = e
@@ -238,13 +269,18 @@ class Rollout:
             if e.running and e.state != S.DRAINING:
                 with contextlib.suppress(ControlError):  # (being stopped already)
                     await c.restart(e)
-        keep = 0.0 if back else self.spec.keep_old_s  # a version rolled back from is not kept
+        await self._keep_then_free(src, back=back)
+
+    async def _keep_then_free(self, src: Source, *, back: bool) -> None:
+        """Keep the old pool update.keep_old_s for a rollback (a version rolled back from is
+        not kept), then free it; the update's end."""
+        keep = 0.0 if back else self.spec.keep_old_s
         until = time.time() + keep
         self._status("keeping", keep_until=until, detail="the old pool is kept for a rollback")
         await asyncio.sleep(keep)
         if self.kept is not None:
             await self._free(self.kept)
-        self._emit(N.FINISHED, version=src.version, engines=_versions(c))
+        self._emit(N.FINISHED, version=src.version, engines=_versions(self.c))
         self._status("rolled-back" if back else "finished", detail="")
 
     async def _drain(self, old: Engine) -> None:
@@ -286,6 +322,7 @@ class Rollout:
                 version_to="",
                 model="",
                 started=time.time(),
+                kind="update",
             )
         self.c.update = msgspec.structs.replace(st, state=state, **changes)
 

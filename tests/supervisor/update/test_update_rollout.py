@@ -18,8 +18,6 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from cachedaemon import protocol
 from tests.engines.harness import Supervisor, exits_within, topic, write_policy
 
@@ -27,14 +25,6 @@ ENGINE = ["{python}", "-m", "engine"]
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
 TOKENS = 24
 VERSION = "X-Holdfast-Model-Version"
-
-
-@pytest.fixture(scope="module")
-def next_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The next version: the tiny preset's shapes, other weights."""
-    from cachedaemon.checkpoint_gen import make_checkpoint
-
-    return make_checkpoint(tmp_path_factory.mktemp("models") / "tiny-v2", "tiny", seed=1)
 
 
 def boot(base: Path, model: Path, **sections: Any) -> Supervisor:
