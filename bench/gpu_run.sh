@@ -10,6 +10,9 @@
 #     written while the next calls' parts travel),
 #   chaos / chaos-tp2 (chaos/scenarios/gpu.yaml / gpu-tp2.yaml; results in $OUT/chaos-gpu*),
 #   scenario=FILE (any chaos scenario file; results in $OUT/chaos-NAME),
+#   checkpoint-b-bg (write a second llama-8b, seed 1, to /tmp/models/llama-8b-b in the background),
+#   refit-tests (tests/cachedaemon/test_refit.py's GPU test), update (bench/update.py on llama-8b:
+#     an update to llama-8b-b under 16 streaming clients, a refit back, a stop-and-start; UPDATE_S bounds it),
 #   load-digest (the daemon's llama-8b load with and without the content digest: bench/load_digest.py),
 #   digest-tests (tests/cachedaemon/test_blake3_gpu.py: the digest hashed on the GPU equals the CPU's),
 #   vllm-part (keep the carried part of vLLM, .vllm/part-NN, in /tmp/holdfast-vllm-cuda/parts),
@@ -177,6 +180,26 @@ for stage in $stages; do
       timeout 200 python3 -m pytest -q -p no:cacheprovider -rA tests/engine/test_cuda_engine.py \
         -k nccl_group 2>&1 | tee "$OUT/nccl_tests.txt" ;;
     checkpoint) checkpoint ;;
+    checkpoint-b-bg)  # the second llama-8b (seed 1: same shapes, other weights), in the background
+      mkdir -p /tmp/models
+      setsid nohup sh -c '[ -f /tmp/models/llama-8b-b/.complete ] || { rm -rf /tmp/models/llama-8b-b
+        timeout 400 python3 -m cachedaemon make-checkpoint /tmp/models/llama-8b-b --preset llama-8b --seed 1 \
+          && touch /tmp/models/llama-8b-b/.complete; }' > /tmp/models/writer-b.log 2>&1 < /dev/null &
+      echo "checkpoint: writing /tmp/models/llama-8b-b in the background" ;;
+    refit-tests)  # the refit's remap on cuda-vmm pools: a captured graph replays the new weights
+      timeout 180 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/cachedaemon/test_refit.py \
+        2>&1 | tail -15 | tee "$OUT/tests_refit.txt" ;;
+    update)  # bench/update.py on llama-8b: an update to llama-8b-b, a refit back, a stop-and-start
+      checkpoint
+      t0=$SECONDS
+      while [ ! -f /tmp/models/llama-8b-b/.complete ] && [ $((SECONDS - t0)) -lt 400 ]; do sleep 2; done
+      echo "checkpoint b: after $((SECONDS - t0)) s here"; tail -2 /tmp/models/writer-b.log 2>/dev/null
+      cat /tmp/models/llama-8b/*.safetensors > /dev/null  # the refit's new tensors: in host memory
+      timeout "${UPDATE_S:-420}" python3 bench/update.py --policy chaos/scenarios/policy-gpu.yaml \
+        --model-a /tmp/models/llama-8b --model-b /tmp/models/llama-8b-b --clients 16 --prompt 128 \
+        --max-tokens 256 --standby 1 --no-batch --out "$OUT/update_llama-8b.json" \
+        > "$OUT/update.txt" 2>&1
+      echo "update bench: exit $?"; tail -80 "$OUT/update.txt" ;;
     load-digest)  # the daemon's llama-8b load with and without the content digest, interleaved
       checkpoint
       timeout 240 python3 bench/load_digest.py --preset llama-8b --models /tmp/models \

@@ -96,6 +96,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("models") / "tiny", "tiny")
 
 
+@pytest.fixture(scope="session")
+def next_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's next version, for updates and refits: its shapes, other weights."""
+    from cachedaemon.checkpoint_gen import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("models") / "tiny-v2", "tiny", seed=1)
+
+
 def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))

@@ -88,3 +88,42 @@ def test_nothing_answering_is_a_clear_error(tmp_path: Path, two: tuple[Path, Pat
     attach_model(module, sock_a, make_config(a))
     with pytest.raises(CacheError, match="nothing answers"):
         refit.fetch(tmp_path / "none.sock", None, _state(module))
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_captured_graph_replays_the_new_weights(
+    tmp_path: Path, tiny_model: Path, next_model: Path, start_daemon: Any
+) -> None:
+    """cuda-vmm pools: the new allocation is mapped into the old one's reserved range, so a
+    CUDA graph captured over the old weights reads the new ones, at the same pointers."""
+    start_daemon(tiny_model, tmp_path / "a", "--device", "cuda:0")
+    start_daemon(next_model, tmp_path / "b", "--device", "cuda:0")
+    module = _module(tiny_model)
+    attach_model(module, tmp_path / "a" / "daemon-0.sock", make_config(tiny_model, device="cuda:0"))
+    state = _state(module)
+    name = "model.embed_tokens.weight"
+    w = state[name]
+    ptrs = {n: t.data_ptr() for n, t in state.items()}
+    out = torch.zeros((), device="cuda:0", dtype=torch.float32)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        out.copy_(w.float().sum())  # warm the kernels outside the capture
+        with torch.cuda.graph(graph, stream=side):
+            out.copy_(w.float().sum())
+    graph.replay()
+    torch.cuda.synchronize()
+    old = out.item()
+    new = load_file(next_model / "model.safetensors")
+    expected = new[name].to("cuda:0", w.dtype).float().sum().item()
+    assert abs(old - expected) > 1e-3
+
+    r = refit.fetch(tmp_path / "b" / "daemon-0.sock", None, state)
+    r.swap()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert out.item() == pytest.approx(expected, rel=1e-5, abs=1e-3)
+    for n, t in _state(module).items():
+        assert t.data_ptr() == ptrs[n]
+        assert torch.equal(t.cpu(), new[n].to(t.dtype)), n

@@ -39,6 +39,7 @@ E = EngineState
 D = DaemonState
 BATCH_ONLY = {E.BATCH, E.DRAINING, E.EVICTED}
 SERVING_ONLY = {E.STANDBY, E.PRIMARY}
+UPDATE_ROWS = {"superseded", "refitted"}  # a serving engine's, through draining
 
 
 def run(coro: Coroutine[Any, Any, None]) -> None:
@@ -51,11 +52,13 @@ def label(row: Row[Any, Any]) -> str:
 
 # ---- engines ----
 def batch_row(row: Row[EngineState, str]) -> bool:
-    # an update's superseded primary drains: a serving engine's row
-    return bool({row.src, row.dst} & BATCH_ONLY) and row.event != "superseded"
+    # an update's superseded primary drains, and a refit's stands by again: serving rows
+    return bool({row.src, row.dst} & BATCH_ONLY) and row.event not in UPDATE_ROWS
 
 
 def usable(row: Row[EngineState, str], batch: bool) -> bool:
+    if row.event in UPDATE_ROWS:
+        return not batch
     other = SERVING_ONLY if batch else BATCH_ONLY
     return not ({row.src, row.dst} & other) and row.event != "stopped"
 
@@ -134,6 +137,8 @@ class Driver:
             await c.restart(e)
         elif ev == "superseded":
             assert c.switch(await standby(self.g, e)) is e
+        elif ev == "refitted":
+            c.rejoin(e)
         elif ev == "retired":
             await c.retire(e)
             await self.finish_eviction(e)
