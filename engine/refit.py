@@ -1,8 +1,10 @@
 """A refit in place: the engine serves another pool's weights (same names, shapes and
 layout) without a restart, when the supervisor's Refit says so.
 
-It takes no new requests (503, which the router retries elsewhere), lets those in flight
-finish within the command's grace (an answer is never made by two versions), then, at a
+It takes no new requests (503, which the router retries elsewhere; or, told to `hold`
+them, as a primary that no standby replaced is, they wait and are served by the new
+weights), lets those in flight finish within the command's grace (an answer is never
+made by two versions), then, at a
 step boundary on the model thread, maps the new pool over the old one
 (`cachedaemon.refit`): every pointer stays, so the CUDA graphs captured over the weights
 replay the new ones. Prefixes kept warm are given back. Past the grace nothing is swapped:
@@ -55,6 +57,8 @@ async def refit(server: EngineServer, cfg: EngineConfig, cmd: wire.Refit) -> wir
     except CacheError as e:
         return answer(False, str(e))
     server.set_state("refitting")
+    if cmd.hold:
+        server.holding = asyncio.Event()
     try:
         if not await server.idle(cmd.grace_s):
             pending.close()
@@ -63,6 +67,7 @@ async def refit(server: EngineServer, cfg: EngineConfig, cmd: wire.Refit) -> wir
                 f"{server.in_flight} requests were still in flight after {cmd.grace_s} s",
             )
         await asyncio.wrap_future(model.between_steps(pending.swap))
+        server.version = cmd.version
     except CacheError as e:  # the swap itself failed: what the device maps is unknown
         log.error("refit swap failed; the engine exits", error=str(e))
         os._exit(3)
@@ -70,5 +75,7 @@ async def refit(server: EngineServer, cfg: EngineConfig, cmd: wire.Refit) -> wir
         pending.close()
         if server.state == "refitting":
             server.ready()
-    server.version = cmd.version
+        if server.holding is not None:
+            server.holding.set()
+            server.holding = None
     return answer(True, swap_ms=round(pending.swap_ms, 3))

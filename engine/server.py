@@ -79,6 +79,7 @@ class EngineServer:
         self.model, self.tokenizer, self.limits, self.metrics = model, tokenizer, limits, metrics
         self.state = "starting"
         self.version = ""  # the model version it serves since its last refit ("": as started)
+        self.holding: asyncio.Event | None = None  # set when a refit that holds requests ends
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -210,6 +211,13 @@ class EngineServer:
         self.metrics.count(response.status)
         return response
 
+    async def _past_refit(self) -> None:
+        """A request that comes while this engine refits where it serves (`holding`: no
+        standby took its place) waits for the swap, then is served by the new weights."""
+        holding = self.holding
+        if holding is not None:
+            await holding.wait()
+
     def _check_serving(self, kind: str, request: web.Request | None = None) -> None:
         """Refuse a request this engine does not serve now. A standby answers an update's
         smoke request (the SMOKE_HEADER), which the supervisor sends it before it may be
@@ -253,6 +261,7 @@ class EngineServer:
         return web.Response(body=body, headers={"Content-Type": self.metrics.CONTENT_TYPE})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        await self._past_refit()
         self._check_serving("generate", request)
         req = api.decode_body(await request.read(), api.CompletionRequest)
         prompt, max_tokens = api.completion_prompt(req, self.tokenizer, self.limits)
@@ -271,6 +280,7 @@ class EngineServer:
         return web.json_response(await self._generate(job, out))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        await self._past_refit()
         self._check_serving("generate")
         req = api.decode_body(await request.read(), chat.ChatRequest)
         prompt, max_tokens = chat.chat_prompt(req, self.tokenizer, self.limits)
@@ -378,6 +388,7 @@ class EngineServer:
             log.info(ENDED_EARLY, tokens=len(gen.steps), reason=gen.finish_reason)
 
     async def embeddings(self, request: web.Request) -> web.Response:
+        await self._past_refit()
         self._check_serving("embed")
         req = api.decode_body(await request.read(), api.EmbeddingRequest)
         batch = api.embedding_inputs(req, self.tokenizer, self.limits)

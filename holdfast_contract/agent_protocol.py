@@ -91,6 +91,7 @@ class Refit(_Msg, frozen=True):
     model: str  # the checkpoint dir that pool was loaded from
     version: str
     grace_s: float
+    hold: bool = False  # new requests wait for the swap (True) or are refused with 503
 
 
 AgentMessage = Hello | Heartbeat | StateChange | Ack | Refitted

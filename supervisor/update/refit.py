@@ -64,12 +64,14 @@ def refusal(c: Crew) -> str:
     return ""
 
 
-async def tell(c: Crew, e: Engine, src: Source, grace_s: float, timeout_s: float) -> Refitted:
+async def tell(
+    c: Crew, e: Engine, src: Source, grace_s: float, timeout_s: float, *, hold: bool = False
+) -> Refitted:
     """Tell `e` to switch to `src`'s pool; its answer (RefitFailed when it does not switch
     or does not answer within `timeout_s`)."""
     waiter: asyncio.Future[Refitted] = asyncio.get_running_loop().create_future()
     c.refits[e.name] = waiter
-    cmd = Refit(src.daemons[0], src.model_dir, src.version, grace_s)
+    cmd = Refit(src.daemons[0], src.model_dir, src.version, grace_s, hold)
     if not c.hub.send(e.name, cmd):
         c.refits.pop(e.name, None)
         raise RefitFailed(f"{e.name} is not connected")
@@ -133,7 +135,7 @@ async def _switch(r: Rollout, gen: CacheDaemons, src: Source, done: list[Engine]
     if heir is not None:
         old = c.switch(heir)
     elif c.primary is not None:  # no standby: the primary refits where it serves
-        await _in_place(r, c.primary, src)
+        await _in_place(r, c.primary, src, hold=True)
         c.serve_version(src.version)
     c.daemons, r.launcher.source = gen, src
     r.kept, r.current = r.current, gen
@@ -149,11 +151,12 @@ async def _switch(r: Rollout, gen: CacheDaemons, src: Source, done: list[Engine]
     await r._keep_then_free(src, back=False)
 
 
-async def _in_place(r: Rollout, e: Engine, src: Source) -> None:
-    """`e` refits once its requests in flight are done; past update.drain_s it is
-    restarted on the new pool instead."""
+async def _in_place(r: Rollout, e: Engine, src: Source, *, hold: bool = False) -> None:
+    """`e` refits once its requests in flight are done (new ones wait for it with `hold`,
+    else get 503); past update.drain_s it is restarted on the new pool instead."""
     try:
-        await tell(r.c, e, src, r.spec.drain_s, r.spec.drain_s + r.spec.ready_timeout_s)
+        timeout = r.spec.drain_s + r.spec.ready_timeout_s
+        await tell(r.c, e, src, r.spec.drain_s, timeout, hold=hold)
     except RefitFailed as why:
         log.warning("refit in place failed; restarted on the new pool", engine=e.name, why=str(why))
         e.source = src

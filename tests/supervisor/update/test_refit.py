@@ -133,3 +133,49 @@ def test_refits_that_cannot_fit_are_refused_before_anything_changes(
     finally:
         if sup.proc.poll() is None:
             sup.stop(signal.SIGKILL)
+
+
+def test_a_crew_without_a_standby_refits_its_primary_where_it_serves(
+    tmp_path: Path, tiny_model: Path, next_model: Path
+) -> None:
+    """No standby: the primary takes nothing new while its requests finish (the router
+    retries them), swaps, and serves the new version, in the same process."""
+    sup = boot(
+        tmp_path,
+        tiny_model,
+        update={"keep_old_s": 0, "drain_s": 60},
+        engines={"command": ["{python}", "-m", "engine"], "ready_timeout_s": 120, "standby": 0},
+        router={"retry": True, "retry_deadline_s": 60},
+    )
+    try:
+        first = sup.wait(lambda e: e.event == "promoted", timeout=180)
+        before = sup.status()
+        v1, pid = before["version"], before["engines"][0]["pid"]
+        clients = Clients(sup.router, streams=2, plain=1)
+        try:
+            clients.wait_for(3)
+            mark = sup.tap.mark()
+            said = sup.cli("refit", "--model", str(next_model), "--wait")
+            assert "refit finished" in said.stdout, said.stdout
+            sup.wait(topic(f"engine.{first.name}.refitted"), timeout=30, after=mark)
+            v2 = sup.status()["version"]
+            assert v2 != v1
+            clients.wait_for(3, version=v2)
+        finally:
+            answers = clients.stop()
+        failed = [(a.status, a.error) for a in answers if a.status != 200 or a.error or not a.done]
+        assert failed == []
+        made: dict[str, set[tuple[int, ...]]] = {}
+        for a in answers:
+            assert a.stream or a.fingerprint == a.version
+            made.setdefault(a.version, set()).add(tuple(a.tokens))
+        assert set(made) == {v1, v2} and all(len(m) == 1 for m in made.values()), made
+        after = sup.status()
+        assert [(e["name"], e["pid"], e["version"]) for e in after["engines"]] == [
+            (first.name, pid, v2)
+        ]
+        assert after["epoch"] == before["epoch"]
+        assert sup.stop(signal.SIGTERM) == 0, sup.output()
+    finally:
+        if sup.proc.poll() is None:
+            sup.stop(signal.SIGKILL)
