@@ -146,8 +146,11 @@ async def _switch(r: Rollout, gen: CacheDaemons, src: Source, done: list[Engine]
     for e in [e for e in c.engines.values() if e.version != src.version]:
         if e.running and e.state in (S.STANDBY, S.BATCH):
             await _in_place(r, e, src)
-        else:
-            e.source = src  # not running: it starts on the new pool
+            continue
+        e.source = src  # not running: it starts on the new pool
+        if e.state == S.STARTING:  # started on the old one: again, on the new
+            with contextlib.suppress(ControlError):
+                await c.restart(e)
     await r._keep_then_free(src, back=False)
 
 
