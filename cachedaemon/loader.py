@@ -1,8 +1,9 @@
 """From checkpoint bytes to the tensors a rank serves: dtype, TP shard, post-load transform.
 
-`plan` works out every output tensor's name, dtype and shape from the headers alone (so the
-pool can be laid out before any data is read); `produce` then reads and transforms one
-source tensor at a time. `load_state_dict` runs the same pipeline into ordinary memory.
+`plan` (cachedaemon/pool_plan.py, torch-free) works out every output tensor's name, dtype
+and shape from the headers alone (so the pool can be laid out before any data is read);
+`produce` then reads and transforms one source tensor at a time. `load_state_dict` runs the
+same pipeline into ordinary memory.
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import msgspec
 import torch
 
 import cachedaemon.quant as quant
 from cachedaemon.checkpoint import CheckpointReader, TensorInfo
-from cachedaemon.config import DTYPES, LoadOptions
+from cachedaemon.config import LoadOptions
+from cachedaemon.errors import CacheError
+from cachedaemon.pool_plan import OutSpec, SourcePlan, plan
 
 __all__ = [
     "LoadOptions",
@@ -26,22 +28,6 @@ __all__ = [
     "produce",
     "transform",
 ]
-from cachedaemon.errors import CacheError
-from cachedaemon.sharding import shard_dim, shard_shape
-
-FLOAT_SOURCES = ("float64", "float32", "float16", "bfloat16")
-
-
-class OutSpec(msgspec.Struct, frozen=True):
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-
-
-class SourcePlan(msgspec.Struct, frozen=True):
-    info: TensorInfo
-    dim: int | None  # shard dim, None when replicated
-    outputs: tuple[OutSpec, ...]  # 1, or 2 for fp8 (weight, scale)
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -49,26 +35,6 @@ def dtype_of(name: str) -> torch.dtype:
     if not isinstance(dt, torch.dtype):
         raise CacheError(f"unknown dtype {name!r}")
     return dt
-
-
-def plan(reader: CheckpointReader, opts: LoadOptions) -> list[SourcePlan]:
-    if opts.dtype not in DTYPES:
-        raise CacheError(f"unsupported dtype {opts.dtype!r}; choose one of {', '.join(DTYPES)}")
-    quant.check_method(opts.quantization)
-    out = []
-    for info in reader.tensors.values():
-        dim = shard_dim(info.name, opts.shard_rules) if opts.tp_size > 1 else None
-        shape = shard_shape(info.name, info.shape, dim, opts.tp_size)
-        dtype = opts.dtype if info.dtype in FLOAT_SOURCES else info.dtype
-        if quant.quantizes(opts.quantization, info.name, shape):
-            outputs: tuple[OutSpec, ...] = (
-                OutSpec(info.name, "float8_e4m3fn", shape),
-                OutSpec(info.name + "_scale_inv", "float32", quant.scale_shape(shape)),
-            )
-        else:
-            outputs = (OutSpec(info.name, dtype, shape),)
-        out.append(SourcePlan(info, dim, outputs))
-    return out
 
 
 def read_source(reader: CheckpointReader, info: TensorInfo) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The pool: a few large backend chunks holding every tensor at an aligned offset.
 
-`build_pool` lays the pool out from the plan (headers only), allocates the chunks, fills
+`build_pool` lays the pool out from the plan (headers only, `pool_plan.layout`), allocates the chunks, fills
 them tensor by tensor (digesting the checkpoint's bytes as they are read), checksums and
 seals. `views` turns chunks + manifest into tensors
 without copying; daemon and client both use it.
@@ -8,7 +8,6 @@ without copying; daemon and client both use it.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -22,35 +21,17 @@ from cachedaemon.backends import Backend, Mapping, OwnedChunk
 from cachedaemon.config import LoadOptions
 from cachedaemon.digest import Digester, FileDigest
 from cachedaemon.manifest import ChunkEntry, Manifest, TensorEntry
+from cachedaemon.pool_plan import layout
 from cachedaemon.strides import contiguous_stride
 
 if TYPE_CHECKING:  # torch loads only to build a pool or views, never to serve a reclaimed one
     import torch
 
     from cachedaemon.checkpoint import CheckpointReader
-    from cachedaemon.loader import OutSpec, SourcePlan
+    from cachedaemon.pool_plan import SourcePlan
     from cachedaemon.progress import ByteProgress
 
 log = structlog.get_logger("cachedaemon.pool")
-
-
-def layout(
-    specs: Sequence[OutSpec], backend: Backend
-) -> tuple[list[tuple[int, int, int]], list[int]]:
-    """(chunk, offset, nbytes) per spec, and each chunk's used bytes. Greedy, in order."""
-    from cachedaemon.loader import dtype_of
-
-    places: list[tuple[int, int, int]] = []
-    used: list[int] = []
-    for spec in specs:
-        nbytes = math.prod(spec.shape) * dtype_of(spec.dtype).itemsize
-        offset = -(-used[-1] // backend.alignment) * backend.alignment if used else 0
-        if not used or (offset + nbytes > backend.max_chunk_bytes and used[-1] > 0):
-            used.append(0)
-            offset = 0
-        places.append((len(used) - 1, offset, nbytes))
-        used[-1] = offset + nbytes
-    return places, used
 
 
 def views(manifest: Manifest, chunks: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -123,7 +104,7 @@ def build_pool(
     `digest=False` leaves out the content digest of the checkpoint's files (such a pool
     cannot be verified by content: bench/load_digest.py's baseline, never the daemon's)."""
     from cachedaemon.checkpoint import CheckpointReader
-    from cachedaemon.loader import plan
+    from cachedaemon.pool_plan import plan
 
     t0 = time.perf_counter()
     with CheckpointReader(model_dir) as reader:

@@ -1,14 +1,18 @@
 """Post-load transforms. `fp8-block`: 128x128 blocks of float8_e4m3fn plus a float32 scale
-per block (`<name>_scale_inv`, so dequantized = fp8.float() * scale of its block)."""
+per block (`<name>_scale_inv`, so dequantized = fp8.float() * scale of its block). Which
+tensors it takes and their scales' shapes are known without torch (cachedaemon/pool_plan.py
+sizes a pool with them); torch is imported by the transforms alone."""
 
 from __future__ import annotations
 
 import re
-
-import torch
+from typing import TYPE_CHECKING
 
 from cachedaemon.config import QUANTIZATIONS
 from cachedaemon.errors import QuantizationError
+
+if TYPE_CHECKING:
+    import torch
 
 BLOCK = 128
 FP8_MAX = 448.0
@@ -33,6 +37,8 @@ def scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
 
 def fp8_block_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D tensor on its own device; bit-identical on CPU and CUDA."""
+    import torch
+
     rows, cols = weight.shape
     br, bc = scale_shape((rows, cols))
     w = weight.to(torch.float32)
@@ -49,6 +55,8 @@ def fp8_block_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def fp8_block_dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    import torch
+
     rows, cols = q.shape
     expanded = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:rows, :cols]
     return q.to(torch.float32) * expanded

@@ -45,7 +45,8 @@ from cachedaemon.config import LoadOptions
 from cachedaemon.digest import Digester, FileDigest
 from cachedaemon.loader import OutSpec, plan, produce
 from cachedaemon.manifest import TensorEntry
-from cachedaemon.pool import Pool, layout, sealed
+from cachedaemon.pool import Pool, sealed
+from cachedaemon.pool_plan import layout
 from cachedaemon.progress import ByteProgress
 from cachedaemon.strides import contiguous_stride
 from holdfast_vllm import check_version, placement

@@ -5,6 +5,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
+from cachedaemon.pool_plan import GEOMETRY
+
 if TYPE_CHECKING:
     import torch
 
@@ -35,8 +37,9 @@ class OwnedChunk(Mapping):
 
 class Backend(ABC):
     name: str
-    alignment: int = 256  # tensor offsets inside a chunk
-    max_chunk_bytes: int = 1 << 30
+    # tensor offsets inside a chunk, and the largest chunk (cachedaemon/pool_plan.py)
+    alignment: int = GEOMETRY["memfd"].alignment
+    max_chunk_bytes: int = GEOMETRY["memfd"].max_chunk_bytes
 
     @abstractmethod
     def create(self, size: int) -> OwnedChunk:

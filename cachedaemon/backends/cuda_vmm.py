@@ -22,6 +22,7 @@ import cachedaemon.cuda_driver as drv
 from cachedaemon.backends.base import Backend, Mapping, OwnedChunk
 from cachedaemon.cuda_checksum import ALGO, gpu_checksum, gpu_checksums
 from cachedaemon.errors import CacheError
+from cachedaemon.pool_plan import GEOMETRY
 
 log = structlog.get_logger("cachedaemon.cuda_vmm")
 
@@ -111,7 +112,8 @@ class CudaVmmBackend(Backend):
 
     name = "cuda-vmm"
     checksum_algo = ALGO
-    max_chunk_bytes = 4 << 30  # a 16 GB pool is 4 imports: ~2 ms to attach on an H200
+    # 4 GiB: a 16 GB pool is 4 imports, ~2 ms to attach on an H200
+    max_chunk_bytes = GEOMETRY["cuda-vmm"].max_chunk_bytes
 
     def __init__(self, device: str) -> None:
         self.device = torch.device(device)

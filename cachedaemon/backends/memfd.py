@@ -11,11 +11,11 @@ import zlib
 from typing import TYPE_CHECKING
 
 from cachedaemon.backends.base import Backend, Mapping, OwnedChunk
+from cachedaemon.pool_plan import GEOMETRY
 
 if TYPE_CHECKING:  # torch is imported only when a tensor is asked for: a daemon that
     import torch  # reclaims and verifies a pool never loads it
 
-_PAGE = mmap.PAGESIZE
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
 
 
@@ -113,7 +113,7 @@ class MemfdBackend(Backend):
         return MemfdMapping(fd, size)
 
     def round_size(self, size: int) -> int:
-        return max(_PAGE, -(-size // _PAGE) * _PAGE)
+        return GEOMETRY["memfd"].round_size(size)
 
     def checksum(self, data: torch.Tensor) -> str:
         return f"{zlib.crc32(data.numpy().data):08x}"
