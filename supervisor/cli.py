@@ -11,6 +11,7 @@ import stat
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import msgspec
 
@@ -27,8 +28,10 @@ from holdfast_contract.control import (
 from holdfast_contract.errors import HoldfastError
 from supervisor.control import request
 from supervisor.errors import ControlError, PolicyError
+from supervisor.policy import Policy
 from supervisor.policy_file import load_policy
 from supervisor.update import cli as update_cli
+from supervisor.update import memory
 
 EXAMPLES = """examples:
   supervisor run                          # the demo policy: tiny CPU model, 1+1+1 engines
@@ -272,7 +275,20 @@ def _validate(paths: list[str], schema_only: bool) -> int:
             f"{sum(b.count for b in policy.engines.batch)} batch, runtime dir "
             f"{policy.cache.runtime_dir})"
         )
+        if not schema_only:
+            for line in memory.report(policy, _checkpoint(policy)):
+                print(f"  {line}")
     return code
+
+
+def _checkpoint(policy: Policy) -> Path | None:
+    """The policy's checkpoint dir: model.path, or its preset's once generated."""
+    if policy.model.path is not None:
+        return Path(policy.model.path)
+    from supervisor.service import generated, models_cache
+
+    out = models_cache() / f"{policy.model.preset}-seed{policy.model.seed}"
+    return out if generated(out) else None
 
 
 def _print_policy_error(e: PolicyError) -> None:

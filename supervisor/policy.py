@@ -37,6 +37,9 @@ class ModelSpec(_Spec, frozen=True):
 class DevicesSpec(_Spec, frozen=True):
     ids: list[str] = msgspec.field(default_factory=lambda: ["cpu"])  # one per tp rank
     memory_mb: int = 0  # per device, for batch admission; 0 = unlimited
+    # per device: what holdfast may hold there, pools and engines together, as an update's
+    # memory check counts it (supervisor/update/memory.py); 0: what the device says
+    capacity_mb: int = 0
 
 
 class CacheSpec(_Spec, frozen=True):
@@ -185,6 +188,8 @@ def semantic_errors(p: Policy, *, schema_only: bool = False) -> list[str]:
     for key in ("interval_ms", "miss_limit", "starting_silence_ms", "busy_silence_ms"):
         if getattr(p.heartbeat, key) < 1:
             errors.append(f"$.heartbeat.{key}: must be at least 1")
+    if p.devices.capacity_mb < 0:
+        errors.append("$.devices.capacity_mb: must be 0 (what the device says) or more")
     if p.heartbeat.exit_poll_ms < 0:
         errors.append("$.heartbeat.exit_poll_ms: must be 0 (off) or more")
     r = p.restart

@@ -34,7 +34,7 @@ from supervisor.engines import EngineLauncher
 from supervisor.errors import ControlError, StartupError
 from supervisor.states import EngineState
 from supervisor.units import Engine
-from supervisor.update import refit
+from supervisor.update import memory, refit
 from supervisor.update.checks import checkpoint_refusals
 from supervisor.update.generations import Generations
 from supervisor.update.smoke import SmokeFailed, smoke
@@ -78,10 +78,13 @@ class Rollout:
         refused = await asyncio.to_thread(checkpoint_refusals, Path(cur.model_dir), new)
         if refused:
             raise ControlError("; ".join(refused))
+        room = await memory.for_update(self.c, cur, new, dtype, quant)  # or ControlError
         gen = self.gens.make(str(new), dtype, quant)
         self._status("building", version_to="", model=str(new), detail="loading the new pool")
-        self._start(self._go(gen, build=True))
-        return f"updating to {new} ({dtype}/{quant}); `supervisor status` follows it"
+        self._start(self._go(gen, build=True, give_up=room.give_up))
+        return (
+            f"updating to {new} ({dtype}/{quant}); `supervisor status` follows it\n{room.summary()}"
+        )
 
     async def refit(self, req: RefitReq) -> str:
         """Start a refit to the weights in `req.model` (same names and shapes), or refuse
@@ -175,12 +178,18 @@ class Rollout:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    async def _go(self, gen: CacheDaemons, *, build: bool, back: bool = False) -> None:
-        """One update (or a switch back, `back`) to `gen`'s pool."""
+    async def _go(
+        self, gen: CacheDaemons, *, build: bool, back: bool = False, give_up: bool = False
+    ) -> None:
+        """One update (or a switch back, `back`) to `gen`'s pool; `give_up`: the old
+        standbys stop first, for room (update.free_standby_kv)."""
         self._emit(N.STARTED, model=gen.model_dir, back=back)
         engines: list[Engine] = []
         try:
             async with asyncio.timeout(self.spec.ready_timeout_s):
+                if give_up:
+                    stopped = await memory.stop_standbys(self.c)
+                    log.info("old standbys stopped for room", engines=stopped)
                 if build:
                     await gen.start()
                 src = gen.source()
@@ -238,6 +247,8 @@ class Rollout:
                 await self.c.retire(e)
         if built:
             await self._free(gen)
+        if missing := memory.standbys_missing(self.c):  # stopped for room: started again
+            self._add_serving(self.launcher.source, missing)
         self._emit(N.ROLLED_BACK, why=why, version=self.c.version)
         self._status("rolled-back", detail=why)
         log.warning("update rolled back", why=why, version=self.c.version)

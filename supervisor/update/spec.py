@@ -1,5 +1,5 @@
-"""The policy's `update:` section: deadlines of a rolling model update and its smoke
-request. Imported by supervisor/policy.py; imports nothing of the supervisor."""
+"""The policy's `update:` section: deadlines of a rolling model update, its smoke
+request, and whether it may stop the old standbys for room. Imported by supervisor/policy.py; imports nothing of the supervisor."""
 
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ class UpdateSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     drain_s: float = 30.0  # the old primary's requests in flight finish within, or end
     keep_old_s: float = 10.0  # the old pool is kept this long after the switch (rollback)
     smoke: SmokeSpec | None = None  # unset: no smoke request
+    # where two pools do not fit at once: stop the old standbys before the new pool is
+    # built (their memory back; no failover target of the old version meanwhile)
+    free_standby_kv: bool = False
 
 
 def update_errors(spec: UpdateSpec) -> list[str]:
