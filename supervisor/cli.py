@@ -72,6 +72,11 @@ def parser() -> argparse.ArgumentParser:
     val = sub.add_parser(
         "validate",
         help="check policies; print every error with its path",
+        description="Check policies; print every error with its path (exit 2). Without "
+        "--schema-only, also whether a rolling update could hold two pools at once on each "
+        "device (`update memory:`, with the numbers: both pools sized from the checkpoint's "
+        "headers, the engines' memory_mb, the device's total or devices.capacity_mb); a "
+        "policy that does not fit is still valid (exit 0), its updates are refused.",
         epilog="example: supervisor validate --schema-only policies/*.yaml",
     )
     val.add_argument("policy", nargs="*", help="policy YAML files (default: the demo policy)")

@@ -32,7 +32,13 @@ and the old pool is freed after update.keep_old_s (until then `supervisor rollba
 switches back). A new version not ready within update.ready_timeout_s, or that fails its
 smoke request, is rolled back with nothing lost. Refused before anything changes: an
 update under way, a DIR that is no checkpoint, or one of another architecture or other
-shapes. Every answer names its version (X-Holdfast-Model-Version)."""
+shapes, and a second pool that does not fit beside the one that serves: on each device,
+both pools (the new one sized from DIR's safetensors headers), the engines' memory_mb and
+the new version's engines against devices.capacity_mb, or what the device has (GPU:
+nvidia-smi; CPU: /proc/meminfo, cgroup limit). The reply says it with the numbers. With
+update.free_standby_kv, an update that fits only so stops the old standbys first (no
+standby to fail over to until the switch). Every answer names its version
+(X-Holdfast-Model-Version); docs/update.md."""
 REFIT = """Switch every engine to new weights of the same names and shapes without a restart
 (a trainer's step): the next generation of cache daemons loads DIR beside the pool that
 serves; the standbys map it in place of the old one at once; the primary's place passes
