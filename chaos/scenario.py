@@ -80,6 +80,8 @@ class ClientLoad(_Spec, frozen=True):
     stream: bool = False  # stream answers (chaos.load checks each stream for completeness)
     stream_fraction: float = 1.0  # with stream: the share of requests streamed
     twin_prompts: int = 8  # streamed requests draw their prompt from this many fixed ones
+    # all: collected (non-streamed) requests too, their token ids compared with their twins'
+    twins: Literal["streamed", "all"] = "streamed"
 
 
 class FaultSpec(_Spec, frozen=True):
