@@ -95,6 +95,7 @@ def markdown(results: Results) -> str:
         "Retry-After: the engine refusing overload) count in neither.",
         "",
         *_streams(run),
+        *_versions(run),
         "## Checks",
         "",
         "| check | value | result |",
@@ -126,6 +127,18 @@ def _streams(run: RunFigures) -> list[str]:
         f"or a short answer; counted as failed), {run.migrated_streams} migrated to the next "
         f"primary, {run.twin_mismatches} unlike their fault-free twins "
         f"({run.migrated_twin_mismatches} of them migrated).",
+        "",
+    ]
+
+
+def _versions(run: RunFigures) -> list[str]:
+    if not run.served_versions:
+        return []
+    return [
+        f"Model versions: {run.versions} answered; served (as /cluster said): "
+        f"{', '.join(run.served_versions)}. {run.unlabelled_answers} answers without their "
+        f"version, {run.unserved_versions} of a version never served, "
+        f"{run.twin_versions_alike} twin prompts two versions answered alike.",
         "",
     ]
 

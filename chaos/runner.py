@@ -56,6 +56,7 @@ class Collected(msgspec.Struct):
     baseline_before: float | None = None
     lingering_after_stop: int = 0
     notes: list[str] = []
+    served: set[str] = msgspec.field(default_factory=set)  # versions /cluster said it served
 
 
 async def run(plan: Plan, opts: RunOptions) -> tuple[report.Results, bool]:
@@ -184,6 +185,7 @@ async def _drive(
         ]
         got.requests += load.rows
         got.events += recorder.rows
+        got.served |= h.served
 
 
 def _status(progress: Progress, task: TaskID, title: str) -> Callable[[str], None]:
@@ -215,7 +217,7 @@ def _results(
     plan: Plan, opts: RunOptions, got: Collected, started: datetime, *, complete: bool
 ) -> report.Results:
     base = baseline_ms(got.requests, got.baseline_before or time.time())
-    figures = run_figures(got.requests, got.trials, base)
+    figures = run_figures(got.requests, got.trials, base, got.served)
     figures = msgspec.structs.replace(
         figures, lingering_processes=figures.lingering_processes + got.lingering_after_stop
     )

@@ -48,6 +48,7 @@ class Harness(msgspec.Struct):
     load: LoadGenerator
     logs: DaemonLogs
     status: Callable[[str], None] = _silent  # what the run waits for, "" when it waits no more
+    served: set[str] = msgspec.field(default_factory=set)  # versions /cluster said it served
 
 
 async def wait_ready(h: Harness, timeout: float, since: float) -> CrewStatus:
@@ -62,6 +63,7 @@ async def wait_ready(h: Harness, timeout: float, since: float) -> CrewStatus:
         view = await h.sup.cluster()
         if view is not None:
             h.load.fallback = (view.primary or "", view.epoch)
+            h.served.update([view.version] if view.version else [])
             lacking = missing(view, h.sup.policy, h.scenario.ready_standbys)
             if not lacking:
                 h.status("")
