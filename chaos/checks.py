@@ -34,6 +34,11 @@ TRIAL_METRICS: dict[str, str] = {
     "stream_stall_ms": "the longest stall a migrated stream showed its client in the trial",
     "stream_stall_p50_ms": "the median stall of the trial's migrated streams",
     "unlabelled_answers": "successful answers without their model version (header, fingerprint)",
+    "update_ms": "update, refit: the request -> finished or rolled back",
+    "rolled_back": "update, refit: 1 when it ended rolled back, else 0",
+    "unexpected_end": "update, refit: 1 when it did not end as the fault's `expect` says",
+    "pool_copies": "update, refit: model pool memory held once it ended, in pools",
+    "peak_pool_copies": "update, refit: the most pool memory held while it ran, in pools",
     **FLEET_METRICS,
 }
 RUN_METRICS: dict[str, str] = {
@@ -70,6 +75,8 @@ COUNT_METRICS = frozenset(
         "twin_mismatches",
         "migrated_twin_mismatches",
         "unlabelled_answers",
+        "rolled_back",
+        "unexpected_end",
     }
 )
 _OPS: dict[str, Callable[[float, float], bool]] = {

@@ -11,6 +11,7 @@ import msgspec
 from chaos import twins as tw
 from chaos.checks import Check
 from chaos.load import RequestRow
+from chaos.models import UPDATE_FAULTS
 
 PRIMARY_FAULTS = frozenset(
     {"kill-primary", "stop-primary", "kill-tp-rank", "kill-daemon-and-primary", "restart-broker"}
@@ -22,6 +23,8 @@ ENGINE_KILLS = frozenset(
 MS_METRICS = ("detection_ms", "promotion_ms", "recovery_ms", "added_latency_ms")
 COUNTS = ("failed_requests", "retried_requests", "shed_requests")
 EVIDENCE = ("fence_before_promote", "checkpoint_bytes_read", "group_left")
+UPDATE_METRICS = ("update_ms", "rolled_back", "unexpected_end", "pool_copies", "peak_pool_copies")
+UPDATES = (*UPDATE_METRICS, "unlabelled_answers")
 STREAMS = (
     "broken_streams",
     "migrated_streams",
@@ -58,6 +61,11 @@ class TrialRow(msgspec.Struct, frozen=True):
     stream_stall_ms: float | None = None  # the longest stall a migrated stream showed
     stream_stall_p50_ms: float | None = None  # the median of the migrated streams' stalls
     unlabelled_answers: int = 0  # successful answers that did not name their model version
+    update_ms: float | None = None  # update, refit: the request -> finished or rolled back
+    rolled_back: int | None = None  # update, refit: 1 when it ended rolled back
+    unexpected_end: int | None = None  # 1 when it did not end as the fault's `expect` says
+    pool_copies: float | None = None  # pool memory held once it ended, in pools (chaos/pools.py)
+    peak_pool_copies: float | None = None  # ... the most while it ran
 
 
 class StageSpan(msgspec.Struct, frozen=True):
@@ -100,12 +108,14 @@ def expected(metric: str, fault: str) -> bool:
     """Whether a trial of `fault` must produce `metric` (a missing one then counts as inf)."""
     if metric == "promotion_ms":
         return fault in PRIMARY_FAULTS
-    if metric == "detection_ms":
-        return fault not in {"restart-broker", "kill-supervisor"}
+    if metric == "detection_ms":  # (nothing detects an update: it was asked for)
+        return fault not in {"restart-broker", "kill-supervisor", *UPDATE_FAULTS}
     if metric == "checkpoint_bytes_read":
         return fault in DAEMON_FAULTS
     if metric == "fence_before_promote":
         return fault == "stop-primary"
+    if metric in UPDATE_METRICS:
+        return fault in UPDATE_FAULTS
     return metric == "recovery_ms"  # added latency needs a baseline: without one it is n/a
 
 

@@ -17,6 +17,7 @@ from chaos.metrics import (
     EVIDENCE,
     MS_METRICS,
     STREAMS,
+    UPDATES,
     CheckResult,
     RunFigures,
     StageSpan,
@@ -25,6 +26,7 @@ from chaos.metrics import (
     stat,
     values,
 )
+from chaos.models import UPDATE_FAULTS
 from chaos.recorder import EventRow
 from chaos.throughput import Rate
 
@@ -200,9 +202,11 @@ def _fault_table(fault: str, trials: Sequence[TrialRow]) -> list[str]:
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     streamed = any(t.migrated_streams or t.broken_streams for t in trials)
-    for metric in (*MS_METRICS, *COUNTS, *STREAMS, *EVIDENCE):
+    for metric in (*MS_METRICS, *COUNTS, *STREAMS, *EVIDENCE, *UPDATES):
         data = values(trials, metric)
         if not data or (metric in STREAMS and not streamed):
+            continue
+        if metric in UPDATES and fault not in UPDATE_FAULTS:
             continue
         cells = " | ".join(num(stat(data, name)) for name in STATS)
         lines.append(f"| {metric} | {len(data)} | {cells} |")

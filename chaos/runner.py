@@ -30,6 +30,8 @@ from chaos.errors import ChaosError, FaultError, VictimAbsent
 from chaos.evidence import DaemonLogs
 from chaos.load import LoadGenerator, RequestRow, describe_load
 from chaos.metrics import StageSpan, TrialRow, baseline_ms, evaluate, run_figures, with_requests
+from chaos.models import Checkpoints, prepare
+from chaos.pools import pool_bytes
 from chaos.preflight import preflight
 from chaos.recorder import EventRecorder, EventRow, MqttTarget
 from chaos.scenario import FaultSpec, Plan, Stage
@@ -109,7 +111,9 @@ async def _stage(
         async with contextlib.AsyncExitStack() as stack:
             broker = None if opts.attach else await stack.enter_async_context(OwnBroker(workdir))
             sup = await stack.enter_async_context(_supervisor(plan, stage, opts, workdir, broker))
-            await _drive(plan, stage, faults, sup, broker, got, progress)
+            refs = [model for fault in faults for model in fault.models]
+            ckpts = await prepare(refs, plan.source.parent, sup.policy, workdir) if refs else None
+            await _drive(plan, stage, faults, sup, broker, got, progress, ckpts)
             if not sup.attached:  # an attached supervisor is left running, as found
                 await _stop_and_count(sup, got)
     finally:
@@ -149,13 +153,16 @@ async def _drive(
     broker: OwnBroker | None,
     got: Collected,
     progress: Progress,
+    ckpts: Checkpoints | None = None,
 ) -> None:
     sc = plan.scenario
     mqtt = sup.policy.events.mqtt
     target = MqttTarget(mqtt.host, mqtt.port, f"{mqtt.prefix}/events") if mqtt else None
     recorder = EventRecorder(sup.run_dir, target)
     load = LoadGenerator(sup.router, sc.load, seed=sc.seed)
-    h = Harness(sc, stage.name, sup, broker, recorder, load, DaemonLogs(sup.run_dir))
+    h = Harness(
+        sc, stage.name, sup, broker, recorder, load, DaemonLogs(sup.run_dir), checkpoints=ckpts
+    )
     stop_recorder, stop_load = asyncio.Event(), asyncio.Event()
     began = time.time()
     task = progress.add_task(f"{stage.name}: starting", total=len(faults))
@@ -168,6 +175,7 @@ async def _drive(
                 if not sup.attached:
                     await sup.start()
                 await wait_ready(h, sc.start_timeout_s or sc.ready_timeout_s, began)
+                h.one_pool = pool_bytes(sup.processes())  # one version serves: one pool
                 loaded = time.time()
                 group.create_task(load.run(stop_load, duration_s=sc.load.max_duration_s))
                 await asyncio.sleep(sc.warmup_s)
