@@ -24,7 +24,7 @@ CHUNK = "/memfd:holdfast-pool"  # what /proc shows of a pool chunk (cachedaemon/
 def pool_bytes(procs: Iterable[ProcRef]) -> int:
     """Bytes of the distinct pool chunks the processes hold open or map."""
     chunks: dict[int, int] = {}  # inode: size
-    for ref in procs:
+    for ref in (p for p in procs if p.alive()):  # (never a recycled pid's)
         for inode, size in [*_held(ref.pid), *_mapped(ref.pid)]:
             chunks[inode] = max(size, chunks.get(inode, 0))
     return sum(chunks.values())
