@@ -30,9 +30,15 @@ TRIAL_METRICS: dict[str, str] = {
     "group_left": "processes of the killed engine's group (every rank) alive once recovered",
     "broken_streams": "streams that did not end complete (error event, cut, short)",
     "migrated_streams": "streams the router continued on the next primary",
-    "twin_mismatches": "complete greedy streams whose token ids differ from their twins'",
+    "twin_mismatches": "whole greedy answers unlike their twins' (same prompt and version)",
     "stream_stall_ms": "the longest stall a migrated stream showed its client in the trial",
     "stream_stall_p50_ms": "the median stall of the trial's migrated streams",
+    "unlabelled_answers": "successful answers without their model version (header, fingerprint)",
+    "update_ms": "update, refit: the request -> finished or rolled back",
+    "rolled_back": "update, refit: 1 when it ended rolled back, else 0",
+    "unexpected_end": "update, refit: 1 when it did not end as the fault's `expect` says",
+    "pool_copies": "update, refit: model pool memory held once it ended, in pools",
+    "peak_pool_copies": "update, refit: the most pool memory held while it ran, in pools",
     **FLEET_METRICS,
 }
 RUN_METRICS: dict[str, str] = {
@@ -49,8 +55,12 @@ RUN_METRICS: dict[str, str] = {
     "streams": "streamed requests, whole run",
     "broken_streams": "streams that did not end complete, whole run",
     "migrated_streams": "streams continued on the next primary, whole run",
-    "twin_mismatches": "complete greedy streams unlike their fault-free twins, whole run",
+    "twin_mismatches": "whole greedy answers unlike their fault-free twins, whole run",
     "migrated_twin_mismatches": "of those, streams continued on the next primary, whole run",
+    "unlabelled_answers": "successful answers without their model version, whole run",
+    "unserved_versions": "successful answers of a model version the router never served",
+    "versions": "model versions that made a successful answer",
+    "twin_versions_alike": "twin prompts two model versions answered alike (mixing unseen)",
 }
 STATS = ("p50", "p95", "p99", "max", "min", "mean", "count", "sum")
 COUNT_METRICS = frozenset(
@@ -64,6 +74,9 @@ COUNT_METRICS = frozenset(
         "migrated_streams",
         "twin_mismatches",
         "migrated_twin_mismatches",
+        "unlabelled_answers",
+        "rolled_back",
+        "unexpected_end",
     }
 )
 _OPS: dict[str, Callable[[float, float], bool]] = {

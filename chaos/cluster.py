@@ -111,13 +111,23 @@ class Supervisor:
         self.ref = ProcRef.of(self.proc.pid)
         log.info("supervisor_started", pid=self.proc.pid, policy=str(self.policy_file))
 
-    def children(self) -> list[ProcRef]:
+    def pid(self) -> int | None:
         if self.proc is not None:
-            return descendants(self.proc.pid)
+            return self.proc.pid
         if self.attached:  # the live supervisor writes its pid into its lock file
             holder = (self.run_dir / "supervisor.lock").read_text().strip()
-            return descendants(int(holder)) if holder.isdigit() else []
-        return []
+            return int(holder) if holder.isdigit() else None
+        return None
+
+    def children(self) -> list[ProcRef]:
+        pid = self.pid()
+        return descendants(pid) if pid is not None else []
+
+    def processes(self) -> list[ProcRef]:
+        """The supervisor itself (the keeper lives in it) and every process below it."""
+        pid = self.pid()
+        own = ProcRef.of(pid) if pid is not None else None
+        return ([own] if own is not None else []) + self.children()
 
     def exited(self) -> int | None:
         return self.proc.returncode if self.proc is not None else None

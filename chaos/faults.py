@@ -15,10 +15,12 @@ import aiohttp
 import msgspec
 import structlog
 
+from chaos import updates
 from chaos.broker import OwnBroker
 from chaos.cluster import Supervisor
 from chaos.crew import absent_batch, coming_batch
 from chaos.errors import FaultError, VictimAbsent, VictimComing
+from chaos.models import Checkpoints
 from chaos.procs import ProcRef, wait_gone
 from chaos.scenario import FaultSpec
 from holdfast_contract.control import CrewStatus
@@ -31,7 +33,7 @@ LINGER_GRACE_S = 5.0
 
 
 class Victim(msgspec.Struct, frozen=True):
-    kind: str  # engine | daemon | broker | supervisor
+    kind: str  # engine | daemon | broker | supervisor | update
     name: str
     ref: ProcRef | None
 
@@ -41,6 +43,7 @@ class Injection(msgspec.Struct, frozen=True):
     injected: float  # wall clock, seconds
     lingering: int = 0
     note: str = ""
+    model: str = ""  # update, refit: the checkpoint dir it goes to
 
 
 class FaultContext(msgspec.Struct):
@@ -48,6 +51,7 @@ class FaultContext(msgspec.Struct):
     broker: OwnBroker | None
     view: CrewStatus
     spec: FaultSpec
+    checkpoints: Checkpoints | None = None  # the dirs of the stage's update and refit models
 
 
 def requirement(fault: str, policy: Policy, own_broker: bool, attached: bool) -> str | None:
@@ -126,13 +130,15 @@ async def inject(fault: str, ctx: FaultContext) -> Injection:
         "tp-rank": lambda c: [_tp_rank(c)],
         "daemon-and-primary": lambda c: [_daemon(c), _engine(c, "primary")],
     }
-    target = fault.split("-", 1)[1]
+    target = fault.split("-", 1)[-1]
     if target in pickers:
         return _signal(pickers[target](ctx), sig)
     special: dict[str, Callable[[FaultContext], Awaitable[Injection]]] = {
         "restart-broker": _stop_broker,
         "kill-supervisor": _kill_supervisor,
         "memory-pressure": _memory_pressure,
+        "update": _update,
+        "refit": _update,
     }
     return await special[fault](ctx)
 
@@ -175,6 +181,16 @@ async def _kill_supervisor(ctx: FaultContext) -> Injection:
     await ctx.sup.start()
     note = f"{len(left)} of {len(children)} children outlived the supervisor" if left else ""
     return Injection([Victim("supervisor", "main", ref)], injected, len(left), note)
+
+
+async def _update(ctx: FaultContext) -> Injection:
+    """An update (or a refit) to the first of the fault's models that does not serve now."""
+    if ctx.checkpoints is None:
+        raise FaultError(f"{ctx.spec.kind} has no checkpoints prepared for this stage")
+    target = ctx.checkpoints.next(ctx.spec.models)
+    sent = await updates.ask(ctx.sup, ctx.spec.kind, target)
+    victim = Victim("update", ctx.spec.kind, None)
+    return Injection([victim], sent, note=f"{ctx.spec.kind} to {target.name}", model=str(target))
 
 
 async def _memory_pressure(ctx: FaultContext) -> Injection:

@@ -9,21 +9,17 @@ shedding load: retried after the time it asks for, and counted as shed (not fail
 every attempt was shed.
 
 With `stream`, a share of the requests (`stream_fraction`) is streamed, and each such
-client checks its stream as a user would: it must end with `data: [DONE]` (an error event
-or a cut is a broken stream, a failed request), and with `ignore_eos` carry exactly
-`max_tokens` token ids. Streamed requests draw their prompt from `twin_prompts` fixed
-prompts, so every greedy stream has fault-free twins to be compared with (chaos.metrics).
-The router marks a stream it continued on the next primary with a `: migrated` comment;
-the client counts them and measures its stall: last token before the mark to the first
-after it.
+client checks its stream as a user would (chaos/answers.py: `data: [DONE]`, the token
+count, `: migrated` marks and their stalls). Streamed requests (with `twins: all`, every
+request) draw their prompt from `twin_prompts` fixed prompts, so every greedy answer has
+fault-free twins of its model version to be compared with (chaos/twins.py). Every row
+keeps the version the router said made the answer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
 import random
 import time
 from urllib.parse import urlsplit
@@ -32,6 +28,7 @@ import aiohttp
 import msgspec
 import structlog
 
+from chaos.answers import Reply, StreamCheck, collected, retry_after
 from chaos.errors import ChaosError
 from chaos.scenario import ClientLoad
 from chaos.waiters import Rows
@@ -56,8 +53,10 @@ class RequestRow(msgspec.Struct, frozen=True):
     broken: bool = False  # a stream that did not end complete: an error event, a cut, a short one
     migrated: int = 0  # times the router continued the stream on the next primary
     stall_ms: float | None = None  # the longest stall a migration made the client see
-    prompt: int = -1  # which of the twin prompts (streamed requests), -1: a random one
-    digest: str = ""  # of a complete stream's token ids, to compare with its twins
+    prompt: int = -1  # which of the twin prompts, -1: a random one
+    digest: str = ""  # of a whole answer's token ids, to compare with its twins
+    version: str = ""  # the model version the router said made it (X-Holdfast-Model-Version)
+    fingerprint: str = ""  # a collected answer's system_fingerprint
 
     @property
     def ok(self) -> bool:
@@ -84,86 +83,6 @@ def describe_load(spec: ClientLoad) -> str:
         f"{spec.concurrency} concurrent clients, {pace}; {spec.prompt_tokens} prompt tokens, "
         f"{spec.max_tokens} output tokens{eos}; {spec.retries} retries{streamed}"
     )
-
-
-class _Usage(msgspec.Struct):
-    completion_tokens: int = 0
-
-
-class _Answer(msgspec.Struct):
-    usage: _Usage = msgspec.field(default_factory=_Usage)
-
-
-class _Reply(msgspec.Struct, frozen=True):
-    status: int
-    engine: str = ""
-    epoch: int | None = None
-    error: str = ""
-    tokens: int = 0
-    retry_after: float | None = None  # seconds, from a 503's Retry-After
-    broken: bool = False
-    migrated: int = 0
-    stall_ms: float | None = None
-    digest: str = ""
-
-
-class StreamCheck:
-    """A streamed answer read line by line as a client sees it."""
-
-    def __init__(self) -> None:
-        self.ids: list[int] = []
-        self.done = False
-        self.error = ""
-        self.migrated = 0
-        self.stalls: list[float] = []
-        self._last = 0.0  # monotonic time of the last token
-        self._mark: float | None = None  # _last when a `: migrated` comment came
-
-    def line(self, raw: bytes, now: float) -> None:
-        text = raw.strip()
-        if text.startswith(b":"):
-            self.migrated += 1
-            self._mark = self._last
-        elif text.startswith(b"data:"):
-            data = text[5:].strip()
-            if data == b"[DONE]":
-                self.done = True
-                return
-            obj = json.loads(data)
-            if "error" in obj:
-                self.error = str(obj["error"].get("message", obj["error"]))[:200]
-                return
-            before = len(self.ids)
-            for choice in obj.get("choices") or ():
-                self.ids.extend(choice.get("token_ids") or ())
-            if len(self.ids) > before:
-                if self._mark is not None:
-                    self.stalls.append((now - self._mark) * 1000.0)
-                    self._mark = None
-                self._last = now
-
-    def reply(self, resp: aiohttp.ClientResponse, expect: int | None) -> _Reply:
-        short = expect is not None and len(self.ids) != expect
-        broken = not self.done or bool(self.error) or short
-        error = self.error or (
-            "the stream ended without data: [DONE]"
-            if not self.done
-            else f"{len(self.ids)} tokens, not {expect}"
-            if short
-            else ""
-        )
-        epoch_text = resp.headers.get("X-Holdfast-Epoch", "")
-        return _Reply(
-            resp.status,
-            resp.headers.get("X-Holdfast-Engine", ""),
-            int(epoch_text) if epoch_text.isdigit() else None,
-            error=error,
-            tokens=len(self.ids),
-            broken=broken,
-            migrated=self.migrated,
-            stall_ms=round(max(self.stalls), 3) if self.stalls else None,
-            digest="" if broken else hashlib.sha1(str(self.ids).encode()).hexdigest()[:16],
-        )
 
 
 class LoadGenerator:
@@ -214,7 +133,8 @@ class LoadGenerator:
 
     async def _one(self, session: aiohttp.ClientSession, slots: asyncio.Semaphore) -> None:
         streamed = self.spec.stream and self._rng.random() < self.spec.stream_fraction
-        twin = self._rng.randrange(len(self._twins)) if streamed and self._twins else -1
+        twinned = streamed or self.spec.twins == "all"
+        twin = self._rng.randrange(len(self._twins)) if twinned and self._twins else -1
         prompt = (
             self._twins[twin]
             if twin >= 0
@@ -238,7 +158,7 @@ class LoadGenerator:
     async def _attempts(
         self, session: aiohttp.ClientSession, body: dict[str, object], start: float
     ) -> RequestRow:
-        reply, attempt = _Reply(0), 0
+        reply, attempt = Reply(0), 0
         for attempt in range(1, self.spec.retries + 2):
             reply = await self._post(session, body)
             if reply.status not in RETRY_STATUSES and reply.status != 0:
@@ -263,60 +183,38 @@ class LoadGenerator:
             migrated=reply.migrated,
             stall_ms=reply.stall_ms,
             digest=reply.digest,
+            version=reply.version,
+            fingerprint=reply.fingerprint,
         )
 
-    async def _post(self, session: aiohttp.ClientSession, body: dict[str, object]) -> _Reply:
+    async def _post(self, session: aiohttp.ClientSession, body: dict[str, object]) -> Reply:
         if body.get("stream"):
             return await self._post_stream(session, body)
         try:
             async with session.post(self.url, json=body) as resp:
-                raw = await resp.read()
-                epoch_text = resp.headers.get("X-Holdfast-Epoch", "")
-                return _Reply(
-                    resp.status,
-                    resp.headers.get("X-Holdfast-Engine", ""),
-                    int(epoch_text) if epoch_text.isdigit() else None,
-                    tokens=_tokens(raw) if resp.status == 200 else 0,
-                    retry_after=_retry_after(resp.status, resp.headers.get("Retry-After")),
-                )
+                return collected(resp, await resp.read())
         except (aiohttp.ClientError, TimeoutError) as exc:
-            return _Reply(0, error=f"{type(exc).__name__}: {exc}"[:200])
+            return Reply(0, error=f"{type(exc).__name__}: {exc}"[:200])
 
-    async def _post_stream(self, session: aiohttp.ClientSession, body: dict[str, object]) -> _Reply:
-        check, started = StreamCheck(), False
+    async def _post_stream(self, session: aiohttp.ClientSession, body: dict[str, object]) -> Reply:
+        check = StreamCheck()
         expect = self.spec.max_tokens if self.spec.ignore_eos else None
+        started: aiohttp.ClientResponse | None = None
         try:
             async with session.post(self.url, json=body) as resp:
                 if resp.status != 200:
                     await resp.read()
-                    retry = _retry_after(resp.status, resp.headers.get("Retry-After"))
-                    return _Reply(resp.status, retry_after=retry)
-                started = True
+                    retry = retry_after(resp.status, resp.headers.get("Retry-After"))
+                    return Reply(resp.status, retry_after=retry)
+                started = resp
                 async for raw in resp.content:
                     check.line(raw, time.monotonic())
                 return check.reply(resp, expect)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}"[:200]
-            if started:  # cut after the answer began: a broken stream, never retried
-                return _Reply(200, error=error, tokens=len(check.ids), broken=True)
-            return _Reply(0, error=error)
-
-
-def _tokens(raw: bytes) -> int:
-    try:
-        return msgspec.json.decode(raw, type=_Answer).usage.completion_tokens
-    except msgspec.DecodeError:
-        return 0
-
-
-def _retry_after(status: int, header: str | None) -> float | None:
-    """Seconds a 503 asks the client to wait (RFC 9110 delay-seconds); None otherwise."""
-    if status != 503 or header is None:
-        return None
-    try:
-        return max(0.0, float(header.strip()))
-    except ValueError:
-        return 0.0  # an HTTP date: retry after the usual backoff, still shed
+            if started is not None:  # cut after the answer began: a broken stream
+                return check.cut(started, error)
+            return Reply(0, error=error)
 
 
 async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:

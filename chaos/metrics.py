@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import collections
 import math
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 import msgspec
 
+from chaos import twins as tw
 from chaos.checks import Check
 from chaos.load import RequestRow
+from chaos.models import UPDATE_FAULTS
 
 PRIMARY_FAULTS = frozenset(
     {"kill-primary", "stop-primary", "kill-tp-rank", "kill-daemon-and-primary", "restart-broker"}
@@ -22,6 +23,8 @@ ENGINE_KILLS = frozenset(
 MS_METRICS = ("detection_ms", "promotion_ms", "recovery_ms", "added_latency_ms")
 COUNTS = ("failed_requests", "retried_requests", "shed_requests")
 EVIDENCE = ("fence_before_promote", "checkpoint_bytes_read", "group_left")
+UPDATE_METRICS = ("update_ms", "rolled_back", "unexpected_end", "pool_copies", "peak_pool_copies")
+UPDATES = (*UPDATE_METRICS, "unlabelled_answers")
 STREAMS = (
     "broken_streams",
     "migrated_streams",
@@ -57,6 +60,12 @@ class TrialRow(msgspec.Struct, frozen=True):
     twin_mismatches: int = 0  # complete greedy streams whose tokens differ from their twins'
     stream_stall_ms: float | None = None  # the longest stall a migrated stream showed
     stream_stall_p50_ms: float | None = None  # the median of the migrated streams' stalls
+    unlabelled_answers: int = 0  # successful answers that did not name their model version
+    update_ms: float | None = None  # update, refit: the request -> finished or rolled back
+    rolled_back: int | None = None  # update, refit: 1 when it ended rolled back
+    unexpected_end: int | None = None  # 1 when it did not end as the fault's `expect` says
+    pool_copies: float | None = None  # pool memory held once it ended, in pools (chaos/pools.py)
+    peak_pool_copies: float | None = None  # ... the most while it ran
 
 
 class StageSpan(msgspec.Struct, frozen=True):
@@ -82,6 +91,11 @@ class RunFigures(msgspec.Struct, frozen=True):
     migrated_streams: int = 0
     twin_mismatches: int = 0
     migrated_twin_mismatches: int = 0  # of those, streams the router continued
+    unlabelled_answers: int = 0  # successful answers that did not name their model version
+    unserved_versions: int = 0  # successful answers of a version the router never served
+    versions: int = 0  # model versions that made a successful answer
+    twin_versions_alike: int = 0  # twin prompts that two versions answered alike
+    served_versions: list[str] = []  # every version /cluster said the router served
 
 
 class CheckResult(msgspec.Struct, frozen=True):
@@ -94,12 +108,14 @@ def expected(metric: str, fault: str) -> bool:
     """Whether a trial of `fault` must produce `metric` (a missing one then counts as inf)."""
     if metric == "promotion_ms":
         return fault in PRIMARY_FAULTS
-    if metric == "detection_ms":
-        return fault not in {"restart-broker", "kill-supervisor"}
+    if metric == "detection_ms":  # (nothing detects an update: it was asked for)
+        return fault not in {"restart-broker", "kill-supervisor", *UPDATE_FAULTS}
     if metric == "checkpoint_bytes_read":
         return fault in DAEMON_FAULTS
     if metric == "fence_before_promote":
         return fault == "stop-primary"
+    if metric in UPDATE_METRICS:
+        return fault in UPDATE_FAULTS
     return metric == "recovery_ms"  # added latency needs a baseline: without one it is n/a
 
 
@@ -123,7 +139,7 @@ def with_requests(
         added = round(max(0.0, slowest - baseline_ms), 2)
     recovery = (first_ok - trial.injected) * 1000.0 if first_ok is not None else None
     # a stream the fault cut began before it: streams count where they were under way
-    twins = references(rows)
+    twins = tw.references(rows)
     cut = [r for r in overlapping if r.migrated and blamed_cut(r, everyone) is trial]
     stalls = [r.stall_ms for r in cut if r.stall_ms is not None]
     return msgspec.structs.replace(
@@ -133,7 +149,8 @@ def with_requests(
         twin_mismatches=sum(
             1
             for r in overlapping
-            if mismatched(r, twins) and (blamed_cut(r, everyone) or trial_of(r, everyone)) is trial
+            if tw.mismatched(r, twins)
+            and (blamed_cut(r, everyone) or trial_of(r, everyone)) is trial
         ),
         stream_stall_ms=round(max(stalls), 3) if stalls else None,
         stream_stall_p50_ms=round(statistics.median(stalls), 3) if stalls else None,
@@ -142,23 +159,8 @@ def with_requests(
         retried_requests=sum(1 for r in inside if r.attempts > 1),
         shed_requests=sum(1 for r in inside if r.shed),
         added_latency_ms=added,
+        unlabelled_answers=sum(1 for r in inside if tw.unlabelled(r)),
     )
-
-
-def references(rows: Sequence[RequestRow]) -> dict[int, str]:
-    """Per twin prompt, the token ids (digest) of its complete streams that no fault
-    touched: the most common one, should they ever differ."""
-    seen: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-    for r in rows:
-        if r.streamed and r.prompt >= 0 and r.digest and not r.migrated:
-            seen[r.prompt][r.digest] += 1
-    return {p: c.most_common(1)[0][0] for p, c in seen.items()}
-
-
-def mismatched(row: RequestRow, twins: dict[int, str]) -> bool:
-    """A complete stream whose tokens differ from its fault-free twins'."""
-    ref = twins.get(row.prompt)
-    return bool(row.digest) and ref is not None and row.digest != ref
 
 
 def blamed_cut(row: RequestRow, trials: Sequence[TrialRow]) -> TrialRow | None:
@@ -195,10 +197,14 @@ def baseline_ms(rows: Sequence[RequestRow], before: float) -> float | None:
 
 
 def run_figures(
-    rows: Sequence[RequestRow], trials: Sequence[TrialRow], base: float | None
+    rows: Sequence[RequestRow],
+    trials: Sequence[TrialRow],
+    base: float | None,
+    served: Collection[str] = (),
 ) -> RunFigures:
+    """The whole run's figures; `served`: the model versions /cluster named as served."""
     outside = [r for r in rows if (t := blamed(r, trials)) is None or t.fault != "kill-supervisor"]
-    twins = references(rows)
+    twins = tw.references(rows)
     return RunFigures(
         requests=len(rows),
         failed_requests=sum(1 for r in rows if r.failed),
@@ -214,8 +220,13 @@ def run_figures(
         streams=sum(1 for r in rows if r.streamed),
         broken_streams=sum(1 for r in rows if r.broken),
         migrated_streams=sum(1 for r in rows if r.migrated),
-        twin_mismatches=sum(1 for r in rows if mismatched(r, twins)),
-        migrated_twin_mismatches=sum(1 for r in rows if r.migrated and mismatched(r, twins)),
+        twin_mismatches=sum(1 for r in rows if tw.mismatched(r, twins)),
+        migrated_twin_mismatches=sum(1 for r in rows if r.migrated and tw.mismatched(r, twins)),
+        unlabelled_answers=sum(1 for r in rows if tw.unlabelled(r)),
+        unserved_versions=tw.unserved(rows, served),
+        versions=tw.versions(rows),
+        twin_versions_alike=tw.alike(twins),
+        served_versions=sorted(served),
     )
 
 

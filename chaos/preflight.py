@@ -14,6 +14,7 @@ import yaml
 
 from chaos.errors import ScenarioError
 from chaos.faults import requirement
+from chaos.models import missing_dirs
 from chaos.scenario import Plan
 from chaos.stagepolicy import load_stage_policy, policy_data
 from supervisor.errors import PolicyError
@@ -49,6 +50,11 @@ def preflight(
             why = requirement(kind, policy, own_broker=not attached, attached=attached)
             if why is not None:
                 problems.append(f"stage {stage.name}: {why}")
+        if not schema_only:
+            models = [model for fault in stage.faults for model in fault.models]
+            problems += [
+                f"stage {stage.name}: {why}" for why in missing_dirs(models, plan.source.parent)
+            ]
         policies.append(policy)
     if problems:
         raise ScenarioError("\n  ".join(["", *problems]).lstrip(), problems)

@@ -17,6 +17,7 @@ from chaos.metrics import (
     EVIDENCE,
     MS_METRICS,
     STREAMS,
+    UPDATES,
     CheckResult,
     RunFigures,
     StageSpan,
@@ -25,6 +26,7 @@ from chaos.metrics import (
     stat,
     values,
 )
+from chaos.models import UPDATE_FAULTS
 from chaos.recorder import EventRow
 from chaos.throughput import Rate
 
@@ -95,6 +97,7 @@ def markdown(results: Results) -> str:
         "Retry-After: the engine refusing overload) count in neither.",
         "",
         *_streams(run),
+        *_versions(run),
         "## Checks",
         "",
         "| check | value | result |",
@@ -126,6 +129,18 @@ def _streams(run: RunFigures) -> list[str]:
         f"or a short answer; counted as failed), {run.migrated_streams} migrated to the next "
         f"primary, {run.twin_mismatches} unlike their fault-free twins "
         f"({run.migrated_twin_mismatches} of them migrated).",
+        "",
+    ]
+
+
+def _versions(run: RunFigures) -> list[str]:
+    if not run.served_versions:
+        return []
+    return [
+        f"Model versions: {run.versions} answered; served (as /cluster said): "
+        f"{', '.join(run.served_versions)}. {run.unlabelled_answers} answers without their "
+        f"version, {run.unserved_versions} of a version never served, "
+        f"{run.twin_versions_alike} twin prompts two versions answered alike.",
         "",
     ]
 
@@ -187,9 +202,11 @@ def _fault_table(fault: str, trials: Sequence[TrialRow]) -> list[str]:
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     streamed = any(t.migrated_streams or t.broken_streams for t in trials)
-    for metric in (*MS_METRICS, *COUNTS, *STREAMS, *EVIDENCE):
+    for metric in (*MS_METRICS, *COUNTS, *STREAMS, *EVIDENCE, *UPDATES):
         data = values(trials, metric)
         if not data or (metric in STREAMS and not streamed):
+            continue
+        if metric in UPDATES and fault not in UPDATE_FAULTS:
             continue
         cells = " | ".join(num(stat(data, name)) for name in STATS)
         lines.append(f"| {metric} | {len(data)} | {cells} |")

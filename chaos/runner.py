@@ -30,6 +30,8 @@ from chaos.errors import ChaosError, FaultError, VictimAbsent
 from chaos.evidence import DaemonLogs
 from chaos.load import LoadGenerator, RequestRow, describe_load
 from chaos.metrics import StageSpan, TrialRow, baseline_ms, evaluate, run_figures, with_requests
+from chaos.models import Checkpoints, prepare
+from chaos.pools import pool_bytes
 from chaos.preflight import preflight
 from chaos.recorder import EventRecorder, EventRow, MqttTarget
 from chaos.scenario import FaultSpec, Plan, Stage
@@ -56,6 +58,7 @@ class Collected(msgspec.Struct):
     baseline_before: float | None = None
     lingering_after_stop: int = 0
     notes: list[str] = []
+    served: set[str] = msgspec.field(default_factory=set)  # versions /cluster said it served
 
 
 async def run(plan: Plan, opts: RunOptions) -> tuple[report.Results, bool]:
@@ -108,7 +111,9 @@ async def _stage(
         async with contextlib.AsyncExitStack() as stack:
             broker = None if opts.attach else await stack.enter_async_context(OwnBroker(workdir))
             sup = await stack.enter_async_context(_supervisor(plan, stage, opts, workdir, broker))
-            await _drive(plan, stage, faults, sup, broker, got, progress)
+            refs = [model for fault in faults for model in fault.models]
+            ckpts = await prepare(refs, plan.source.parent, sup.policy, workdir) if refs else None
+            await _drive(plan, stage, faults, sup, broker, got, progress, ckpts)
             if not sup.attached:  # an attached supervisor is left running, as found
                 await _stop_and_count(sup, got)
     finally:
@@ -148,13 +153,16 @@ async def _drive(
     broker: OwnBroker | None,
     got: Collected,
     progress: Progress,
+    ckpts: Checkpoints | None = None,
 ) -> None:
     sc = plan.scenario
     mqtt = sup.policy.events.mqtt
     target = MqttTarget(mqtt.host, mqtt.port, f"{mqtt.prefix}/events") if mqtt else None
     recorder = EventRecorder(sup.run_dir, target)
     load = LoadGenerator(sup.router, sc.load, seed=sc.seed)
-    h = Harness(sc, stage.name, sup, broker, recorder, load, DaemonLogs(sup.run_dir))
+    h = Harness(
+        sc, stage.name, sup, broker, recorder, load, DaemonLogs(sup.run_dir), checkpoints=ckpts
+    )
     stop_recorder, stop_load = asyncio.Event(), asyncio.Event()
     began = time.time()
     task = progress.add_task(f"{stage.name}: starting", total=len(faults))
@@ -167,6 +175,7 @@ async def _drive(
                 if not sup.attached:
                     await sup.start()
                 await wait_ready(h, sc.start_timeout_s or sc.ready_timeout_s, began)
+                h.one_pool = pool_bytes(sup.processes())  # one version serves: one pool
                 loaded = time.time()
                 group.create_task(load.run(stop_load, duration_s=sc.load.max_duration_s))
                 await asyncio.sleep(sc.warmup_s)
@@ -184,6 +193,7 @@ async def _drive(
         ]
         got.requests += load.rows
         got.events += recorder.rows
+        got.served |= h.served
 
 
 def _status(progress: Progress, task: TaskID, title: str) -> Callable[[str], None]:
@@ -215,7 +225,7 @@ def _results(
     plan: Plan, opts: RunOptions, got: Collected, started: datetime, *, complete: bool
 ) -> report.Results:
     base = baseline_ms(got.requests, got.baseline_before or time.time())
-    figures = run_figures(got.requests, got.trials, base)
+    figures = run_figures(got.requests, got.trials, base, got.served)
     figures = msgspec.structs.replace(
         figures, lingering_processes=figures.lingering_processes + got.lingering_after_stop
     )

@@ -16,6 +16,7 @@ import yaml
 from chaos.checks import Check, parse_check
 from chaos.errors import CheckSyntaxError, ScenarioError
 from chaos.fleet.kinds import FLEET_FAULTS, FleetConfig, check_problems, config_problems
+from chaos.models import ModelRef, model_problems
 from supervisor import schema
 
 T = TypeVar("T")
@@ -52,6 +53,8 @@ FAULTS: dict[str, str] = {
     "restart-broker": "stop the suite's own MQTT broker, then start it again",
     "kill-supervisor": "SIGKILL the supervisor, then start it again with the same policy",
     "memory-pressure": "a burst of long requests (KV-cache pressure) that evicts batch engines",
+    "update": "a rolling model update to the next of `models` (supervisor update --model)",
+    "refit": "new weights of the same shapes into every engine in place (supervisor refit)",
     **FLEET_FAULTS,
 }
 
@@ -80,6 +83,8 @@ class ClientLoad(_Spec, frozen=True):
     stream: bool = False  # stream answers (chaos.load checks each stream for completeness)
     stream_fraction: float = 1.0  # with stream: the share of requests streamed
     twin_prompts: int = 8  # streamed requests draw their prompt from this many fixed ones
+    # all: collected (non-streamed) requests too, their token ids compared with their twins'
+    twins: Literal["streamed", "all"] = "streamed"
 
 
 class FaultSpec(_Spec, frozen=True):
@@ -90,6 +95,11 @@ class FaultSpec(_Spec, frozen=True):
     # memory-pressure: max_tokens of each burst request; long enough that a batching
     # engine is still busy with the burst when hold_s ends, however fast its steps are
     burst_tokens: int = 400
+    # update, refit: the checkpoints it goes to; each trial takes the first that does not
+    # serve now (chaos/models.py)
+    models: list[ModelRef] = []
+    # update, refit: how it must end; rolled-back: a version that must never serve
+    expect: Literal["finished", "rolled-back"] = "finished"
 
 
 class Stage(_Spec, frozen=True):
@@ -205,6 +215,7 @@ def _fault_problems(raw: object) -> list[str]:
                     f"{where}: {kind} is a single-node fault and this scenario runs a fleet; "
                     f"fleet kinds: {', '.join(FLEET_FAULTS)}"
                 )
+            problems += model_problems(fault, f"$.stages[{i}].faults[{j}]")
             trials = fault.get("trials") if isinstance(fault, dict) else None
             if isinstance(trials, int) and trials < 0:
                 problems.append(f"$.stages[{i}].faults[{j}].trials: must be 0 or more")

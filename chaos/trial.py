@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 import structlog
@@ -17,9 +18,11 @@ from chaos.evidence import DaemonLogs, fence_before_promote
 from chaos.faults import FaultContext, Injection, heal, inject
 from chaos.load import LoadGenerator
 from chaos.metrics import DAEMON_FAULTS, ENGINE_KILLS, PRIMARY_FAULTS, TrialRow, expected
+from chaos.models import UPDATE_FAULTS, Checkpoints
 from chaos.procs import ProcRef
 from chaos.recorder import EventRecorder, EventRow
 from chaos.scenario import FaultSpec, Scenario
+from chaos.updates import Ended, until_ended
 from holdfast_contract.control import CrewStatus
 from holdfast_contract.events import EventName
 
@@ -48,6 +51,9 @@ class Harness(msgspec.Struct):
     load: LoadGenerator
     logs: DaemonLogs
     status: Callable[[str], None] = _silent  # what the run waits for, "" when it waits no more
+    checkpoints: Checkpoints | None = None  # the dirs of the stage's update and refit models
+    one_pool: int = 0  # pool bytes held at the stage's first whole crew (chaos/pools.py)
+    served: set[str] = msgspec.field(default_factory=set)  # versions /cluster said it served
 
 
 async def wait_ready(h: Harness, timeout: float, since: float) -> CrewStatus:
@@ -62,6 +68,7 @@ async def wait_ready(h: Harness, timeout: float, since: float) -> CrewStatus:
         view = await h.sup.cluster()
         if view is not None:
             h.load.fallback = (view.primary or "", view.epoch)
+            h.served.update([view.version] if view.version else [])
             lacking = missing(view, h.sup.policy, h.scenario.ready_standbys)
             if not lacking:
                 h.status("")
@@ -93,7 +100,7 @@ async def run_trial(h: Harness, index: int, fault: FaultSpec) -> TrialRow:
         view = await h.sup.cluster()
         if view is None:
             raise CrewError(f"the health API {h.sup.api} stopped answering")
-        ctx = FaultContext(h.sup, h.broker, view, fault)
+        ctx = FaultContext(h.sup, h.broker, view, fault, h.checkpoints)
         h.logs.set_mark()
         try:
             injection = await inject(fault.kind, ctx)
@@ -113,6 +120,7 @@ async def run_trial(h: Harness, index: int, fault: FaultSpec) -> TrialRow:
             h.recorder.wait_for(_promoted(injection.injected), sc.trial_timeout_s)
         )
         await heal(fault.kind, ctx, injection)
+        ended = await _update_end(h, fault, injection, deadline)
         if expected("detection_ms", fault.kind):
             limit = min(sc.detect_timeout_s, deadline - time.monotonic())
             await asyncio.wait([detected], timeout=max(limit, 0.0))
@@ -137,13 +145,34 @@ async def run_trial(h: Harness, index: int, fault: FaultSpec) -> TrialRow:
         detection_ms=_ms(detected, injection),
         promotion_ms=_ms(promoted, injection) if fault.kind in PRIMARY_FAULTS else None,
         lingering=injection.lingering,
-        note="; ".join(n for n in (injection.note, note) if n),
+        note="; ".join(n for n in (injection.note, ended.said() if ended else "", note) if n),
         fence_before_promote=_fence_order(h, fault.kind, injection),
         checkpoint_bytes_read=h.logs.bytes_read_since_mark()
         if fault.kind in DAEMON_FAULTS
         else None,
         group_left=sum(ref.alive() for ref in ranks) if ranks is not None else None,
+        update_ms=ended.ms if ended else None,
+        rolled_back=int(ended.state == "rolled-back") if ended and ended.state else None,
+        unexpected_end=int(ended.state != fault.expect) if ended else None,
+        pool_copies=ended.copies(h.one_pool) if ended else None,
+        peak_pool_copies=ended.copies(h.one_pool, ended.peak_bytes) if ended else None,
     )
+
+
+async def _update_end(
+    h: Harness, fault: FaultSpec, injection: Injection, deadline: float
+) -> Ended | None:
+    """An update's or a refit's end (None for other faults); what serves now follows it."""
+    if fault.kind not in UPDATE_FAULTS:
+        return None
+    target = Path(injection.model)
+    left = max(deadline - time.monotonic(), 0.0)
+    ended = await until_ended(
+        h.sup, fault.kind, target, injection.injected, left, h.recorder.changed
+    )
+    if h.checkpoints is not None and ended.state != "rolled-back":
+        h.checkpoints.serving = target if ended.state == "finished" else None
+    return ended
 
 
 def _ranks(view: CrewStatus, injection: Injection) -> list[ProcRef]:

@@ -103,7 +103,7 @@ def test_check_parts_and_defaults() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["smoke.yaml", "soak.yaml", "gpu.yaml", "gpu-tp2.yaml", "primary.yaml"]
+    "name", ["smoke.yaml", "soak.yaml", "gpu.yaml", "gpu-tp2.yaml", "primary.yaml", "update.yaml"]
 )
 def test_shipped_scenarios_validate(name: str) -> None:
     plan = load_scenario(SCENARIOS / name)
