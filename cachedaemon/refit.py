@@ -46,8 +46,11 @@ class Refit:
     """A new pool's fds and where each chunk goes; `swap` maps them, `close` gives them
     back unused."""
 
-    def __init__(self, manifest: Manifest, fds: list[int], bases: list[int]) -> None:
+    def __init__(
+        self, manifest: Manifest, fds: list[int], bases: list[int], inodes: list[int]
+    ) -> None:
         self.manifest, self.fds, self.bases = manifest, fds, bases
+        self.inodes = inodes  # each old chunk's memfd inode (0 on a GPU)
         self.swap_ms = 0.0
 
     @property
@@ -60,8 +63,10 @@ class Refit:
         t0 = time.perf_counter()
         try:
             if self.manifest.backend == "memfd":
-                for fd, base, c in zip(self.fds, self.bases, self.manifest.chunks, strict=True):
+                chunks = zip(self.fds, self.bases, self.inodes, self.manifest.chunks, strict=True)
+                for fd, base, inode, c in chunks:
                     _map_fixed(base, c.size, fd)
+                    _repoint(inode, fd)
             else:
                 _swap_cuda(self.manifest, self.fds, self.bases)
         finally:
@@ -103,15 +108,16 @@ def fetch(
     try:
         if len(fds) != len(manifest.chunks):
             raise CacheError(f"daemon sent {len(fds)} fds for {len(manifest.chunks)} chunks")
-        bases = place(manifest, current)
+        bases, inodes = place(manifest, current)
     except CacheError:
         wire.close_fds(fds)
         raise
-    return Refit(manifest, fds, bases)
+    return Refit(manifest, fds, bases, inodes)
 
 
-def place(manifest: Manifest, current: dict[str, torch.Tensor]) -> list[int]:
-    """Each chunk's address: where the engine's tensors of the names it holds sit now."""
+def place(manifest: Manifest, current: dict[str, torch.Tensor]) -> tuple[list[int], list[int]]:
+    """Each chunk's address (where the engine's tensors of the names it holds sit now),
+    and the inode of the memfd mapped there now (0 on a GPU)."""
     from cachedaemon.loader import dtype_of
 
     seen: dict[int, set[int]] = defaultdict(set)
@@ -130,7 +136,7 @@ def place(manifest: Manifest, current: dict[str, torch.Tensor]) -> list[int]:
                 f"{list(now.stride())}; a refit takes weights of the same names and shapes"
             )
         seen[e.chunk].add(now.data_ptr() - e.offset)
-    bases = []
+    bases, inodes = [], []
     for i, chunk in enumerate(manifest.chunks):
         found = seen.get(i, set())
         if len(found) != 1:
@@ -140,13 +146,14 @@ def place(manifest: Manifest, current: dict[str, torch.Tensor]) -> list[int]:
                 "the same layout: the same checkpoint names, shapes and dtype"
             )
         base = found.pop()
-        size = _mapped_size(manifest, base)
+        size, inode = _mapped(manifest, base)
         if size != chunk.size:
             raise CacheError(
                 f"chunk {i} of the new pool is {chunk.size} bytes, the mapping it would "
                 f"replace {size}; a refit needs the same layout"
             )
         bases.append(base)
+        inodes.append(inode)
     names = {e.name for e in manifest.tensors}
     spans = [(b, b + c.size) for b, c in zip(bases, manifest.chunks, strict=True)]
     missing = sorted(  # views of the pool mapped now that the new one would not replace
@@ -156,21 +163,41 @@ def place(manifest: Manifest, current: dict[str, torch.Tensor]) -> list[int]:
     )
     if missing:
         raise CacheError(f"the new pool lacks {missing[:3]} ({len(missing)} tensors)")
-    return bases
+    return bases, inodes
 
 
-def _mapped_size(manifest: Manifest, base: int) -> int:
-    """The size of the mapping that starts at `base` (0: none starts there)."""
+def _mapped(manifest: Manifest, base: int) -> tuple[int, int]:
+    """The size of the mapping that starts at `base` (0: none starts there), and on the
+    CPU the inode of the file it maps."""
     if manifest.backend == "memfd":
         for line in Path("/proc/self/maps").read_text().splitlines():
-            lo, hi = (int(x, 16) for x in line.split(" ", 1)[0].split("-"))
+            span, _perms, _offset, _dev, inode, *_ = line.split()
+            lo, hi = (int(x, 16) for x in span.split("-"))
             if lo == base:
-                return hi - lo
-        return 0
+                return hi - lo, int(inode)
+        return 0, 0
     from cachedaemon import cuda_driver as drv
 
     start, size = drv.address_range(base)
-    return size if start == base else 0
+    return (size if start == base else 0), 0
+
+
+def _repoint(inode: int, fd: int) -> None:
+    """Point every fd of this process on the old memfd (`inode`) at the new one: Python's
+    mmap keeps a duplicate of the fd it mapped, which would hold the old pool's memory for
+    the life of the engine. dup2 replaces it in one step, so the mmap object's fd names
+    the memfd mapped at its address again and the old one is released."""
+    for name in os.listdir("/proc/self/fd"):
+        n = int(name)
+        if n == fd:
+            continue
+        try:
+            st = os.fstat(n)
+            target = os.readlink(f"/proc/self/fd/{n}")
+        except OSError:  # (the listing's own fd, or one closed meanwhile)
+            continue
+        if st.st_ino == inode and target.startswith("/memfd:"):
+            os.dup2(fd, n, inheritable=False)
 
 
 def _map_fixed(base: int, size: int, fd: int) -> None:

@@ -137,11 +137,18 @@ class Verdict(msgspec.Struct, frozen=True):
 
 
 async def for_update(
-    c: Crew, serving: CacheDaemons, model: Path, dtype: str, quantization: str
+    c: Crew,
+    serving: CacheDaemons,
+    model: Path,
+    dtype: str,
+    quantization: str,
+    *,
+    new_engines: bool = True,
 ) -> Verdict:
     """Whether the pool of `model` (as `dtype`/`quantization`) fits beside `serving`'s
-    with the crew's engines and the new version's; ControlError (the numbers, what to
-    change) when it does not. The crew is read here, the headers and devices off the loop."""
+    with the crew's engines and the new version's (none for a refit: `new_engines`
+    False); ControlError (the numbers, what to change) when it does not. The crew is read
+    here, the headers and devices off the loop."""
     p = c.policy
     running = [
         Running(e.name, _engine_bytes(e.memory_mb, e.command, p), _old_standby(c, e))
@@ -151,7 +158,7 @@ async def for_update(
     pools = {d.rank: d.pool_bytes for d in serving.daemons}
     try:
         verdict = await asyncio.to_thread(
-            _for_update, p, running, pools, model, dtype, quantization
+            _for_update, p, running, pools, model, dtype, quantization, new_engines
         )
     except CacheError as e:
         raise ControlError(f"--model: {model} cannot be sized: {e}") from e
@@ -175,8 +182,9 @@ def _for_update(
     model: Path,
     dtype: str,
     quantization: str,
+    new_engines: bool = True,
 ) -> Verdict:
-    one = _new_engines(p) or 0
+    one = (_new_engines(p) or 0) if new_engines else 0
     engines = sum(e.rank_bytes or 0 for e in running)
     standbys = sum(e.rank_bytes or 0 for e in running if e.old_standby)
     rooms = []

@@ -32,12 +32,13 @@ from holdfast_contract.events import EventName as N
 from supervisor.errors import ControlError
 from supervisor.states import EngineState
 from supervisor.units import Engine
+from supervisor.update.steps import versions
 from supervisor.versions import Source
 
 if TYPE_CHECKING:
     from supervisor.core import Crew
     from supervisor.daemons import CacheDaemons
-    from supervisor.update.rollout import Rollout
+    from supervisor.update.steps import Steps
 
 log = structlog.get_logger("supervisor.update.refit")
 S = EngineState
@@ -92,10 +93,10 @@ async def tell(
     return said
 
 
-async def go(r: Rollout, gen: CacheDaemons) -> None:
+async def go(r: Steps, gen: CacheDaemons) -> None:
     """One refit to `gen`'s pool (built here)."""
     c, spec = r.c, r.spec
-    r._emit(N.STARTED, model=gen.model_dir, back=False, refit=True)
+    r.emit(N.STARTED, model=gen.model_dir, back=False, refit=True)
     old_src = r.launcher.source
     done: list[Engine] = []
     try:
@@ -107,30 +108,30 @@ async def go(r: Rollout, gen: CacheDaemons) -> None:
                     f"{gen.model_dir} holds the bytes of the version that serves "
                     f"({src.version}): nothing to refit"
                 )
-            r._status("refitting", version_to=src.version, detail="the standbys switch")
+            r.status("refitting", version_to=src.version, detail="the standbys switch")
             for e in _serving(c, S.STANDBY, c.version):
                 await tell(c, e, src, STANDBY_GRACE_S, spec.ready_timeout_s)
                 done.append(e)
-        r._emit(N.READY, version=src.version, engines={e.name: e.version for e in done})
+        r.emit(N.READY, version=src.version, engines={e.name: e.version for e in done})
     except (TimeoutError, RefitFailed, ControlError) as e:
         await _back(r, done, old_src)
         why = str(e) or (
             f"the new pool did not serve within update.ready_timeout_s ({spec.ready_timeout_s:g} s)"
         )
-        await r._refused(gen, [], why, built=True)
+        await r.refused(gen, [], why, built=True)
         return
     except asyncio.CancelledError:
-        if not r._closing:
+        if not r.closing:
             await _back(r, done, old_src)
-            await r._refused(gen, [], "rolled back by hand", built=True)
+            await r.refused(gen, [], "rolled back by hand", built=True)
         raise
     await _switch(r, gen, src, done)
 
 
-async def _switch(r: Rollout, gen: CacheDaemons, src: Source, done: list[Engine]) -> None:
+async def _switch(r: Steps, gen: CacheDaemons, src: Source, done: list[Engine]) -> None:
     c, before = r.c, r.c.version
     heir = next((e for e in done if e.state == S.STANDBY), None)
-    r._status("switching")
+    r.status("switching")
     old: Engine | None = None
     if heir is not None:
         old = c.switch(heir)
@@ -139,8 +140,8 @@ async def _switch(r: Rollout, gen: CacheDaemons, src: Source, done: list[Engine]
         c.serve_version(src.version)
     c.daemons, r.launcher.source = gen, src
     r.kept, r.current = r.current, gen
-    r._emit(N.SWITCHED, version=src.version, previous=before, engines=_versions(c), refit=True)
-    r._status("draining", detail="the old primary finishes its requests, then refits")
+    r.emit(N.SWITCHED, version=src.version, previous=before, engines=versions(c), refit=True)
+    r.status("draining", detail="the old primary finishes its requests, then refits")
     if old is not None:
         await _rejoin(r, old, src)
     for e in [e for e in c.engines.values() if e.version != src.version]:
@@ -151,10 +152,10 @@ async def _switch(r: Rollout, gen: CacheDaemons, src: Source, done: list[Engine]
         if e.state == S.STARTING:  # started on the old one: again, on the new
             with contextlib.suppress(ControlError):
                 await c.restart(e)
-    await r._keep_then_free(src, back=False)
+    await r.keep_then_free(src, back=False)
 
 
-async def _in_place(r: Rollout, e: Engine, src: Source, *, hold: bool = False) -> None:
+async def _in_place(r: Steps, e: Engine, src: Source, *, hold: bool = False) -> None:
     """`e` refits once its requests in flight are done (new ones wait for it with `hold`,
     else get 503); past update.drain_s it is restarted on the new pool instead."""
     try:
@@ -167,7 +168,7 @@ async def _in_place(r: Rollout, e: Engine, src: Source, *, hold: bool = False) -
             await r.c.restart(e)
 
 
-async def _rejoin(r: Rollout, old: Engine, src: Source) -> None:
+async def _rejoin(r: Steps, old: Engine, src: Source) -> None:
     """The superseded primary finishes its requests on the old weights, refits, and stands
     by again; past update.drain_s it is stopped (what it had not finished ends with an
     error: never continued on another version) and restarted on the new pool."""
@@ -176,12 +177,12 @@ async def _rejoin(r: Rollout, old: Engine, src: Source) -> None:
         await tell(c, old, src, r.spec.drain_s, r.spec.drain_s + r.spec.ready_timeout_s)
     except RefitFailed as why:
         log.warning("old primary did not refit; restarted", engine=old.name, why=str(why))
-        await r._drain(old)  # fenced past drain_s, then out of the crew
-        r._add_serving(src, count=1)
+        await r.drain(old)  # fenced past drain_s, then out of the crew
+        r.add_serving(src, count=1)
         return
 
 
-async def _back(r: Rollout, done: list[Engine], old: Source) -> None:
+async def _back(r: Steps, done: list[Engine], old: Source) -> None:
     """The standbys already refitted map the old pool again (or restart on it)."""
     for e in done:
         try:
@@ -196,7 +197,3 @@ def _serving(c: Crew, state: S, version: str) -> list[Engine]:
     return [
         e for e in c.engines.values() if e.serving and e.state == state and e.version == version
     ]
-
-
-def _versions(c: Crew) -> dict[str, str]:
-    return {e.name: e.version for e in c.engines.values()}

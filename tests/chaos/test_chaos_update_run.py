@@ -82,12 +82,6 @@ def test_updates_and_a_refit_alternate_versions_and_a_bad_one_rolls_back(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="after a refit every engine still holds the old pool's memfd: Python's mmap "
-    "object keeps a duplicate of the fd it mapped (cachedaemon/backends/memfd.py "
-    "MemfdMapping), and MAP_FIXED over the mapping does not close it",
-)
 def test_a_refit_frees_the_old_pool(run: tuple[int, str, dict[str, Any]]) -> None:
     _, _, results = run
     (refit,) = [t for t in results["trials"] if t["fault"] == "refit"]

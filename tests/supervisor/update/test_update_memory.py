@@ -16,8 +16,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from cachedaemon.config import LoadOptions
 from cachedaemon.pool_plan import pool_bytes
 from tests.engines.harness import Supervisor, env, topic, write_policy
@@ -25,14 +23,6 @@ from tests.engines.harness import Supervisor, env, topic, write_policy
 MB = 1 << 20
 SERVING_MB = 20  # engines.memory_mb: the primary and each standby
 BATCH_MB = 30
-
-
-@pytest.fixture(scope="module")
-def next_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The next version: the tiny preset's shapes, other weights."""
-    from cachedaemon.checkpoint_gen import make_checkpoint
-
-    return make_checkpoint(tmp_path_factory.mktemp("models") / "tiny-v2", "tiny", seed=1)
 
 
 def pool_mb(model: Path) -> str:
@@ -208,6 +198,31 @@ def test_a_version_rolled_back_after_the_old_standbys_stopped_gets_them_back(
         assert after["version"] == before["version"] and after["epoch"] == before["epoch"]
         standbys = [e for e in after["engines"] if e["role"] == "standby"]
         assert [(e["name"], e["version"]) for e in standbys] == [(again.name, before["version"])]
+        assert sup.stop(signal.SIGTERM) == 0, sup.output()
+    finally:
+        if sup.proc.poll() is None:
+            sup.stop(signal.SIGKILL)
+
+
+def test_a_refit_that_does_not_fit_is_refused_with_the_numbers(
+    tmp_path: Path, tiny_model: Path, next_model: Path
+) -> None:
+    """A refit starts no engine, but its pool is a second one: engines 20 + 20 MB and two
+    pools of 0.4 MB do not fit 40 MB."""
+    sup = Supervisor(policy(tmp_path, tiny_model, 40))
+    try:
+        sup.wait_pair()
+        before = sup.status()
+        cp = sup.cli("refit", "--model", str(next_model), check=False)
+        assert cp.returncode == 1, cp.stdout
+        pool = pool_mb(tiny_model)
+        assert (
+            f"cpu (rank 0): does not fit: pools {pool} serving + {pool} new, engines 40.0 MB "
+            "now + 0.0 MB new = 40.8 MB of 40.0 MB (devices.capacity_mb)"
+        ) in cp.stderr, cp.stderr
+        after = sup.status()
+        assert after["update"] is None and after["epoch"] == before["epoch"]
+        assert not (sup.run / "gen-2").exists()
         assert sup.stop(signal.SIGTERM) == 0, sup.output()
     finally:
         if sup.proc.poll() is None:

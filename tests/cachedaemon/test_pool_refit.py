@@ -5,6 +5,7 @@ before anything changes."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +52,32 @@ def test_a_refit_swaps_every_tensor_in_place(tmp_path: Path, two: tuple[Path, Pa
 
     r = refit.fetch(sock_b, make_config(b), _state(module))
     assert all(torch.equal(t, before[n][1]) for n, t in _state(module).items())  # not yet
+    old = set(r.inodes)
+    assert old and 0 not in old and old <= held_inodes()
     r.swap()
     assert r.fds == [] and r.swap_ms > 0
     for name, t in _state(module).items():
         assert t.data_ptr() == before[name][0]
         assert torch.equal(t, new[name]), name
+    # nothing of this process holds the old pool now: no mapping, no fd (Python's mmap
+    # keeps a duplicate of the fd it mapped; it names the new memfd now)
+    assert not old & held_inodes()
+
+
+def held_inodes() -> set[int]:
+    """The inodes of the memfds this process maps or holds an fd on."""
+    found = set()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 6 and parts[5].startswith("/memfd:"):
+            found.add(int(parts[4]))
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:"):
+                found.add(os.stat(f"/proc/self/fd/{name}").st_ino)
+        except OSError:
+            continue
+    return found
 
 
 def test_a_pool_of_other_shapes_is_refused_before_anything_changes(
