@@ -92,35 +92,6 @@ class Steps:
         self.emit(N.FINISHED, version=src.version, engines=versions(self.c))
         self.status("rolled-back" if back else "finished", detail="")
 
-    async def _drain(self, old: Engine) -> None:
-        """The superseded primary finishes its requests in flight and exits (Drain) within
-        update.drain_s; past it, it is killed (what it had not finished ends with an
-        error, supervisor/proxy/cuts.py), then it retires."""
-        inc = old.inc
-        if inc is not None:
-            self.c.hub.send(old.name, Drain(grace_s=self.spec.drain_s))
-            try:
-                async with asyncio.timeout(self.spec.drain_s):
-                    await asyncio.gather(*(p.wait() for p in inc.procs))
-            except TimeoutError:
-                log.warning("drain deadline passed", engine=old.name, in_flight=old.in_flight)
-                await asyncio.gather(*(p.fence() for p in inc.procs))
-        await self.c.retire(old)
-
-    async def _free(self, gen: CacheDaemons) -> None:
-        fps = await self.gens.free(gen)
-        if self.kept is gen:
-            self.kept = None
-        self.c.bus.emit(
-            "update",
-            "main",
-            N.POOL_FREED,
-            self.c.epoch,
-            generation=gen.generation,
-            version=gen.version,
-            withdrawn=fps,
-        )
-
     async def drain(self, old: Engine) -> None:
         """The superseded primary finishes its requests in flight and exits (Drain) within
         update.drain_s; past it, it is killed (what it had not finished ends with an

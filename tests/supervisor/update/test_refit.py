@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from tests.engines.harness import exits_within, topic
 from tests.supervisor.update.test_update_rollout import (
     Clients,
+    assert_each_made_by_one_version,
     boot,
     copy_with,
     escrowed,
@@ -60,16 +61,7 @@ def test_a_refit_under_load_switches_every_engine_in_place_and_frees_the_old_poo
             clients.wait_for(4, version=v2)
         finally:
             answers = clients.stop()
-        failed = [(a.status, a.error) for a in answers if a.status != 200 or a.error or not a.done]
-        assert failed == [] and len(answers) >= 7
-        made: dict[str, set[tuple[int, ...]]] = {}
-        for a in answers:
-            assert a.version in (v1, v2) and not a.migrated
-            assert a.stream or a.fingerprint == a.version
-            made.setdefault(a.version, set()).add(tuple(a.tokens))
-        # each version made one answer to the one prompt, and not the other's: none mixed
-        assert set(made) == {v1, v2} and all(len(m) == 1 for m in made.values()), made
-        assert made[v1] != made[v2]
+        assert_each_made_by_one_version(answers, v1, v2)
         after = sup.status()
         assert after["version"] == v2 and after["update"]["state"] == "finished"
         assert after["update"]["kind"] == "refit"

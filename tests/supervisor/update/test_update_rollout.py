@@ -140,6 +140,21 @@ class Clients:
         return self.answers
 
 
+def assert_each_made_by_one_version(answers: list[Answer], v1: str, v2: str) -> None:
+    """None failed; every answer is labelled v1 or v2 (a collected one's fingerprint too),
+    and each version made one answer to the one prompt, streamed or not, unlike the
+    other's: an answer mixing the two would be a third."""
+    failed = [(a.status, a.error) for a in answers if a.status != 200 or a.error or not a.done]
+    assert failed == [] and len(answers) >= 7
+    made: dict[str, set[tuple[int, ...]]] = {}
+    for a in answers:
+        assert a.version in (v1, v2) and not a.migrated
+        assert a.stream or a.fingerprint == a.version
+        made.setdefault(a.version, set()).add(tuple(a.tokens))
+    assert set(made) == {v1, v2} and all(len(m) == 1 for m in made.values()), made
+    assert made[v1] != made[v2]
+
+
 def escrowed(run: Path) -> set[str]:
     """The fingerprints of the pools the keeper holds."""
     reply, _ = protocol.call(str(run / "keeper.sock"), protocol.ListPools())
@@ -175,16 +190,7 @@ def test_an_update_under_load_fails_no_request_and_frees_the_old_pool(
             clients.wait_for(4, version=v2)
         finally:
             answers = clients.stop()
-        failed = [(a.status, a.error) for a in answers if a.status != 200 or a.error or not a.done]
-        assert failed == [] and len(answers) >= 7
-        made: dict[str, set[tuple[int, ...]]] = {}
-        for a in answers:
-            assert a.version in (v1, v2) and not a.migrated
-            assert a.stream or a.fingerprint == a.version
-            made.setdefault(a.version, set()).add(tuple(a.tokens))
-        # each version made one answer to the one prompt, streamed or not, and not the other's
-        assert set(made) == {v1, v2} and all(len(m) == 1 for m in made.values()), made
-        assert made[v1] != made[v2]
+        assert_each_made_by_one_version(answers, v1, v2)
         after = sup.status()
         assert after["version"] == v2 and after["update"]["state"] == "finished"
         assert {e["version"] for e in after["engines"]} == {v2}
