@@ -34,7 +34,7 @@ from supervisor.update import memory, refit
 from supervisor.update.checks import checkpoint_refusals
 from supervisor.update.smoke import SmokeFailed, smoke
 from supervisor.update.steps import Steps, versions
-from supervisor.update.waits import NotReady, SameVersion, ready, why
+from supervisor.update.waits import NotReady, SameVersion, heir, why
 from supervisor.versions import Source
 
 log = structlog.get_logger("supervisor.update")
@@ -199,9 +199,9 @@ class Rollout(Steps):
                     )
                 self.status("warming", version_to=src.version, detail="standbys start")
                 engines = self.add_serving(src)
-                await self.c.until(lambda: ready(engines))
+                await self.c.until(lambda: heir(engines) is not None)
                 if self.spec.smoke is not None:
-                    await smoke(engines[0], self.spec.smoke)
+                    await smoke(heir(engines) or engines[0], self.spec.smoke)
             self.emit(N.READY, version=src.version, engines=versions(engines))
         except (TimeoutError, StartupError, NotReady, SmokeFailed, SameVersion) as e:
             await self.refused(gen, engines, why(e, self.spec.ready_timeout_s), built=build)
@@ -217,7 +217,7 @@ class Rollout(Steps):
     ) -> None:
         c, before = self.c, self.c.version
         heir = next((e for e in engines if e.state == S.STANDBY), None)
-        if heir is None:  # (each was ready a moment ago)
+        if heir is None:  # (one was ready a moment ago)
             await self.refused(
                 gen, engines, "no new engine was ready at the switch", built=not back
             )

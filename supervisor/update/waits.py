@@ -1,6 +1,7 @@
-"""What an update waits for before its switch, and how it says why it gave up: every new
-engine a ready standby (`ready`, NotReady once one is quarantined), a pool that is not
-the version already served (SameVersion), within update.ready_timeout_s (`why`)."""
+"""What an update waits for before its switch, and how it says why it gave up: a new
+engine that is a ready standby, the heir (`heir`, NotReady once one is quarantined), a
+pool that is not the version already served (SameVersion), within
+update.ready_timeout_s (`why`)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ class SameVersion(Exception):
     """The pool built is the version that serves (the same bytes in another dir)."""
 
 
-def ready(engines: list[Engine]) -> bool:
-    """Whether every new engine is a ready standby; NotReady once one is quarantined."""
+def heir(engines: list[Engine]) -> Engine | None:
+    """The first new engine that is a ready standby (None: none yet); NotReady once one is
+    quarantined, so a version whose engines cannot start is rolled back."""
     for e in engines:
         if e.state == EngineState.QUARANTINED:
             raise NotReady(f"engine {e.name} was quarantined before it was ready")
-    return all(e.state == EngineState.STANDBY for e in engines)
+    return next((e for e in engines if e.state == EngineState.STANDBY), None)
 
 
 def why(e: Exception, timeout_s: float) -> str:
