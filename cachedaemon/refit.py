@@ -178,6 +178,9 @@ def _mapped(manifest: Manifest, base: int) -> tuple[int, int]:
         return 0, 0
     from cachedaemon import cuda_driver as drv
 
+    # a worker thread (the engine fetches off its event loop) has no CUDA context yet: a
+    # runtime call on the device binds its primary one, which the driver call below needs
+    torch.cuda.synchronize(torch.device(manifest.device))
     start, size = drv.address_range(base)
     return (size if start == base else 0), 0
 

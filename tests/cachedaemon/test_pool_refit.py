@@ -4,6 +4,7 @@ before anything changes."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 from pathlib import Path
@@ -141,7 +142,9 @@ def test_on_the_gpu_a_captured_graph_replays_the_new_weights(
     expected = new[name].to("cuda:0", w.dtype).float().sum().item()
     assert abs(old - expected) > 1e-3
 
-    r = refit.fetch(tmp_path / "b" / "daemon-0.sock", None, state)
+    # fetched on a thread of its own, as the engine does (no CUDA context there yet)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        r = pool.submit(refit.fetch, tmp_path / "b" / "daemon-0.sock", None, state).result()
     r.swap()
     graph.replay()
     torch.cuda.synchronize()
