@@ -13,6 +13,7 @@
 #   checkpoint-b-bg (write a second llama-8b, seed 1, to /tmp/models/llama-8b-b in the background),
 #   refit-tests (tests/cachedaemon/test_refit.py's GPU test), update (bench/update.py on llama-8b:
 #     an update to llama-8b-b under 16 streaming clients, a refit back, a stop-and-start; UPDATE_S bounds it),
+#   update-small (the same on the small preset, two checkpoints written here),
 #   load-digest (the daemon's llama-8b load with and without the content digest: bench/load_digest.py),
 #   digest-tests (tests/cachedaemon/test_blake3_gpu.py: the digest hashed on the GPU equals the CPU's),
 #   vllm-part (keep the carried part of vLLM, .vllm/part-NN, in /tmp/holdfast-vllm-cuda/parts),
@@ -189,6 +190,13 @@ for stage in $stages; do
     refit-tests)  # the refit's remap on cuda-vmm pools: a captured graph replays the new weights
       timeout 180 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/cachedaemon/test_refit.py \
         2>&1 | tail -15 | tee "$OUT/tests_refit.txt" ;;
+    update-small)  # bench/update.py on the small preset (1.8 GB): the same steps, a short call
+      for seed in 0 1; do [ -f /tmp/models/small-$seed/config.json ] || timeout 120 python3 -m \
+        cachedaemon make-checkpoint /tmp/models/small-$seed --preset small --seed $seed | tail -1; done
+      timeout "${UPDATE_S:-240}" python3 bench/update.py --policy chaos/scenarios/policy-gpu.yaml \
+        --model-a /tmp/models/small-0 --model-b /tmp/models/small-1 --clients 16 --prompt 128 \
+        --max-tokens 256 --standby 1 --no-batch --out "$OUT/update_small.json" > "$OUT/update_small.txt" 2>&1
+      echo "update bench (small): exit $?"; tail -80 "$OUT/update_small.txt" ;;
     update)  # bench/update.py on llama-8b: an update to llama-8b-b, a refit back, a stop-and-start
       checkpoint
       t0=$SECONDS
