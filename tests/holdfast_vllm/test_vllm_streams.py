@@ -106,7 +106,12 @@ def test_streams_cut_by_kill_9_of_a_vllm_primary_are_continued_on_its_standby(
         assert status == 200, body
         sup.wait(lambda e: e.topic == "router.main.migrated", timeout=10, after=mark)
         want = own[2]
-        assert body["choices"][0]["text"] == want["choices"][0]["text"]
+        if "\ufffd" not in want["choices"][0]["text"]:
+            assert body["choices"][0]["text"] == want["choices"][0]["text"]
+        # else the random weights' bytes form no characters: vLLM's incremental decoding of
+        # the continuation starts a few prompt tokens back, and over bytes that are no UTF-8
+        # it can cut those tokens' text otherwise than the uncut answer did, so the text may
+        # differ where the cut fell (seen once in many runs); the token ids may not
         for key in ("finish_reason", "stop_reason", "logprobs"):
             assert body["choices"][0][key] == want["choices"][0][key], key
         assert body["choices"][0]["token_ids"] == token_ids(reference)
