@@ -48,7 +48,7 @@ batch engines refit once their requests are done. An answer is never made by two
 versions. An engine that cannot refit in time restarts on the new pool. The old pool is
 freed after update.keep_old_s. Refused before anything changes: an update or refit under
 way, engines that do not refit in place (another kind, tensor parallel), a DIR of other
-names or shapes."""
+names or shapes, a second pool that does not fit in memory (the reply has the numbers)."""
 ROLLBACK = """Before the switch: stop the new version (its engines and pool; the old version
 served throughout). After it, while the old pool is kept (update.keep_old_s): switch back
 to it the way an update switches."""
