@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -68,21 +68,30 @@ def refusal(c: Crew) -> str:
 async def tell(
     c: Crew, e: Engine, src: Source, grace_s: float, timeout_s: float, *, hold: bool = False
 ) -> Refitted:
-    """Tell `e` to switch to `src`'s pool; its answer (RefitFailed when it does not switch
-    or does not answer within `timeout_s`)."""
+    """Tell `e` to switch to `src`'s pool; its answer (RefitFailed when it does not switch,
+    exits first, or does not answer within `timeout_s`)."""
     waiter: asyncio.Future[Refitted] = asyncio.get_running_loop().create_future()
     c.refits[e.name] = waiter
     cmd = Refit(src.daemons[0], src.model_dir, src.version, grace_s, hold)
     if not c.hub.send(e.name, cmd):
         c.refits.pop(e.name, None)
         raise RefitFailed(f"{e.name} is not connected")
+    inc = e.inc
+    gone: asyncio.Future[None] = asyncio.ensure_future(
+        c.until(lambda: e.inc is not inc or not e.running)
+    )
+    either: set[asyncio.Future[Any]] = {waiter, gone}
     try:
         async with asyncio.timeout(timeout_s):
-            said = await waiter
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
     except TimeoutError:
         raise RefitFailed(f"{e.name} did not answer the refit within {timeout_s:g} s") from None
     finally:
+        gone.cancel()
         c.refits.pop(e.name, None)
+    if not waiter.done():
+        raise RefitFailed(f"{e.name} exited during its refit")
+    said = waiter.result()
     if not said.ok:
         raise RefitFailed(f"{e.name}: {said.detail}")
     e.source = src

@@ -10,8 +10,11 @@ shapes and other weights (seeds 0 and 1); answers are sized in tokens."""
 
 from __future__ import annotations
 
+import http.client
+import os
 import shutil
 import signal
+import threading
 from pathlib import Path
 
 import torch
@@ -20,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from tests.engines.harness import exits_within, topic
 from tests.supervisor.update.test_update_rollout import (
     Clients,
+    ask,
     assert_each_made_by_one_version,
     boot,
     copy_with,
@@ -167,6 +171,59 @@ def test_a_crew_without_a_standby_refits_its_primary_where_it_serves(
             (first.name, pid, v2)
         ]
         assert after["epoch"] == before["epoch"]
+        assert sup.stop(signal.SIGTERM) == 0, sup.output()
+    finally:
+        if sup.proc.poll() is None:
+            sup.stop(signal.SIGKILL)
+
+
+def test_an_engine_that_dies_while_it_refits_restarts_on_the_new_pool_at_once(
+    tmp_path: Path, tiny_model: Path, next_model: Path
+) -> None:
+    """The batch engine refits once its request under way is done (update.drain_s 300):
+    killed while it waits, it is restarted on the new pool, and the refit ends without
+    waiting out the drain."""
+    sup = boot(
+        tmp_path,
+        tiny_model,
+        update={"keep_old_s": 0, "drain_s": 300},
+        engines={"command": ["{python}", "-m", "engine"], "ready_timeout_s": 120, **BATCH},
+    )
+    try:
+        sup.wait_pair()
+        sup.wait(topic("engine.batch-1.ready"), timeout=180)
+        batch = next(e for e in sup.status()["engines"] if e["name"] == "batch-1")
+        # back to back, so one is under way when the refit comes (prompt + 500 fit in 512)
+        stop, done = threading.Event(), threading.Event()
+
+        def asking() -> None:
+            while not stop.is_set():
+                try:
+                    ask(f"http://127.0.0.1:{batch['port']}", True, 500)
+                    done.set()
+                except (OSError, http.client.HTTPException):  # killed under it: expected
+                    pass
+
+        long = threading.Thread(target=asking, daemon=True)
+        long.start()
+        assert done.wait(120)
+        mark = sup.tap.mark()
+        sup.cli("refit", "--model", str(next_model))
+        sup.wait(topic("engine.batch-1.reported-refitting"), timeout=60, after=mark)
+        os.kill(batch["pid"], signal.SIGKILL)
+        end = sup.wait(topic("update.main.finished"), timeout=120, after=mark)
+        stop.set()
+        # it never refitted: it was killed while its request was under way, and restarted
+        assert "engine.batch-1.refitted" not in [e.topic for e in sup.tap.events[mark:]]
+        v2 = end.data["version"]
+        sup.wait(
+            lambda e: e.topic == "engine.batch-1.ready" and e.ts > end.ts - 60,
+            timeout=120,
+            after=mark,
+        )
+        after = {e["name"]: e for e in sup.status()["engines"]}
+        assert after["batch-1"]["version"] == v2 and after["batch-1"]["pid"] != batch["pid"]
+        assert {e["version"] for e in after.values()} == {v2}
         assert sup.stop(signal.SIGTERM) == 0, sup.output()
     finally:
         if sup.proc.poll() is None:
