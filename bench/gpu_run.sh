@@ -11,7 +11,8 @@
 #   chaos / chaos-tp2 (chaos/scenarios/gpu.yaml / gpu-tp2.yaml; results in $OUT/chaos-gpu*),
 #   scenario=FILE (any chaos scenario file; results in $OUT/chaos-NAME),
 #   checkpoint-b-bg (write a second llama-8b, seed 1, to /tmp/models/llama-8b-b in the background),
-#   refit-tests (tests/cachedaemon/test_refit.py's GPU test), update (bench/update.py on llama-8b:
+#   checkpoints-wait (until both are written; CHECKPOINTS_S bounds it),
+#   refit-tests (tests/cachedaemon/test_pool_refit.py's GPU test), update (bench/update.py on llama-8b:
 #     an update to llama-8b-b under 16 streaming clients, a refit back, a stop-and-start; UPDATE_S bounds it),
 #   update-small (the same on the small preset, two checkpoints written here),
 #   load-digest (the daemon's llama-8b load with and without the content digest: bench/load_digest.py),
@@ -187,8 +188,13 @@ for stage in $stages; do
         timeout 400 python3 -m cachedaemon make-checkpoint /tmp/models/llama-8b-b --preset llama-8b --seed 1 \
           && touch /tmp/models/llama-8b-b/.complete; }' > /tmp/models/writer-b.log 2>&1 < /dev/null &
       echo "checkpoint: writing /tmp/models/llama-8b-b in the background" ;;
+    checkpoints-wait)  # both llama-8b checkpoints written (by checkpoint-bg and checkpoint-b-bg)
+      t0=$SECONDS
+      while { [ ! -f /tmp/models/llama-8b/.complete ] || [ ! -f /tmp/models/llama-8b-b/.complete ]; } \
+        && [ $((SECONDS - t0)) -lt "${CHECKPOINTS_S:-400}" ]; do sleep 2; done
+      ls -d /tmp/models/llama-8b*/.complete; echo "checkpoints: waited $((SECONDS - t0)) s here" ;;
     refit-tests)  # the refit's remap on cuda-vmm pools: a captured graph replays the new weights
-      timeout 180 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/cachedaemon/test_refit.py \
+      timeout 180 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/cachedaemon/test_pool_refit.py \
         2>&1 | tail -15 | tee "$OUT/tests_refit.txt" ;;
     update-small)  # bench/update.py on the small preset (1.8 GB): the same steps, a short call
       for seed in 0 1; do [ -f /tmp/models/small-$seed/config.json ] || timeout 120 python3 -m \
