@@ -25,7 +25,7 @@ from supervisor.errors import ControlError, StartupError
 from supervisor.events import EventBus
 from supervisor.failover import Failover
 from supervisor.pace import LoopPace, thread_runs
-from supervisor.policy import Policy
+from supervisor.policy import Policy, admission_cap_mb
 from supervisor.primary import PrimaryView
 from supervisor.states import EngineState
 from supervisor.units import READY_STATES, Engine, Incarnation
@@ -64,7 +64,7 @@ class Crew(Failover):
             keep_s=max(self.windows.busy_silence_s, self.windows.starting_silence_s) + 1.0,
         )
         self.batch = decisions.BatchGovernor(
-            policy.engines.load, policy.heartbeat.interval_ms / 1000.0, policy.devices.memory_mb
+            policy.engines.load, policy.heartbeat.interval_ms / 1000.0, admission_cap_mb(policy)
         )
 
     # ---- agent messages ----

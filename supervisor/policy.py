@@ -79,6 +79,12 @@ class EnginesSpec(_Spec, frozen=True):
     # command is `{python} -m engine ...` (others are started with exec either way), and
     # for kind vllm (holdfast_vllm.forkserver in the vLLM venv)
     forkserver: bool | None = None
+    # the reference engine's fork server's spares (engine/spare.py, engine/ready.py): auto,
+    # a spare with its CUDA context and kernels loaded on CUDA devices; on, the same on any
+    # device; ready, a spare that has built the whole engine (attached, KV cache, warm-up,
+    # graphs) and holds an engine's memory while it waits; off, none. YAML reads a bare on
+    # and off as true and false: those mean on and off here (`spares_mode`)
+    spares: Literal["auto", "on", "ready", "off"] | bool = "auto"
     health: Literal["agent", "http"] = "agent"
     primary: int = 1
     standby: int = 1
@@ -209,6 +215,22 @@ def semantic_errors(p: Policy, *, schema_only: bool = False) -> list[str]:
         if not p.cluster.advertise:
             errors += advertise_errors(p.router.listen, "router.listen")
     return errors
+
+
+def spares_mode(e: EnginesSpec) -> str:
+    """engines.spares as engine.forkserver's --spares takes it (true: on, false: off)."""
+    if isinstance(e.spares, bool):
+        return "on" if e.spares else "off"
+    return e.spares
+
+
+def admission_cap_mb(p: Policy) -> int:
+    """devices.memory_mb for the engines (0: no limit), less what a ready spare holds while
+    it waits (`engines.spares: ready`: one engine's budget per device, the largest)."""
+    cap, e = p.devices.memory_mb, p.engines
+    if cap <= 0 or spares_mode(e) != "ready" or e.kind != "holdfast":
+        return cap
+    return max(cap - max([e.memory_mb, *(b.memory_mb for b in e.batch)]), 1)
 
 
 def checkpoint_errors(path: Path, key: str = "$.model.path") -> list[str]:

@@ -21,6 +21,7 @@ from supervisor.core import Crew
 from supervisor.decisions import earliest
 from supervisor.errors import ControlError
 from supervisor.pace import sched_state, thread_runs
+from supervisor.policy import admission_cap_mb
 from supervisor.states import EngineState
 from supervisor.units import Engine, Incarnation
 from supervisor.update.rollout import Rollout
@@ -79,7 +80,7 @@ async def _restart_serving(c: Crew, e: Engine, now: float) -> float | None:
     if now < e.next_start:
         return e.next_start
     engines = list(c.engines.values())
-    for victim in decisions.admission_victims(engines, e.memory_mb, c.policy.devices.memory_mb):
+    for victim in decisions.admission_victims(engines, e.memory_mb, admission_cap_mb(c.policy)):
         await c.evict(victim, reason="admission", held=False)
     await c.spawn(e)
     return None

@@ -29,6 +29,7 @@ from supervisor.kinds.base import Forks, Kind, Probe, Reports
 from supervisor.kinds.vllm_install import installed_errors
 from supervisor.kinds.vllm_metrics import load_of, parse_metrics
 from supervisor.kinds.vllm_spec import VllmSpec, python_of
+from supervisor.policy import spares_mode
 
 if TYPE_CHECKING:
     from supervisor.policy import Policy
@@ -159,6 +160,11 @@ def errors(p: Policy, *, schema_only: bool) -> list[str]:
         out.append("$.engines.vllm.kv_evict_above: must be in (0, 1]")
     if not 0 < v.gpu_memory_utilization <= 1:
         out.append("$.engines.vllm.gpu_memory_utilization: must be in (0, 1]")
+    if spares_mode(e) in ("on", "ready"):
+        out.append(
+            f"$.engines.spares: {spares_mode(e)} is the reference engine's; holdfast_vllm.forkserver "
+            "makes no spares: leave engines.spares unset with engines.kind vllm"
+        )
     out += kv_errors(p)
     if schema_only:
         return out

@@ -1,0 +1,111 @@
+"""`engines.spares: ready` under the supervisor: the engine fork server keeps a spare that
+has built the whole engine, so an engine the supervisor restarts after a kill is handed
+over built (no attach, no warm-up) and serves; the policy's checks name the key when
+spares cannot be made."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from supervisor.errors import PolicyError
+from supervisor.policy import Policy, admission_cap_mb
+from supervisor.policy_file import parse_policy
+from tests.engines.harness import Supervisor, complete, write_policy
+
+
+def last_ready(log: Path) -> dict:
+    """The last "ready" line of an engine's log (rank 0's: every incarnation appends)."""
+    lines = [json.loads(x) for x in log.read_text().splitlines() if '"ready"' in x]
+    return [x for x in lines if x.get("event") == "ready"][-1]
+
+
+def test_an_engine_restarted_after_a_kill_is_handed_a_ready_spare(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    policy = write_policy(
+        tmp_path / "policy.yaml",
+        tiny_model,
+        tmp_path / "run",
+        engines={
+            "command": ["{python}", "-m", "engine"],
+            "ready_timeout_s": 120,
+            "spares": "ready",
+        },
+        heartbeat={"interval_ms": 100, "miss_limit": 10},
+    )
+    sup = Supervisor(policy)
+    try:
+        first = sup.wait_pair()
+        code, body = complete(sup.router, None, prompt_token_ids=[1, 2, 3], max_tokens=4)
+        assert code == 200, body
+        want = body["choices"][0]["token_ids"]
+        mark = sup.tap.mark()
+        second = sup.kill_primary(first)
+        # the killed engine comes back as a standby, from the spare the last fork left
+        sup.wait(lambda e: e.event == "ready" and e.name == first.name, timeout=120, after=mark)
+        log = sup.run / "logs" / f"{first.name}.0.log"
+        again = last_ready(log)
+        assert again["role"] == "standby", again
+        phases = again["phases"]
+        assert phases["spare"] > 0, phases
+        assert phases["attach"] == phases["warmup"] == phases["build"] == 0, phases
+        assert "spare's build not used" not in log.read_text()
+        # and it serves once promoted in turn, the same tokens as before
+        sup.kill_primary(second)
+        assert sup.status()["primary"] == first.name
+        code, body = complete(sup.router, None, prompt_token_ids=[1, 2, 3], max_tokens=4)
+        assert code == 200 and body["engine"] == first.name, body
+        assert body["choices"][0]["token_ids"] == want
+    finally:
+        if sup.proc.poll() is None:
+            sup.stop(signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    "engines, want",
+    [
+        (
+            "{spares: ready, forkserver: false}",
+            "$.engines.spares: ready needs the engine fork server",
+        ),
+        (
+            "{spares: on, command: [/bin/engine]}",
+            "$.engines.spares: on needs the engine fork server",
+        ),
+        ("{kind: vllm, spares: ready}", "$.engines.spares: ready is the reference engine's"),
+        (
+            "{spares: later}",
+            "$.engines.spares: got 'later', expected one of 'auto', 'on', 'ready', 'off'",
+        ),
+    ],
+)
+def test_spares_the_fork_server_cannot_make_are_refused_naming_the_key(
+    tmp_path: Path, engines: str, want: str
+) -> None:
+    text = f"model: {{preset: tiny}}\nengines: {engines}\n"
+    with pytest.raises(PolicyError) as refused:
+        parse_policy(text, tmp_path / "policy.yaml", schema_only=True)
+    assert any(e.startswith(want) for e in refused.value.errors), refused.value.errors
+
+
+def test_a_ready_spare_keeps_one_engine_budget_free_for_admission() -> None:
+    p = msgspec.convert(
+        {
+            "model": {"preset": "tiny"},
+            "devices": {"memory_mb": 10000},
+            "engines": {
+                "memory_mb": 2000,
+                "spares": "ready",
+                "batch": [{"name": "b", "memory_mb": 3000}],
+            },
+        },
+        Policy,
+    )
+    assert admission_cap_mb(p) == 7000
+    auto = msgspec.convert({"model": {"preset": "tiny"}, "devices": {"memory_mb": 10000}}, Policy)
+    assert admission_cap_mb(auto) == 10000
