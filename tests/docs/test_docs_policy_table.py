@@ -23,8 +23,9 @@ def schema_keys(struct: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     for field in msgspec.inspect.type_info(struct).fields:
         name = prefix + field.encode_name
         inner = field.type
-        if isinstance(inner, msgspec.inspect.UnionType):  # X | None
-            (inner,) = [t for t in inner.types if not isinstance(t, msgspec.inspect.NoneType)]
+        if isinstance(inner, msgspec.inspect.UnionType):  # X | None, or a leaf's choices
+            some = [t for t in inner.types if not isinstance(t, msgspec.inspect.NoneType)]
+            inner = some[0] if len(some) == 1 else inner
         if isinstance(inner, msgspec.inspect.ListType) and isinstance(
             inner.item_type, msgspec.inspect.StructType
         ):
