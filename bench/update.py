@@ -216,6 +216,18 @@ def wait_crew(sup: Supervisor, timeout: float) -> None:
     raise SystemExit(f"the crew was not up within {timeout} s: {sup.status()['engines']}")
 
 
+def wait_parked(run: Path, timeout: float = 60.0) -> float | None:
+    """With update.park on: until the next pool's daemon is parked (listening on
+    <run>/parked-0.sock), as it is when a command comes minutes after the last; the seconds
+    waited, or None when nothing is parked here."""
+    if not (run / "logs" / "daemon-0-parked.log").exists():
+        return None
+    t0 = time.monotonic()
+    while not (run / "parked-0.sock").exists() and time.monotonic() - t0 < timeout:
+        time.sleep(0.05)
+    return round(time.monotonic() - t0, 3)
+
+
 def first_token_of(answers: list[Answer], version: str, after: float) -> float | None:
     ts = [t for a in answers if a.version == version for t in a.times if t >= after]
     return min(ts) if ts else None
@@ -270,6 +282,7 @@ def main() -> int:
         quiet = (t_quiet + 1.0, time.time())
 
         # 1. update to B
+        result["parked_wait_s"] = [wait_parked(sup.run)]
         mark = sup.tap.mark()
         t0 = time.time()
         reply = request(endpoint, UpdateReq(str(args.model_b)), timeout=30)
@@ -281,13 +294,11 @@ def main() -> int:
             sup, lambda e: e.kind == "update" and e.event in ("finished", "rolled-back"), mark
         )
         v_b = switched.data["version"]
-        first_b = first_token_of(clients.answers, v_b, t0)
         result["update"] = {
             "end": end.event,
             "version_from": v_a,
             "version_to": v_b,
             "command_to_switched_s": round(switched.ts - t0, 3),
-            "command_to_first_new_token_s": round(first_b - t0, 3) if first_b else None,
             "command_to_pool_serving_s": round(served.ts - t0, 3),
             "pool_load_s": pool_seconds(sup.run, 2),
             "command_to_finished_s": round(end.ts - t0, 3),
@@ -295,8 +306,14 @@ def main() -> int:
         }
         save()
         time.sleep(3.0)
+        # an answer is kept once it ends: B's first ones have by now
+        first_b = first_token_of(clients.answers, v_b, t0)
+        first_s = round(first_b - t0, 3) if first_b else None
+        result["update"]["command_to_first_new_token_s"] = first_s
+        save()
 
         # 2. refit back to A (its files are in the page cache)
+        result["parked_wait_s"].append(wait_parked(sup.run))
         mark = sup.tap.mark()
         names = [e["name"] for e in sup.status()["engines"]]
         t0 = time.time()

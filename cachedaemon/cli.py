@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,6 +23,8 @@ EXAMPLES = {
     "example, a pool in vLLM's layout (the python of the vLLM venv):\n"
     "  /opt/holdfast/vllm-venv/bin/python -m cachedaemon serve --layout vllm \\\n"
     "      --model /models/llama --dtype float32 --runtime-dir /tmp/hf-run",
+    "park": "example (what the supervisor runs for the next generation; see cachedaemon/park.py):\n"
+    "  cachedaemon park --claim /tmp/hf-run/parked-0.sock --device cuda:0",
     "status": "example:\n  cachedaemon status --socket /tmp/hf-run/daemon-0.sock --json",
     "keeper": "example:\n  cachedaemon keeper --socket /tmp/hf-run/keeper.sock",
     "make-checkpoint": "example:\n  cachedaemon make-checkpoint /tmp/models/tiny --preset tiny --seed 0",
@@ -82,6 +85,15 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--read-timeout", type=float, default=5.0, help="seconds a client may stay silent"
     )
+
+    pk = add(
+        "park",
+        "start a daemon ahead of its pool: import everything and make the device's context, "
+        "then wait on --claim for the `serve` command line to run (and the log to write)",
+    )
+    pk.add_argument("--claim", required=True, help="unix socket to wait on for the claim")
+    pk.add_argument("--device", default="cpu", help="cpu or cuda:N: whose context to make")
+    pk.add_argument("--backend", default="auto", help=f"auto or one of {', '.join(BACKENDS)}")
 
     st = add("status", "show a daemon's pool: fingerprint, size, clients")
     st.add_argument("--socket", required=True)
@@ -189,6 +201,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         read_timeout=args.read_timeout,
     )
     return run(opts, config)
+
+
+def cmd_park(args: argparse.Namespace) -> int:
+    from cachedaemon import park
+
+    park.warm(args.device, args.backend)
+    claim = park.wait_for_claim(Path(args.claim))
+    park.take_log(claim.log_path)
+    park.log.info("claimed", pid=os.getpid(), argv=claim.argv)
+    return main(claim.argv)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -308,6 +330,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "serve": cmd_serve,
+    "park": cmd_park,
     "status": cmd_status,
     "keeper": cmd_keeper,
     "make-checkpoint": cmd_make_checkpoint,

@@ -24,6 +24,7 @@ import gc
 import io
 import math
 import time
+from pathlib import Path
 
 import msgspec
 import structlog
@@ -63,7 +64,13 @@ def key(spawn: Spawn, mode: str) -> tuple[str, ...] | None:
         return (cfg.device, repr(settings(cfg)), repr(env))
     # every variable but the engine's own settings may change how CUDA starts
     env = sorted((k, v) for k, v in spawn.env.items() if not k.startswith("HOLDFAST_"))
-    shapes = (cfg.model, cfg.dtype, cfg.quantization, cfg.max_batch, cfg.max_model_len)
+    # the model's shapes, not its dir: the next version of a model (an update's checkpoint
+    # of the same shapes) takes the spare the last version's engine left
+    try:
+        model = (Path(cfg.model) / "config.json").read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+    shapes = (model, cfg.dtype, cfg.quantization, cfg.max_batch, cfg.max_model_len)
     return (cfg.device, *map(str, shapes), str(cfg.kv_cache_mb), repr(env))
 
 

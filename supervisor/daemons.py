@@ -33,7 +33,7 @@ from supervisor.states import DAEMON, DaemonState, move
 from supervisor.units import Daemon, Incarnation
 from supervisor.versions import Source, version_of
 from supervisor.watcher import Command, Watcher, not_ready, until, until_ready
-from supervisor.wiring import Term
+from supervisor.wiring import ParkedDaemons, Term
 
 if TYPE_CHECKING:  # torch-free, but imported only where they are used
     from cachedaemon.keeper import Keeper
@@ -91,6 +91,8 @@ class CacheDaemons:
             for r, dev in enumerate(policy.devices.ids)
         ]
         self.watcher = Watcher()  # every daemon's and spare's exit watch, readiness, pings
+        # daemons started ahead, claimed by spawn (a later generation's: update.park)
+        self.parked: ParkedDaemons | None = None
         self._changed = asyncio.Event()
         self.checkpoint = CheckpointWatch(Path(model_dir), bus, term)
 
@@ -202,7 +204,9 @@ class CacheDaemons:
     async def spawn(self, d: Daemon) -> None:
         d.spawning = True
         try:
-            proc = await Watcher.spawn(self.command(d))
+            cmd = self.command(d)
+            parked = await self.parked.claim(d, cmd) if self.parked is not None else None
+            proc = parked or await Watcher.spawn(cmd)
         finally:
             d.spawning = False
         if d.state != DaemonState.DEAD:  # stopped meanwhile

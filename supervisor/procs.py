@@ -114,6 +114,11 @@ class Proc:
             pidfd = None
         return cls(pid, argv, log, _forked_exit(sock, pidfd), start)
 
+    def moved(self, argv: list[str], log: Path, log_start: int) -> Proc:
+        """This process, running `argv` and writing to `log` (from `log_start`) from now
+        on: a parked cache daemon once claimed (supervisor/update/parked.py)."""
+        return Proc(self.pid, argv, log, self._exit, log_start)
+
     @property
     def alive(self) -> bool:
         return not self._exit.done()

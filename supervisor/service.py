@@ -231,6 +231,7 @@ class Service:
             c.epoch,
             ms=round((time.monotonic() - t0) * 1000, 1),
         )
+        await rollout.gens.parked.start(daemons.daemons)  # update.park: the next pool's daemons
         stack.push_async_callback(_stop_engines, c, launcher)
         stack.push_async_callback(rollout.close)  # before the engines stop
         if node is not None:  # joins now; campaigns once the crew can serve

@@ -21,7 +21,9 @@ from holdfast_contract.agent_protocol import (
     StateChange,
     Stop,
 )
+from supervisor.procs import Proc
 from supervisor.units import Daemon, Engine, Incarnation
+from supervisor.watcher import Command
 
 
 @dataclass
@@ -72,6 +74,13 @@ class Launcher(Protocol):
 
     async def spawn(self, e: Engine, epoch: int, into: Reports) -> Incarnation:
         """Start `e`'s processes; its exit and health checks are reported to `into`."""
+
+
+class ParkedDaemons(Protocol):
+    """Cache daemons started ahead (supervisor/update/parked.py): `claim` hands one the
+    command a daemon of rank `d` would start with, or says None."""
+
+    async def claim(self, d: Daemon, cmd: Command) -> Proc | None: ...
 
 
 class Daemons(Protocol):

@@ -12,6 +12,7 @@ import structlog
 
 from supervisor.daemons import CacheDaemons
 from supervisor.policy import Policy
+from supervisor.update.parked import Parked
 
 log = structlog.get_logger("supervisor.update")
 
@@ -23,6 +24,7 @@ class Generations:
         self.first = first
         self.live: list[CacheDaemons] = [first]
         self._made = 1
+        self.parked = Parked(first.policy, first.run, first.watcher)  # for the next ones
 
     def make(self, model_dir: str, dtype: str, quantization: str) -> CacheDaemons:
         """The next generation, for `model_dir` held as `dtype` / `quantization`; not started."""
@@ -39,6 +41,7 @@ class Generations:
             policy, run, model_dir, first.bus, first.term, generation=n, keeper=first.keeper
         )
         gen.pace = first.pace
+        gen.parked = self.parked
         self.live.append(gen)
         return gen
 
@@ -53,7 +56,9 @@ class Generations:
         return fps
 
     async def stop(self) -> None:
-        """The supervisor stops: every later generation, then the first and its keeper."""
+        """The supervisor stops: the parked daemons, every later generation, then the
+        first and its keeper."""
+        await self.parked.stop()
         for gen in reversed(self.live[1:]):
             await gen.stop_daemons()
         await self.first.stop()

@@ -3,6 +3,8 @@ request, and whether it may stop the old standbys for room. Imported by supervis
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 
@@ -21,6 +23,10 @@ class UpdateSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # where two pools do not fit at once: stop the old standbys before the new pool is
     # built (their memory back; no failover target of the old version meanwhile)
     free_standby_kv: bool = False
+    # a cache daemon per rank started ahead (imported, its CUDA context made) that the next
+    # update's or refit's pool is loaded by (supervisor/update/parked.py); auto: on CUDA
+    # devices only
+    park: Literal["auto"] | bool = "auto"
 
 
 def update_errors(spec: UpdateSpec) -> list[str]:

@@ -85,6 +85,30 @@ def test_the_next_request_takes_the_warm_spare_and_serves_the_same_tokens(
         assert [complete(second.url, p) for p in prompts] == want
 
 
+def test_the_next_version_of_a_model_takes_the_spare_its_last_version_left(
+    tmp_path: Path, tiny_model: Path, next_model: Path
+) -> None:
+    """An update's engine (a checkpoint of the same shapes in another dir) is handed the
+    spare the old version's engine left, and serves the new weights, as a fresh fork of
+    them does."""
+    with spares_server(tmp_path, "on") as (server, engines):
+        engines.append(EngineProcess(disk_flags(tiny_model), forkserver=server.sock))
+        engines[0].wait_ready()
+        (warm,) = spare_pids(server, "spare warm", 1)
+        prompt = [1, 2, 3]
+        old = complete(engines[0].url, prompt)
+        engines.append(EngineProcess(disk_flags(next_model), forkserver=server.sock))
+        ready = engines[1].wait_ready()
+        assert engines[1].proc.pid == warm and ready["phases"]["spare"] > 0
+        new = complete(engines[1].url, prompt)
+        assert new != old
+        engines.append(
+            EngineProcess([*disk_flags(next_model), "--max-batch", "4"], forkserver=server.sock)
+        )
+        engines[2].wait_ready()  # other settings: a fresh fork of the same weights
+        assert complete(engines[2].url, prompt) == new
+
+
 def test_a_request_with_other_settings_forks_and_replaces_the_spare(
     tmp_path: Path, tiny_model: Path
 ) -> None:
