@@ -212,7 +212,7 @@ for stage in $stages; do
       timeout "${UPDATE_S:-420}" python3 bench/update.py --policy chaos/scenarios/policy-gpu.yaml \
         --model-a /tmp/models/llama-8b --model-b /tmp/models/llama-8b-b --clients 16 --prompt 128 \
         --max-tokens 256 --standby 1 --no-batch --out "$OUT/update_llama-8b.json" \
-        > "$OUT/update.txt" 2>&1
+        --logs "$RAW/update_logs" > "$OUT/update.txt" 2>&1
       echo "update bench: exit $?"; tail -80 "$OUT/update.txt" ;;
     load-digest)  # the daemon's llama-8b load with and without the content digest, interleaved
       checkpoint

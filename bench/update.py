@@ -250,6 +250,7 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], help="policy KEY=VALUE (yaml)")
     ap.add_argument("--ready-timeout", type=float, default=600)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--logs", type=Path, help="copy the run's logs here before the baseline")
     args = ap.parse_args()
 
     vocab = json.loads((args.model_a / "config.json").read_text())["vocab_size"]
@@ -355,6 +356,11 @@ def main() -> int:
         clients = None
         result["answers"] = judge(answers, args.max_tokens, {v_a, v_b})
         save()
+
+        if args.logs is not None:  # the supervisor's, the engines' and every generation's
+            for logs in [sup.run / "logs", *sorted(sup.run.glob("gen-*/logs"))]:
+                dest = args.logs / logs.relative_to(sup.run)
+                shutil.copytree(logs, dest, dirs_exist_ok=True)
 
         # 3. the baseline: stop, start afresh on B, first answer
         t0 = time.time()
