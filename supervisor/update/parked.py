@@ -23,6 +23,7 @@ from pathlib import Path
 import structlog
 
 from cachedaemon import park
+from supervisor.errors import StartupError
 from supervisor.kinds import kind_of
 from supervisor.policy import Policy
 from supervisor.procs import Proc
@@ -69,7 +70,10 @@ class Parked:
         old = self.procs.get(d.rank)
         if not self.on or self.stopping or (old is not None and old.alive):
             return
-        self.procs[d.rank] = await Watcher.spawn(self.command(d))
+        try:
+            self.procs[d.rank] = await Watcher.spawn(self.command(d))
+        except StartupError as e:  # no parked daemon: the next pool's starts as before
+            log.warning("daemon not parked", rank=d.rank, why=str(e))
 
     async def claim(self, d: Daemon, cmd: Command) -> Proc | None:
         """Rank `d`'s parked daemon, running `cmd` (a `cachedaemon serve` command line)
