@@ -59,6 +59,8 @@ async def refit(server: EngineServer, cfg: EngineConfig, cmd: wire.Refit) -> wir
     server.set_state("refitting")
     if cmd.hold:
         server.holding = asyncio.Event()
+    if cmd.cut:  # update.refit_inflight: retry: the router answers them from the new weights
+        server.cut()
     try:
         if not await server.idle(cmd.grace_s):
             pending.close()

@@ -85,6 +85,8 @@ class EngineServer:
         self._idle.set()
         self.on_state: Callable[[str], None] = lambda state: None
         self._streams: set[asyncio.Future[Any]] = set()
+        # requests generating now, and what stops each: `cut` closes them (a refit's)
+        self._generating: dict[int, tuple[web.Request, threading.Event]] = {}
         metrics.bind(self.live)
 
     # ---- lifecycle ----
@@ -130,6 +132,21 @@ class EngineServer:
         except TimeoutError:
             return False
         return True
+
+    def cut(self) -> int:
+        """Close the connection of every request generating now and stop its generation
+        before the next step: the router sees each cut where it is (a stream after the
+        tokens it sent, a collected answer with nothing) and answers it elsewhere. How many
+        were cut."""
+        cut = list(self._generating.values())
+        for request, cancel in cut:
+            cancel.set()
+            if request.transport is not None:
+                request.transport.abort()
+        if cut:
+            self.model.wake()
+            log.info("requests cut", engine=self.name, count=len(cut))
+        return len(cut)
 
     async def drain(self, grace_s: float) -> bool:
         """Stop taking requests; wait up to grace_s for in-flight ones. True if all finished."""
@@ -277,7 +294,7 @@ class EngineServer:
             out.prompt_ids = list(prompt)
         if req.stream:
             return await self._stream(request, job, out)
-        return web.json_response(await self._generate(job, out))
+        return web.json_response(await self._generate(request, job, out))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         await self._past_refit()
@@ -291,7 +308,7 @@ class EngineServer:
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
             return await self._stream(request, job, out, usage)
-        return web.json_response(await self._generate(job, out))
+        return web.json_response(await self._generate(request, job, out))
 
     async def warm(self, request: web.Request) -> web.Response:
         """Keep a stream's past warm here (a standby, or any engine ready), so that its
@@ -319,7 +336,7 @@ class EngineServer:
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(chat.models_body(self.model_id))
 
-    async def _generate(self, job: Job, out: Reply) -> dict[str, Any]:
+    async def _generate(self, request: web.Request, job: Job, out: Reply) -> dict[str, Any]:
         """One generation, not streamed: the reply's body. A stop string cancels it."""
         t0 = time.perf_counter()
         cancel = threading.Event()
@@ -329,7 +346,11 @@ class EngineServer:
             if out.stopped:
                 cancel.set()
 
-        gen = await self.generate(job, on_step if out.stop else None, cancel)
+        self._generating[id(request)] = (request, cancel)
+        try:
+            gen = await self.generate(job, on_step if out.stop else None, cancel)
+        finally:
+            self._generating.pop(id(request), None)
         self.metrics.add_tokens(len(gen.steps))
         log.info(
             "completion",
@@ -346,6 +367,8 @@ class EngineServer:
         cancel = threading.Event()  # set when the client leaves: the model stops next step
         task = self.start(job, steps.put_nowait, cancel)
         task.add_done_callback(lambda _: steps.put_nowait(None))
+        self._generating[id(request)] = (request, cancel)
+        task.add_done_callback(lambda _: self._generating.pop(id(request), None))
         self._streams.add(task)  # owned here until done, even after the client leaves
         task.add_done_callback(self._streams.discard)
         resp = web.StreamResponse(

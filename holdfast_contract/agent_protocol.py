@@ -92,6 +92,9 @@ class Refit(_Msg, frozen=True):
     version: str
     grace_s: float
     hold: bool = False  # new requests wait for the swap (True) or are refused with 503
+    # the requests in flight are cut at once (their connections closed, their generation
+    # stopped) rather than finished: the router answers them from the new weights
+    cut: bool = False
 
 
 AgentMessage = Hello | Heartbeat | StateChange | Ack | Refitted

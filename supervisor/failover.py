@@ -263,14 +263,17 @@ class Failover(Roster):
         told = self._route_to(p)
         self._move(p, N.EPOCH_RAISED, cluster_epoch=cluster_epoch, told=told)
 
-    def switch(self, new: Engine) -> Engine | None:
+    def switch(self, new: Engine, *, continues: bool = False) -> Engine | None:
         """A rolling update's one step: `new`, a ready standby of the next version, becomes
         primary at epoch + 1 and its version the one served; the old primary is routed no
         more but not killed (primary -> draining, `superseded`): its requests in flight
-        finish there (supervisor/update/). The old primary, if there was one."""
+        finish there (supervisor/update/), or with `continues` (a refit's retry), the
+        router may go on with what is cut there on `new`. The old primary, if there was
+        one."""
         if new.state != S.STANDBY:
             raise ControlError(f"{new.name} is {new.state}; only a ready standby takes over")
         old, t0 = self.primary, time.monotonic()
+        self.view.continues = {(self.version, new.version)} if continues else set()
         if old is not None and old.inc is not None:
             old.inc.handled = True  # its exit, when it comes, is no loss
             self.primary = None

@@ -53,6 +53,9 @@ class PrimaryView:
         # the standby promoted next, where the router keeps streams' pasts warm (None:
         # none ready, or the engines keep nothing warm; set by the supervisor)
         self.heir: Target | None = None
+        # (from, to): an answer cut on an engine of version `from` may go on on one of
+        # version `to` (a refit with update.refit_inflight: retry; set by the supervisor)
+        self.continues: set[tuple[str, str]] = set()
         self._changed = asyncio.Event()
         self._acked = asyncio.Event()
         self._listeners: list[Callable[[Target | None], None]] = []

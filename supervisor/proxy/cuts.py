@@ -104,9 +104,11 @@ class Cuts:
             if again is None and f.st.pending:
                 f.tries.reason = gave_up(f.tries.reason, self.routes.spec)
             return again
-        if f.st.collect and (not f.st.can_continue() or ended and f.st.complete()):
+        across = self._across_versions(target)
+        if f.st.collect and (not f.st.can_continue() or ended and f.st.complete() or across):
             # no ids: asked again, whole; or all of it came, but its term ended
-            # before it left: nothing reached the client, so it is made again
+            # before it left: nothing reached the client, so it is made again; or cut by
+            # a refit: made again whole by the new version, never by two
             f.st, f.out = f.st.fresh(), JsonAnswer(f.request, self.routes.view.valid)
         if not f.out.opened or not f.st.wrote:  # nothing came through: a plain retry
             return await f.tries.retry(target)
@@ -156,11 +158,24 @@ class Cuts:
             return f"router.migration_limit ({spec.migration_limit}) reached"
         return ""
 
+    def _across_versions(self, cut: Target) -> bool:
+        """Whether `cut` was cut by a refit that retries what it had in flight on the next
+        version (update.refit_inflight: retry), which the router serves now."""
+        now = self.routes.view.route()
+        return (
+            now is not None
+            and not cut.remote
+            and (cut.version, now.version) in self.routes.view.continues
+        )
+
     def _other_version(self, cut: Target) -> str:
         """Why a stream cut on `cut` is not continued: the router serves another model
-        version now (a rolling update), and an answer never mixes versions."""
+        version now (a rolling update), and an answer never mixes versions (unless a refit
+        that retries its cut streams cut it: `_across_versions`)."""
         now = self.routes.view.route()
         if now is None or cut.remote or now.version == cut.version or not cut.version:
+            return ""
+        if self._across_versions(cut):
             return ""
         return (
             f"the model was updated from version {cut.version} to {now.version} while "

@@ -66,13 +66,21 @@ def refusal(c: Crew) -> str:
 
 
 async def tell(
-    c: Crew, e: Engine, src: Source, grace_s: float, timeout_s: float, *, hold: bool = False
+    c: Crew,
+    e: Engine,
+    src: Source,
+    grace_s: float,
+    timeout_s: float,
+    *,
+    hold: bool = False,
+    cut: bool = False,
 ) -> Refitted:
-    """Tell `e` to switch to `src`'s pool; its answer (RefitFailed when it does not switch,
-    exits first, or does not answer within `timeout_s`)."""
+    """Tell `e` to switch to `src`'s pool (with `cut`, cutting what it has in flight);
+    its answer (RefitFailed when it does not switch, exits first, or does not answer
+    within `timeout_s`)."""
     waiter: asyncio.Future[Refitted] = asyncio.get_running_loop().create_future()
     c.refits[e.name] = waiter
-    cmd = Refit(src.daemons[0], src.model_dir, src.version, grace_s, hold)
+    cmd = Refit(src.daemons[0], src.model_dir, src.version, grace_s, hold, cut)
     if not c.hub.send(e.name, cmd):
         c.refits.pop(e.name, None)
         raise RefitFailed(f"{e.name} is not connected")
@@ -143,7 +151,8 @@ async def _switch(r: Steps, gen: CacheDaemons, src: Source, done: list[Engine]) 
     r.status("switching")
     old: Engine | None = None
     if heir is not None:
-        old = c.switch(heir)
+        # the old primary's answers cut by update.refit_inflight: retry go on on the heir
+        old = c.switch(heir, continues=r.spec.refit_inflight == "retry")
     elif c.primary is not None:  # no standby: the primary refits where it serves
         await _in_place(r, c.primary, src, hold=True)
         c.serve_version(src.version)
@@ -181,9 +190,9 @@ async def _rejoin(r: Steps, old: Engine, src: Source) -> None:
     """The superseded primary finishes its requests on the old weights, refits, and stands
     by again; past update.drain_s it is stopped (what it had not finished ends with an
     error: never continued on another version) and restarted on the new pool."""
-    c = r.c
+    c, cut = r.c, r.spec.refit_inflight == "retry"
     try:
-        await tell(c, old, src, r.spec.drain_s, r.spec.drain_s + r.spec.ready_timeout_s)
+        await tell(c, old, src, r.spec.drain_s, r.spec.drain_s + r.spec.ready_timeout_s, cut=cut)
     except RefitFailed as why:
         log.warning("old primary did not refit; restarted", engine=old.name, why=str(why))
         await r.drain(old)  # fenced past drain_s, then out of the crew

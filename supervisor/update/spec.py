@@ -27,6 +27,11 @@ class UpdateSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # update's or refit's pool is loaded by (supervisor/update/parked.py); auto: on CUDA
     # devices only
     park: Literal["auto"] | bool = "auto"
+    # a refit's old primary, once its place passed to a refitted standby: finish its
+    # requests in flight on the old weights first (no answer made by two versions), or
+    # retry: cut them at once and refit, the router answering them from the new weights
+    # (a collected answer made again whole, a stream continued from what its client has)
+    refit_inflight: Literal["finish", "retry"] = "finish"
 
 
 def update_errors(spec: UpdateSpec) -> list[str]:
