@@ -13,7 +13,8 @@
 #   checkpoint-b-bg (write a second llama-8b, seed 1, to /tmp/models/llama-8b-b in the background),
 #   checkpoints-wait (until both are written; CHECKPOINTS_S bounds it),
 #   refit-tests (tests/cachedaemon/test_pool_refit.py's GPU test), update (bench/update.py on llama-8b:
-#     an update to llama-8b-b under 16 streaming clients, a refit back, a stop-and-start; UPDATE_S bounds it),
+#     an update to llama-8b-b under 16 streaming clients, a refit back, a stop-and-start; UPDATE_S bounds it,
+#     UPDATE_ARGS adds flags, e.g. "--set update.refit_inflight=retry", UPDATE_TAG names its files),
 #   update-small (the same on the small preset, two checkpoints written here),
 #   load-digest (the daemon's llama-8b load with and without the content digest: bench/load_digest.py),
 #   digest-tests (tests/cachedaemon/test_blake3_gpu.py: the digest hashed on the GPU equals the CPU's),
@@ -211,9 +212,10 @@ for stage in $stages; do
       cat /tmp/models/llama-8b/*.safetensors > /dev/null  # the refit's new tensors: in host memory
       timeout "${UPDATE_S:-420}" python3 bench/update.py --policy chaos/scenarios/policy-gpu.yaml \
         --model-a /tmp/models/llama-8b --model-b /tmp/models/llama-8b-b --clients 16 --prompt 128 \
-        --max-tokens 256 --standby 1 --no-batch --out "$OUT/update_llama-8b.json" \
-        --logs "$RAW/update_logs" > "$OUT/update.txt" 2>&1
-      echo "update bench: exit $?"; tail -80 "$OUT/update.txt" ;;
+        --max-tokens 256 --standby 1 --no-batch ${UPDATE_ARGS:-} \
+        --out "$OUT/update_llama-8b${UPDATE_TAG:+_$UPDATE_TAG}.json" \
+        --logs "$RAW/update_logs${UPDATE_TAG:+_$UPDATE_TAG}" > "$OUT/update${UPDATE_TAG:+_$UPDATE_TAG}.txt" 2>&1
+      echo "update bench: exit $?"; tail -80 "$OUT/update${UPDATE_TAG:+_$UPDATE_TAG}.txt" ;;
     load-digest)  # the daemon's llama-8b load with and without the content digest, interleaved
       checkpoint
       timeout 240 python3 bench/load_digest.py --preset llama-8b --models /tmp/models \
