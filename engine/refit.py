@@ -4,7 +4,9 @@ layout) without a restart, when the supervisor's Refit says so.
 It takes no new requests (503, which the router retries elsewhere; or, told to `hold`
 them, as a primary that no standby replaced is, they wait and are served by the new
 weights), lets those in flight finish within the command's grace (an answer is never
-made by two versions), then, at a
+made by two versions; told to `cut` them, as a refit with update.refit_inflight: retry
+tells a superseded primary, it closes their connections at once and the router answers
+them from the new weights), then, at a
 step boundary on the model thread, maps the new pool over the old one
 (`cachedaemon.refit`): every pointer stays, so the CUDA graphs captured over the weights
 replay the new ones. Prefixes kept warm are given back. Past the grace nothing is swapped:
