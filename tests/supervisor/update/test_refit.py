@@ -193,20 +193,23 @@ def test_an_engine_that_dies_while_it_refits_restarts_on_the_new_pool_at_once(
         sup.wait_pair()
         sup.wait(topic("engine.batch-1.ready"), timeout=180)
         batch = next(e for e in sup.status()["engines"] if e["name"] == "batch-1")
-        # back to back, so one is under way when the refit comes (prompt + 500 fit in 512)
-        stop, done = threading.Event(), threading.Event()
+        # four clients back to back, with answers of four lengths (prompt + 500 fit in 512),
+        # so their ends drift apart: when the refit comes, and still when the engine is
+        # killed a moment after it said so, some request is under way there
+        stop = threading.Event()
+        done = [threading.Event() for _ in range(4)]
 
-        def asking() -> None:
+        def asking(tokens: int, first: threading.Event) -> None:
             while not stop.is_set():
                 try:
-                    ask(f"http://127.0.0.1:{batch['port']}", True, 500)
-                    done.set()
+                    ask(f"http://127.0.0.1:{batch['port']}", True, tokens)
+                    first.set()
                 except (OSError, http.client.HTTPException):  # killed under it: expected
                     pass
 
-        long = threading.Thread(target=asking, daemon=True)
-        long.start()
-        assert done.wait(120)
+        for tokens, first in zip((500, 430, 370, 310), done, strict=True):
+            threading.Thread(target=asking, args=(tokens, first), daemon=True).start()
+        assert all(first.wait(120) for first in done)
         mark = sup.tap.mark()
         sup.cli("refit", "--model", str(next_model))
         sup.wait(topic("engine.batch-1.reported-refitting"), timeout=60, after=mark)
