@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from pathlib import Path
 
 import msgspec
@@ -15,7 +16,8 @@ import pytest
 from supervisor.errors import PolicyError
 from supervisor.policy import Policy, admission_cap_mb
 from supervisor.policy_file import parse_policy
-from tests.engines.harness import Supervisor, complete, write_policy
+from tests.engines.harness import complete
+from tests.supervisor.update.test_update_rollout import ENGINE, boot
 
 
 def last_ready(log: Path) -> dict:
@@ -24,26 +26,32 @@ def last_ready(log: Path) -> dict:
     return [x for x in lines if x.get("event") == "ready"][-1]
 
 
+def until_spare_built(forkserver_log: Path, timeout: float = 120) -> int:
+    """Until the spare the fork server forked last has built its engine; its pid."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [
+            json.loads(x) for x in forkserver_log.read_text().splitlines() if x.startswith("{")
+        ]
+        forked = [x["pid"] for x in lines if x.get("event") == "spare forked"]
+        warm = {x["pid"] for x in lines if x.get("event") == "spare warm"}
+        if forked and forked[-1] in warm:
+            return forked[-1]
+        assert time.monotonic() < deadline, "no spare built"
+        time.sleep(0.05)
+
+
 def test_an_engine_restarted_after_a_kill_is_handed_a_ready_spare(
     tmp_path: Path, tiny_model: Path
 ) -> None:
-    policy = write_policy(
-        tmp_path / "policy.yaml",
-        tiny_model,
-        tmp_path / "run",
-        engines={
-            "command": ["{python}", "-m", "engine"],
-            "ready_timeout_s": 120,
-            "spares": "ready",
-        },
-        heartbeat={"interval_ms": 100, "miss_limit": 10},
-    )
-    sup = Supervisor(policy)
+    engines = {"command": ENGINE, "ready_timeout_s": 120, "stop_grace_s": 5.0, "spares": "ready"}
+    sup = boot(tmp_path, tiny_model, engines=engines)
     try:
         first = sup.wait_pair()
         code, body = complete(sup.router, None, prompt_token_ids=[1, 2, 3], max_tokens=4)
         assert code == 200, body
         want = body["choices"][0]["token_ids"]
+        spare = until_spare_built(sup.run / "logs" / "forkserver.log")
         mark = sup.tap.mark()
         second = sup.kill_primary(first)
         # the killed engine comes back as a standby, from the spare the last fork left
@@ -51,6 +59,8 @@ def test_an_engine_restarted_after_a_kill_is_handed_a_ready_spare(
         log = sup.run / "logs" / f"{first.name}.0.log"
         again = last_ready(log)
         assert again["role"] == "standby", again
+        pids = {e["name"]: e["pid"] for e in sup.status()["engines"]}
+        assert pids[first.name] == spare, (pids, spare)  # the spare's process serves
         phases = again["phases"]
         assert phases["spare"] > 0, phases
         assert phases["attach"] == phases["warmup"] == phases["build"] == 0, phases
