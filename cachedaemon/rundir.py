@@ -12,6 +12,7 @@ from typing import Any
 
 from cachedaemon.errors import SocketDirError
 from holdfast_contract import wire
+from holdfast_contract.ready import is_alive
 
 
 def prepare(run_dir: str | Path) -> Path:
@@ -40,23 +41,6 @@ def prepare(run_dir: str | Path) -> Path:
         ) from exc
     os.chmod(path, 0o700)
     return path
-
-
-def start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks, or None if it is gone or a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    if fields[0] in ("Z", "X"):
-        return None
-    return int(fields[19])
-
-
-def is_alive(pid: int, started: int | None) -> bool:
-    now = start_time(pid)
-    return now is not None and (started is None or now == started)
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:

@@ -20,18 +20,10 @@ from cachedaemon.digest import differences
 from cachedaemon.errors import CheckpointError, DaemonUnavailable
 from cachedaemon.frameserver import FrameServer, Reply
 from cachedaemon.pool import Pool, build_pool
-from cachedaemon.rundir import (
-    claim,
-    is_alive,
-    listen,
-    prepare,
-    read_owner,
-    start_time,
-    write_json_atomic,
-)
+from cachedaemon.rundir import claim, listen, prepare, read_owner, write_json_atomic
 from holdfast_contract import wire
 from holdfast_contract.errors import ProtocolError
-from holdfast_contract.ready import DaemonReady, daemon_ready_path
+from holdfast_contract.ready import DaemonReady, daemon_ready_path, is_alive, start_time
 
 log = structlog.get_logger("cachedaemon.daemon")
 
@@ -236,10 +228,10 @@ class CacheServer:
 
     def close(self) -> None:
         self._drop_spare_file()
+        for p in (self.socket_path, self.ready_path):  # first: a kill may follow soon
+            p.unlink(missing_ok=True)
         if self._server is not None:
             self._server.close()
-        for p in (self.socket_path, self.ready_path):
-            p.unlink(missing_ok=True)
         if self.pool is not None:
             self.pool.close()
             self.pool = None

@@ -33,3 +33,32 @@ def read_daemon_ready(path: Path) -> DaemonReady | None:
         return _decoder.decode(path.read_bytes())
     except (OSError, msgspec.DecodeError):
         return None
+
+
+
+def drop_stale(socket: Path, ready: Path) -> None:
+    """Remove a rank's socket and ready file unless the process the ready file names
+    (pid and start time) still lives: what a daemon killed before its own cleanup left."""
+    info = read_daemon_ready(ready)
+    if info is not None and is_alive(info.pid, info.start_time):
+        return
+    for p in (socket, ready):
+        p.unlink(missing_ok=True)
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks, or None if it is gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def is_alive(pid: int, started: int | None) -> bool:
+    """`pid` runs, and is the process that started at `started` (None: any)."""
+    now = start_time(pid)
+    return now is not None and (started is None or now == started)

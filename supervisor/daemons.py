@@ -21,7 +21,7 @@ import structlog
 
 from holdfast_contract.errors import ProtocolError
 from holdfast_contract.events import EventName as N
-from holdfast_contract.ready import DaemonReady, daemon_ready_path, read_daemon_ready
+from holdfast_contract.ready import DaemonReady, daemon_ready_path, drop_stale, read_daemon_ready
 from supervisor import decisions, pace
 from supervisor.backoff import RestartBook
 from supervisor.ckptwatch import CheckpointWatch
@@ -93,6 +93,7 @@ class CacheDaemons:
         self.watcher = Watcher()  # every daemon's and spare's exit watch, readiness, pings
         # daemons started ahead, claimed by spawn (a later generation's: update.park)
         self.parked: ParkedDaemons | None = None
+        self.stopping = False  # stop_daemons began: no process is started from then on
         self._changed = asyncio.Event()
         self.checkpoint = CheckpointWatch(Path(model_dir), bus, term)
 
@@ -209,7 +210,7 @@ class CacheDaemons:
             proc = parked or await Watcher.spawn(cmd)
         finally:
             d.spawning = False
-        if d.state != DaemonState.DEAD:  # stopped meanwhile
+        if self.stopping or d.state != DaemonState.DEAD:  # stopped meanwhile
             await proc.terminate(grace=5.0)
             return
         self.follow(d, Incarnation([proc]))
@@ -329,7 +330,12 @@ class CacheDaemons:
 
     async def spawn_spare(self, d: Daemon) -> None:
         """A hot spare for rank d: imported and waiting on the serving daemon's pidfd."""
+        if self.stopping:
+            return
         proc = await Watcher.spawn(self.command(d, spare=True))
+        if self.stopping:  # stop_daemons passed this rank while it started: it would take over
+            await proc.terminate(grace=5.0)
+            return
         inc = Incarnation([proc])
         d.spare = inc
         log.info("spare daemon started", rank=d.rank, pid=inc.pid)
@@ -370,7 +376,7 @@ class CacheDaemons:
         log.warning("spare daemon exited", rank=d.rank, exit_code=code, tail=inc.tail(300))
         if d.state == DaemonState.SERVING and not inc.handled:
             await asyncio.sleep(d.book.delay())
-            if d.state == DaemonState.SERVING and d.spare is None:
+            if d.state == DaemonState.SERVING and d.spare is None and not self.stopping:
                 await self.spawn_spare(d)
 
     def exited(self, d: Daemon, inc: Incarnation, code: int | None, now: float) -> None:
@@ -429,6 +435,9 @@ class CacheDaemons:
             self.keeper = None
 
     async def stop_daemons(self) -> None:
+        """Every daemon and its spare, spares first (a spare left would take over); none
+        starts from now on. Then the sockets and ready files a killed one left."""
+        self.stopping = True
         for d in self.daemons:
             spare, d.spare = d.spare, None
             if spare is not None:
@@ -442,6 +451,8 @@ class CacheDaemons:
             if d.state != DaemonState.STOPPED:
                 self._move(d, N.STOPPED)
         await self.watcher.stop()
+        for d in self.daemons:
+            drop_stale(self.run / f"daemon-{d.rank}.sock", daemon_ready_path(self.run, d.rank))
 
     def withdraw(self) -> list[str]:
         """Drop every rank's pool from the keeper's escrow (an update's old or refused
