@@ -27,6 +27,8 @@ from blake3 import blake3
 if importlib.util.find_spec("triton") is None:
     pytest.skip("needs triton (pip install triton)", allow_module_level=True)
 
+# one worker runs this module: its `results` (minutes in the interpreter) are made once
+pytestmark = pytest.mark.xdist_group("blake3-interpreter")
 ROOT = Path(__file__).resolve().parents[2]
 KiB, MiB = 1 << 10, 1 << 20
 
