@@ -35,7 +35,6 @@ def read_daemon_ready(path: Path) -> DaemonReady | None:
         return None
 
 
-
 def drop_stale(socket: Path, ready: Path) -> None:
     """Remove a rank's socket and ready file unless the process the ready file names
     (pid and start time) still lives: what a daemon killed before its own cleanup left."""
