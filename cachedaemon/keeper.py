@@ -48,6 +48,7 @@ class Keeper:
     def __init__(self, socket_path: str | Path, *, read_timeout: float = 5.0) -> None:
         self.socket_path = Path(socket_path)
         self._pools: dict[str, _Escrow] = {}
+        self._kv: dict[str, list[int]] = {}  # engines' KV caches and ledgers, by key
         self._lock = threading.Lock()
         self._timeout = read_timeout
         self._server: FrameServer | None = None
@@ -79,6 +80,9 @@ class Keeper:
             for esc in self._pools.values():
                 wire.close_fds(esc.fds)
             self._pools.clear()
+            for fds in self._kv.values():
+                wire.close_fds(fds)
+            self._kv.clear()
 
     def __enter__(self) -> Keeper:
         return self.start()
@@ -103,9 +107,36 @@ class Keeper:
         log.info("pool withdrawn", fingerprint=fingerprint)
         return True
 
+    def kv_keys(self) -> list[str]:
+        with self._lock:
+            return list(self._kv)
+
+    def withdraw_kv(self, key: str) -> bool:
+        """Drop an engine's KV cache and ledger from escrow; whether they were there."""
+        with self._lock:
+            gone = self._kv.pop(key, None)
+        if gone is None:
+            return False
+        wire.close_fds(gone)
+        log.info("kv withdrawn", key=key)
+        return True
+
     def _handle(self, msg: protocol._Msg, fds: list[int]) -> Reply:
         if isinstance(msg, protocol.Deposit):
             return self._deposit(msg, fds)
+        if isinstance(msg, protocol.DepositKV):
+            if len(fds) != 2:
+                wire.close_fds(fds)
+                return protocol.ErrorReply(
+                    f"a KV deposit carries 2 fds (the cache, its ledger), not {len(fds)}"
+                ), []
+            with self._lock:
+                old = self._kv.pop(msg.key, None)
+                self._kv[msg.key] = fds
+            if old is not None:
+                wire.close_fds(old)
+            log.info("kv deposited", key=msg.key)
+            return protocol.Ok(), []
         wire.close_fds(fds)  # only a deposit carries fds
         if isinstance(msg, protocol.Reclaim):
             with self._lock:
@@ -119,6 +150,15 @@ class Keeper:
                 return protocol.Reclaimed(esc.manifest), _dup_all(esc.fds)
         if isinstance(msg, protocol.Withdraw):
             self.withdraw(msg.fingerprint)
+            return protocol.Ok(), []
+        if isinstance(msg, protocol.ReclaimKV):
+            with self._lock:
+                kv = self._kv.get(msg.key)
+                if kv is None:
+                    return protocol.NotFound(msg.key), []
+                return protocol.KVReclaimed(msg.key), _dup_all(kv)
+        if isinstance(msg, protocol.WithdrawKV):
+            self.withdraw_kv(msg.key)
             return protocol.Ok(), []
         if isinstance(msg, protocol.ListPools):
             return protocol.Pools(self.pools()), []

@@ -122,6 +122,25 @@ class Ok(_Msg, frozen=True):
     pass
 
 
+class DepositKV(_Msg, frozen=True):
+    """An engine's KV cache and its ledger (two memfds travel with this frame), kept under
+    `key` until withdrawn or deposited again (engine/kvshare.py)."""
+
+    key: str
+
+
+class ReclaimKV(_Msg, frozen=True):
+    key: str
+
+
+class KVReclaimed(_Msg, frozen=True):
+    key: str  # the KV cache's fd and its ledger's travel with this frame
+
+
+class WithdrawKV(_Msg, frozen=True):
+    key: str
+
+
 Message = (
     Ping
     | Pong
@@ -139,6 +158,10 @@ Message = (
     | Reclaimed
     | NotFound
     | Ok
+    | DepositKV
+    | ReclaimKV
+    | KVReclaimed
+    | WithdrawKV
 )
 
 _encoder = msgspec.msgpack.Encoder()
