@@ -63,6 +63,7 @@ class AgentClient:
         self._load = load or _no_load
         self._state = "starting"
         self._on_promote: list[PromoteCb] = []
+        self._on_adopt: list[Callable[[str], None]] = []
         self._on_drain: list[DrainCb] = []
         self._on_stop: list[StopCb] = []
         self._on_refit: list[RefitCb] = []
@@ -98,6 +99,11 @@ class AgentClient:
         )
 
     # ---- callbacks ----
+    def on_adopt(self, cb: Callable[[str], None]) -> None:
+        """`cb(kv)` runs on this thread before a Promote's other callbacks and its ack:
+        the router sends the promoted engine nothing before the ack."""
+        self._on_adopt.append(cb)
+
     def on_promote(self, cb: PromoteCb) -> None:
         self._on_promote.append(cb)
 
@@ -248,6 +254,8 @@ class AgentClient:
         name = type(cmd).__name__.lower()
         try:
             if isinstance(cmd, wire.Promote):
+                for a in self._on_adopt:
+                    a(cmd.kv)
                 self.epoch = cmd.epoch
                 self.role = "primary"
                 for p in self._on_promote:

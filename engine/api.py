@@ -84,6 +84,7 @@ class CompletionRequest(Sampling, frozen=True):
     return_token_ids: bool = False
     skip_special_tokens: bool = False
     holdfast_warm: str = ""  # a prefix kept under this key may be continued (WarmRequest)
+    holdfast_kv: str = ""  # the stream's key in a shared KV cache's ledger (engine/kvshare.py)
 
 
 class WarmRequest(msgspec.Struct, frozen=True):

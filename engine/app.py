@@ -177,6 +177,9 @@ def wire_agent(
 
         loop.call_soon_threadsafe(start)
 
+    take_cache = getattr(server.model, "promoted_cache", None)
+    if take_cache is not None:
+        agent.on_adopt(take_cache)
     agent.on_promote(promote)
     agent.on_drain(drain)
     agent.on_stop(stop)

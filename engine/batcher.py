@@ -43,6 +43,8 @@ import torch
 
 from engine.errors import BadRequest, EngineError
 from engine.job import Generation, Job, OnStep, Stats, Step
+from engine.kvcache import BlockAllocator, KVCache
+from engine.kvshare import Entry, Home, SharedKV
 from engine.runner import Runner
 from engine.scheduler import Plan, Scheduler, Seq
 
@@ -73,8 +75,11 @@ class BatchEngine:
         self._step_ms, self._steps = 0.0, 0
         self._reused = 0  # prompt tokens a kept prefix spared a step
         self._pending: list[Callable[[], None]] = []  # the last step's callbacks, not yet out
-        self._calls: list[tuple[Callable[[], None], concurrent.futures.Future[None]]] = []
+        self._calls: list[tuple[Callable[[], None], concurrent.futures.Future[None], bool]] = []
         self._thread = threading.Thread(target=self._loop, name="model", daemon=True)
+        # a cache shared with the keeper: its ledger is written after every step
+        self.shared: SharedKV | None = None
+        self.home: Home | None = None  # where it is kept (a standby's: once promoted)
 
     def start(self) -> None:
         # The model thread needs the GIL back at once after each step's device sync; the
@@ -94,6 +99,7 @@ class BatchEngine:
             ignore_eos=job.ignore_eos,
             cancel=cancel,
             warm_key=job.warm_key if self.warms else "",
+            kv_key=job.kv_key if self.shared is not None else "",
         )
         return self._queue(seq, on_step)
 
@@ -110,6 +116,11 @@ class BatchEngine:
             raise BadRequest("this engine runs tensor parallel and keeps no prefix warm")
         seq = Seq(prompt, 1, ignore_eos=True, warm_key=key, warming=True)
         return self._queue(seq, None)
+
+    def kept_for(self, key: str, prompt: tuple[int, ...]) -> int:
+        """The positions of `prompt` the prefix kept under `key` covers now (0: none)."""
+        with self._lock:
+            return self.scheduler.kept_for(key, prompt)
 
     def forget(self, key: str) -> bool:
         """Give back what is kept under `key`; whether anything was."""
@@ -165,17 +176,49 @@ class BatchEngine:
         m = self.runner.model
         return {**dict(m.named_parameters()), **dict(m.named_buffers())}
 
-    def between_steps(self, fn: Callable[[], None]) -> concurrent.futures.Future[None]:
+    def between_steps(
+        self, fn: Callable[[], None], *, forget: bool = True
+    ) -> concurrent.futures.Future[None]:
         """Run `fn` on the model thread before its next step or graph capture (a refit's
-        swap); the future ends with it. What is kept warm is given back after it: its
-        keys and values were computed from the weights before."""
+        swap); the future ends with it. With `forget`, what is kept warm is given back
+        after it: its keys and values were computed from the weights before."""
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         with self._lock:
             if self._stopping:
                 raise EngineError("the engine loop has stopped")
-            self._calls.append((fn, done))
+            self._calls.append((fn, done, forget))
         self._wake.set()
         return done
+
+    def promoted_cache(self, dead: str) -> None:
+        """Promoted: a standby of a shared cache (`home`) serves from the one `dead` (a
+        dead primary's key in the keeper, "" for none) left, adopted, or else a fresh
+        one of its own; from the next step on (waited for here)."""
+        if self.home is None or self.shared is not None:
+            return
+        if dead:
+            shared, entries, _ = self.home.take_over(dead)
+        else:
+            shared, entries = self.home.fresh(), []
+        self.take_cache(self.home.cache(shared), shared, entries).result(timeout=60)
+
+    def take_cache(
+        self, cache: KVCache, shared: SharedKV, entries: list[Entry]
+    ) -> concurrent.futures.Future[None]:
+        """Serve from `cache` (a shared one: adopted from a dead engine, with its ledger's
+        `entries` kept for their streams' continuations, or a fresh one) from the next
+        step on. What ran on the cache before (a standby's probe) ends as cancelled."""
+
+        def swap() -> None:
+            with self._lock:
+                self.scheduler.abort_all("cancelled", self._done_now)
+                self.scheduler.forget_all()
+                self.runner.cache = cache
+                self.scheduler.allocator = BlockAllocator(cache.blocks)
+                self.scheduler.adopt([(e.key, e.tokens, e.blocks) for e in entries])
+                self.shared = shared
+
+        return self.between_steps(swap, forget=False)
 
     def follow(self) -> int:
         return self.runner.follow()
@@ -219,14 +262,15 @@ class BatchEngine:
     def _run_calls(self) -> None:
         with self._lock:
             calls, self._calls = self._calls, []
-        for fn, done in calls:
+        for fn, done, forget in calls:
             try:
                 fn()
             except BaseException as e:  # the caller learns of it; the loop goes on
                 done.set_exception(e)
                 continue
-            with self._lock:
-                self.scheduler.forget_all()
+            if forget:
+                with self._lock:
+                    self.scheduler.forget_all()
             done.set_result(None)
 
     def _gathering(self) -> float:
@@ -254,6 +298,8 @@ class BatchEngine:
             for seq, step in zip(plan.seqs, steps, strict=True):
                 self._tell(out, seq, step)
             self.scheduler.record(plan, steps, lambda seq: out.append(self._finisher(seq)))
+            if self.shared is not None:  # the step's keys and values are written: say so
+                self.shared.write([Entry(*e) for e in self.scheduler.ledger()])
             self._step_ms = (time.perf_counter() - t0) * 1e3
             self._steps += 1
             self._reused += sum(seq.cached for seq in plan.prefill)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import time
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
@@ -18,6 +19,9 @@ from engine import api
 from engine.config import EngineConfig, dist_init_method
 from engine.metrics import Phases
 from engine.server import Model
+
+if TYPE_CHECKING:
+    from engine.kvshare import Home
 
 log = structlog.get_logger("engine")
 FOLLOW_TIMEOUT = timedelta(days=365)  # followers wait on rank 0 for as long as it lives
@@ -85,7 +89,15 @@ def build_llama(
     max_len = cfg.max_model_len or args.max_position_embeddings
     kv = args.num_key_value_heads // cfg.world_size
     dtype = getattr(torch, cfg.dtype)
-    cache = KVCache(args.num_hidden_layers, kv, args.head_dim, cfg.kv_cache_mb, dtype, device)
+    home = kv_home(cfg, args, device, max_len)
+    if home is not None and cfg.role == "standby":
+        home.withdraw()
+    shared = home.fresh() if home is not None and cfg.role != "standby" else None
+    if shared is not None and home is not None:
+        cache = home.cache(shared)
+    else:  # a standby of a shared cache keeps a small one until it is promoted
+        mb = cfg.kv_cache_mb if home is None else standby_mb(cfg, args)
+        cache = KVCache(args.num_hidden_layers, kv, args.head_dim, mb, dtype, device)
     runner = Runner(
         module, device, cache, max_batch=cfg.max_batch, max_len=max_len, cuda_graphs=cfg.cuda_graphs
     )
@@ -111,7 +123,47 @@ def build_llama(
         prefill_tokens=cfg.prefill_tokens,
     )
     engine = BatchEngine(runner, scheduler)
+    engine.home, engine.shared = home, shared
     return engine, api.Limits(args.vocab_size, max_len, cfg.max_tokens_cap), report.source
+
+
+def kv_home(cfg: EngineConfig, args: Any, device: torch.device, max_len: int) -> Home | None:
+    """Where the engine's KV cache is shared (`--kv-share`), or None: not asked, or not
+    possible here (logged)."""
+    from engine.kvcache import BLOCK_SIZE, blocks_in
+    from engine.kvshare import Home, Layout, supported
+
+    if not cfg.kv_share:
+        return None
+    why = supported(device, cfg.world_size)
+    if why:
+        log.warning("kv cache not shared", why=why)
+        return None
+    kv = args.num_key_value_heads // cfg.world_size
+    dtype = getattr(torch, cfg.dtype)
+    layout = Layout(
+        layers=args.num_hidden_layers,
+        blocks=blocks_in(
+            cfg.kv_cache_mb, args.num_hidden_layers, kv, args.head_dim, dtype, BLOCK_SIZE
+        ),
+        block_size=BLOCK_SIZE,
+        kv_heads=kv,
+        head_dim=args.head_dim,
+        dtype=cfg.dtype,
+        model=f"{cfg.model} {cfg.dtype} {cfg.quantization}",
+    )
+    return Home(cfg.kv_share, cfg.name, layout, cfg.kv_cache_mb, cfg.max_batch, max_len)
+
+
+def standby_mb(cfg: EngineConfig, args: Any) -> int:
+    """A standby's own cache while it stands by: STANDBY_TOKENS of it, in whole MB."""
+    from engine.kvcache import BLOCK_SIZE, blocks_for, bytes_per_block
+    from engine.kvshare import STANDBY_TOKENS
+
+    kv = args.num_key_value_heads // cfg.world_size
+    per = bytes_per_block(args.num_hidden_layers, kv, args.head_dim, getattr(torch, cfg.dtype))
+    need = per * (blocks_for(STANDBY_TOKENS, BLOCK_SIZE) + 1)
+    return min(cfg.kv_cache_mb, -(-need // (1 << 20)))
 
 
 def build_hf(

@@ -47,6 +47,7 @@ class ChatRequest(api.Sampling, frozen=True):
     tools: list[Any] | None = None
     return_token_ids: bool = False
     response_format: dict[str, Any] | None = None
+    holdfast_kv: str = ""  # the stream's key in a shared KV cache's ledger (engine/kvshare.py)
 
 
 def render(template: str, messages: list[dict[str, Any]], specials: dict[str, str]) -> str:

@@ -64,6 +64,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     attach_timeout_s: float = 10.0
     peer_stale_s: float = 5.0  # tensor parallel: a peer silent this long means exit 3
     log_format: str = "auto"  # console on a terminal, JSON lines otherwise
+    kv_share: str = ""  # the keeper's socket: the KV cache is shared there (engine.kvshare)
 
     @property
     def socket(self) -> str:
@@ -94,6 +95,7 @@ _ENV_FIELDS = (
     "verify",
     "kv_cache_mb",
     "heartbeat_ms",
+    "kv_share",  # the keeper's socket: the KV cache is shared there (engine/kvshare.py)
 )
 
 

@@ -33,6 +33,7 @@ class Job(msgspec.Struct, frozen=True):
     top_logprobs: int = 0
     ignore_eos: bool = False
     warm_key: str = ""  # a kept prefix this request may continue (engine.scheduler)
+    kv_key: str = ""  # its stream's key in a shared KV cache's ledger (engine.kvshare)
 
 
 OnStep = Callable[[Step], None]

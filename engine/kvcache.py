@@ -47,12 +47,31 @@ class BlockAllocator:
     def give_back(self, blocks: list[int]) -> None:
         self._free.extend(reversed(blocks))
 
+    def reserve(self, blocks: list[int]) -> None:
+        """Take these very blocks (an adopted cache's, in use already)."""
+        taken = set(blocks)
+        self._free = [b for b in self._free if b not in taken]
+
 
 def bytes_per_block(
     layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int = BLOCK_SIZE
 ) -> int:
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * layers * block_size * kv_heads * head_dim * itemsize
+
+
+def blocks_in(
+    budget_mb: int, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int
+) -> int:
+    """Usable blocks a budget of `budget_mb` holds (one more is scratch)."""
+    per_block = bytes_per_block(layers, kv_heads, head_dim, dtype, block_size)
+    blocks = (budget_mb << 20) // per_block - 1
+    if blocks < 1:
+        raise EngineError(
+            f"--kv-cache-mb {budget_mb} holds no KV block: one block of {block_size} "
+            f"tokens needs {math.ceil(2 * per_block / (1 << 20))} MB; raise --kv-cache-mb"
+        )
+    return blocks
 
 
 class KVCache:
@@ -65,20 +84,23 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         block_size: int = BLOCK_SIZE,
+        *,
+        tensors: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
+        """`tensors`: the keys' and values' tensors, of this shape, made elsewhere (a
+        shared cache, engine/kvshare.py); else allocated here."""
         device = torch.device(device)
-        per_block = bytes_per_block(layers, kv_heads, head_dim, dtype, block_size)
-        budget = budget_mb << 20
-        self.blocks = budget // per_block - 1  # one block is scratch
-        if self.blocks < 1:
-            raise EngineError(
-                f"--kv-cache-mb {budget_mb} holds no KV block: one block of {block_size} "
-                f"tokens needs {math.ceil(2 * per_block / (1 << 20))} MB; raise --kv-cache-mb"
-            )
-        check_fits(budget, device, budget_mb)
+        self.blocks = blocks_in(budget_mb, layers, kv_heads, head_dim, dtype, block_size)
         shape = (layers, self.blocks + 1, block_size, kv_heads, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        if tensors is None:
+            check_fits(budget_mb << 20, device, budget_mb)
+            tensors = (
+                torch.empty(shape, dtype=dtype, device=device),
+                torch.empty(shape, dtype=dtype, device=device),
+            )
+        elif tensors[0].shape != shape or tensors[1].shape != shape:
+            raise EngineError(f"a shared KV cache of shape {tuple(tensors[0].shape)}, not {shape}")
+        self.k, self.v = tensors
         self.block_size = block_size
         self.scratch_slot = self.blocks * block_size
         self.bytes = 2 * self.k.numel() * self.k.element_size()

@@ -50,6 +50,7 @@ class Seq:
         cancel: threading.Event | None = None,
         warm_key: str = "",
         warming: bool = False,
+        kv_key: str = "",
     ) -> None:
         self.id = next(_ids)
         self.prompt, self.max_tokens = prompt, max_tokens
@@ -61,6 +62,7 @@ class Seq:
         # the kept prefix this request takes over (a continuation), or keeps (`warming`:
         # a prefill only, whose blocks are kept under the key when it ends)
         self.warm_key, self.warming = warm_key, warming
+        self.kv_key = kv_key  # its stream's key in a shared cache's ledger (engine/kvshare.py)
         self.cached = 0  # leading prompt positions whose keys and values are in `blocks`
         self.queued = time.monotonic()
 
@@ -189,7 +191,10 @@ class Scheduler:
             if kept is not None:
                 del self.kept[head.warm_key]
                 head.blocks, head.cached = kept.blocks, kept_len(kept, head)
-            head.blocks = head.blocks + self.allocator.take(need)
+                if need < 0:  # kept past what this request writes: the rest back
+                    self.allocator.give_back(head.blocks[need:])
+                    head.blocks = head.blocks[:need]
+            head.blocks = head.blocks + self.allocator.take(max(0, need))
             admitted.append(head)
             budget -= head.fresh
             rows += head.fresh
@@ -222,14 +227,44 @@ class Scheduler:
             self.allocator.give_back(kept.blocks)
         return kept is not None
 
+    def ledger(self) -> list[tuple[str, list[int], list[int]]]:
+        """For each running request with a stream key: the key, the ids of the positions
+        whose keys and values are complete (all but its last sampled token), its blocks."""
+        out = []
+        for seq in self.running:
+            if seq.kv_key and seq.out:
+                done = seq.position
+                past = [*seq.prompt[:done], *(s.token for s in seq.out[: done - len(seq.prompt)])]
+                out.append((seq.kv_key, past, list(seq.blocks)))
+        return out
+
+    def adopt(self, entries: list[tuple[str, list[int], list[int]]]) -> None:
+        """Keep each (key, tokens, blocks) of a dead engine's ledger as a prefix for its
+        stream's continuation; their blocks are taken from the free list."""
+        now = time.monotonic()
+        for key, tokens, blocks in entries:
+            self.allocator.reserve(blocks)
+            self.kept[key] = Kept(tuple(tokens), list(blocks), now)
+
     @property
     def kept_blocks(self) -> int:
         return sum(len(k.blocks) for k in self.kept.values())
 
+    def kept_for(self, key: str, prompt: tuple[int, ...]) -> int:
+        """The positions of `prompt` the prefix kept under `key` would spare its prefill."""
+        kept = self.kept.get(key)
+        n = min(len(kept.tokens), len(prompt)) if kept is not None else 0
+        if kept is None or prompt[:n] != kept.tokens[:n]:
+            return 0
+        return min(len(kept.tokens), len(prompt) - 1)
+
     def _kept_for(self, seq: Seq) -> Kept | None:
-        """The prefix kept under the request's key, if its tokens begin the prompt."""
+        """The prefix kept under the request's key, if it and the prompt agree as far as
+        both go (an adopted stream's keys and values may run past what its client was
+        sent: the continuation overwrites them)."""
         kept = self.kept.get(seq.warm_key) if seq.warm_key else None
-        if kept is None or seq.prompt[: len(kept.tokens)] != kept.tokens:
+        n = min(len(kept.tokens), len(seq.prompt)) if kept is not None else 0
+        if kept is None or seq.prompt[:n] != kept.tokens[:n]:
             if kept is not None:  # another past under this key: of no use to anyone now
                 self._release(seq.warm_key)
             return None

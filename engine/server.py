@@ -27,7 +27,7 @@ from engine.job import Generation, Job, OnStep, Stats, Step
 from engine.metrics import Live, Metrics
 from engine.replies import ChatReply, CompletionReply, Reply
 from engine.tokenizer import Tokenizer
-from holdfast_contract.control import SMOKE_HEADER, VERSION_HEADER
+from holdfast_contract.control import KEPT_HEADER, SMOKE_HEADER, VERSION_HEADER
 
 log = structlog.get_logger("engine.server")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -56,6 +56,8 @@ class Model(Protocol):
     def warm(self, key: str, prompt: tuple[int, ...]) -> concurrent.futures.Future[Generation]: ...
 
     def forget(self, key: str) -> bool: ...
+
+    def kept_for(self, key: str, prompt: tuple[int, ...]) -> int: ...  # positions kept
 
     def follow(self) -> int: ...
 
@@ -282,7 +284,14 @@ class EngineServer:
         self._check_serving("generate", request)
         req = api.decode_body(await request.read(), api.CompletionRequest)
         prompt, max_tokens = api.completion_prompt(req, self.tokenizer, self.limits)
-        job = Job(tuple(prompt), max_tokens, req.logprobs or 0, req.ignore_eos, req.holdfast_warm)
+        job = Job(
+            tuple(prompt),
+            max_tokens,
+            req.logprobs or 0,
+            req.ignore_eos,
+            req.holdfast_warm,
+            req.holdfast_kv,
+        )
         out = CompletionReply(
             self.model_id,
             self.tokenizer,
@@ -293,7 +302,8 @@ class EngineServer:
         if req.return_token_ids:
             out.prompt_ids = list(prompt)
         if req.stream:
-            return await self._stream(request, job, out)
+            kept = self.model.kept_for(job.warm_key, job.prompt) if job.warm_key else 0
+            return await self._stream(request, job, out, kept=kept)
         return web.json_response(await self._generate(request, job, out))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -301,7 +311,7 @@ class EngineServer:
         self._check_serving("generate")
         req = api.decode_body(await request.read(), chat.ChatRequest)
         prompt, max_tokens = chat.chat_prompt(req, self.tokenizer, self.limits)
-        job = Job(tuple(prompt), max_tokens, 0, req.ignore_eos)
+        job = Job(tuple(prompt), max_tokens, 0, req.ignore_eos, kv_key=req.holdfast_kv)
         out = ChatReply(self.model_id, self.tokenizer, api.stops(req.stop))
         if req.return_token_ids:
             out.prompt_ids = list(prompt)
@@ -361,8 +371,10 @@ class EngineServer:
         return out.body(gen)
 
     async def _stream(
-        self, request: web.Request, job: Job, out: Reply, usage: bool = False
+        self, request: web.Request, job: Job, out: Reply, usage: bool = False, kept: int = 0
     ) -> web.StreamResponse:
+        """`kept`: the prompt positions a kept prefix covers (a continuation), said in
+        KEPT_HEADER."""
         steps: asyncio.Queue[Step | None] = asyncio.Queue()
         cancel = threading.Event()  # set when the client leaves: the model stops next step
         task = self.start(job, steps.put_nowait, cancel)
@@ -374,6 +386,8 @@ class EngineServer:
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
+        if kept:
+            resp.headers[KEPT_HEADER] = str(kept)
         counted = False
         try:
             await resp.prepare(request)

@@ -72,6 +72,9 @@ class Promote(_Msg, frozen=True):
     """Serve as the primary from now on, under fencing token `epoch`."""
 
     epoch: int
+    # the dead primary's KV cache in the keeper (engine/kvshare.py), to take over before
+    # the ack; "": none (the engine takes a fresh cache if it shares one)
+    kv: str = ""
 
 
 class Drain(_Msg, frozen=True):
@@ -95,6 +98,11 @@ class Refit(_Msg, frozen=True):
     # the requests in flight are cut at once (their connections closed, their generation
     # stopped) rather than finished: the router answers them from the new weights
     cut: bool = False
+
+
+def kv_key(engine: str) -> str:
+    """Where the keeper holds `engine`'s shared KV cache and ledger (`Promote.kv`)."""
+    return f"kv/{engine}"
 
 
 AgentMessage = Hello | Heartbeat | StateChange | Ack | Refitted

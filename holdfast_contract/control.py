@@ -62,6 +62,10 @@ Request = (
 )
 # a request with this header is answered by a standby too: an update's smoke request
 SMOKE_HEADER = "X-Holdfast-Smoke"
+# on a continuation's answer (a completion naming `holdfast_warm`): the prompt positions
+# whose keys and values the engine had kept for it (a past kept warm, or adopted from a dead
+# primary's KV cache); the rest its prefill computes
+KEPT_HEADER = "X-Holdfast-Kept"
 # the model version that made an answer: the router's, or a refitted engine's own
 VERSION_HEADER = "X-Holdfast-Model-Version"
 

@@ -39,6 +39,9 @@ class EngineEnv(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model_impl: str | None = None
     dist_init: str | None = None
     verify: str | None = None  # stat | content: how an engine checks its pool's checkpoint
+    # the keeper's socket: the engine keeps its KV cache there, shared, with a ledger of its
+    # streams, for the standby promoted after its death (engine/kvshare.py)
+    kv_share: str | None = None
 
 
 FIELDS: tuple[str, ...] = EngineEnv.__struct_fields__

@@ -1,0 +1,333 @@
+"""An engine's KV cache held outside its process (`--kv-share KEEPER`), so that the
+standby promoted after its death goes on with its streams from their keys and values:
+nothing of what a client was sent is prefilled again.
+
+The primary's cache lives in a memfd, and beside it a ledger, a second memfd: for each
+request running, its stream's key (the router's, `holdfast_kv`), the token ids of the
+positions whose keys and values are complete, and its block table. Both are deposited
+with the keeper (cachedaemon/keeper.py, in the supervisor) under `kv/<engine name>`, so
+they outlive the engine. The ledger is written after each step's tokens are recorded:
+on the CPU a step has finished writing its keys and values when it returns, so what the
+ledger names is never half-written. It has two slots; a write fills the one not current,
+then makes it current, so a writer killed halfway leaves the last whole ledger.
+
+A standby keeps a KV cache of STANDBY_TOKENS only (warm-up and probes) while it stands
+by. Promoted after the primary's death (`Promote.kv` names that primary's key), it
+reclaims the dead engine's cache and ledger from the keeper and `adopt`s them: the
+layout (shapes, dtype, model) must be its own, and the process that wrote them must be
+gone (not even a zombie: its memory is unmapped), else it is not adopted. Each ledger
+entry becomes a kept prefix under the stream's key (engine/scheduler.py), which the
+router's continuation names. Whatever stands in the way, the promoted engine takes a
+fresh cache of its own and the continuations prefill (the router's token replay).
+
+CPU devices only: on a GPU the cache would have to be exported (VMM) and its writes
+fenced by the device; an engine there keeps its cache private (`supported`).
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import struct
+import time
+
+import msgspec
+import structlog
+import torch
+
+from engine.errors import EngineError
+from engine.kvcache import KVCache
+from holdfast_contract.agent_protocol import kv_key
+from holdfast_contract.ready import is_alive, start_time
+
+log = structlog.get_logger("engine.kvshare")
+MAGIC = b"HFKVLDG1"
+HEADER = 4096  # magic, the current slot, both slots' lengths, the meta
+_HEAD = struct.Struct("<8sQQQI")  # magic, current slot + 1 (0: none), len 0, len 1, meta len
+STANDBY_TOKENS = 256  # a standby's own cache while it stands by: warm-up and probes
+WRITER_GONE_S = 2.0  # how long adoption waits for the dead engine's process to be reaped
+
+
+class Layout(msgspec.Struct, frozen=True):
+    """What a cache's bytes mean: two engines with equal layouts read them alike."""
+
+    layers: int
+    blocks: int  # usable blocks; one more is scratch
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    model: str  # whose keys and values: the checkpoint dir, dtype, quantization
+
+    @property
+    def tensor_bytes(self) -> int:
+        item = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        shape = (self.layers, self.blocks + 1, self.block_size, self.kv_heads, self.head_dim)
+        return math.prod(shape) * item
+
+
+class Meta(msgspec.Struct, frozen=True):
+    layout: Layout
+    pid: int  # the process writing the cache and ledger now
+    start_time: int | None
+
+
+class Entry(msgspec.Struct, frozen=True, array_like=True):
+    key: str  # the stream's, as the router names it
+    tokens: list[int]  # the ids of the positions whose keys and values are complete
+    blocks: list[int]  # its block table
+
+
+class NotAdopted(Exception):
+    """Why a dead engine's KV cache is not taken over (the continuations replay instead)."""
+
+
+def supported(device: torch.device, world_size: int) -> str:
+    """'' if a cache on `device` can be shared, else why not."""
+    if device.type != "cpu":
+        return f"a KV cache on {device} is kept private (sharing it needs a CPU device)"
+    if world_size != 1:
+        return "a tensor-parallel engine keeps its KV cache private"
+    return ""
+
+
+class SharedKV:
+    """A KV cache and its ledger in two memfds, mapped here."""
+
+    def __init__(self, kv_fd: int, ledger_fd: int) -> None:
+        self.fds = [kv_fd, ledger_fd]
+        self._kv = mmap.mmap(kv_fd, os.fstat(kv_fd).st_size)
+        self._ledger = mmap.mmap(ledger_fd, os.fstat(ledger_fd).st_size)
+        if self._ledger.size() < HEADER:
+            raise NotAdopted("its ledger is shorter than a header")
+        self._slot = (self._ledger.size() - HEADER) // 2
+        self.meta = self._read_meta()
+        self.writes = 0
+
+    @classmethod
+    def create(cls, layout: Layout, max_batch: int, max_len: int) -> SharedKV:
+        """A new cache (zeroed, as memfd pages are) and an empty ledger, written by us."""
+        kv = os.memfd_create("holdfast-kv", os.MFD_CLOEXEC)
+        ledger = os.memfd_create("holdfast-kv-ledger", os.MFD_CLOEXEC)
+        os.ftruncate(kv, 2 * layout.tensor_bytes)
+        # a slot holds every running request's ids and blocks, msgpack'd (<= 5 bytes each)
+        per = max_len + max_len // layout.block_size + 64
+        os.ftruncate(ledger, HEADER + 2 * max(1 << 20, 5 * max_batch * per))
+        with mmap.mmap(ledger, HEADER) as head:
+            _HEAD.pack_into(head, 0, MAGIC, 0, 0, 0, 0)
+            _write_meta(head, Meta(layout, os.getpid(), start_time(os.getpid())))
+        return cls(kv, ledger)
+
+    # ---- the cache ----
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys' and values' tensors, views of the memfd."""
+        lay = self.meta.layout
+        dtype = getattr(torch, lay.dtype)
+        shape = (lay.layers, lay.blocks + 1, lay.block_size, lay.kv_heads, lay.head_dim)
+        n = lay.tensor_bytes
+        raw = torch.frombuffer(self._kv, dtype=torch.uint8, count=2 * n)
+        return raw[:n].view(dtype).view(shape), raw[n:].view(dtype).view(shape)
+
+    # ---- the ledger ----
+    def write(self, entries: list[Entry]) -> bool:
+        """Make `entries` the ledger: into the slot not current, then that slot current.
+        False (the ledger left as it was) if they do not fit a slot."""
+        data = _encoder.encode(entries)
+        if len(data) > self._slot:
+            return False
+        current = _HEAD.unpack_from(self._ledger, 0)[1]
+        slot = 1 if current == 1 else 0  # current is slot + 1: write the other one
+        at = HEADER + slot * self._slot
+        self._ledger[at : at + len(data)] = data
+        struct.pack_into("<Q", self._ledger, 16 + 8 * slot, len(data))
+        struct.pack_into("<Q", self._ledger, 8, slot + 1)  # one aligned store: the switch
+        self.writes += 1
+        return True
+
+    def entries(self) -> list[Entry]:
+        _, current, len0, len1, _ = _HEAD.unpack_from(self._ledger, 0)
+        if current not in (1, 2):
+            return []
+        at = HEADER + (current - 1) * self._slot
+        n = (len0, len1)[current - 1]
+        try:
+            return _decoder.decode(self._ledger[at : at + n])
+        except msgspec.DecodeError as e:
+            raise NotAdopted(f"its ledger does not decode: {e}") from None
+
+    def _read_meta(self) -> Meta:
+        magic, _, _, _, meta_len = _HEAD.unpack_from(self._ledger, 0)
+        if magic != MAGIC or not 0 < meta_len <= HEADER - _HEAD.size:
+            raise NotAdopted("its ledger has no header")
+        try:
+            return _meta_decoder.decode(self._ledger[_HEAD.size : _HEAD.size + meta_len])
+        except msgspec.DecodeError as e:
+            raise NotAdopted(f"its ledger's header does not decode: {e}") from None
+
+    def _claim(self, layout: Layout) -> Meta:
+        """This process writes the cache and ledger from now on."""
+        meta = Meta(layout, os.getpid(), start_time(os.getpid()))
+        _write_meta(self._ledger, meta)
+        return meta
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
+def _write_meta(ledger: mmap.mmap, meta: Meta) -> None:
+    data = msgspec.msgpack.encode(meta)
+    if len(data) > HEADER - _HEAD.size:
+        raise EngineError("the KV ledger's header does not fit: the model path is too long")
+    ledger[_HEAD.size : _HEAD.size + len(data)] = data
+    struct.pack_into("<I", ledger, _HEAD.size - 4, len(data))
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(list[Entry])
+_meta_decoder = msgspec.msgpack.Decoder(Meta)
+
+
+def adopt(fds: list[int], want: Layout) -> tuple[SharedKV, list[Entry]]:
+    """Take over a dead engine's cache and ledger (`fds`, ours to keep): NotAdopted if
+    they are not for `want`, if the ledger is not whole, or if the engine that wrote them
+    still runs after WRITER_GONE_S (two engines never write one cache)."""
+    try:
+        shared = SharedKV(*fds)
+    except (OSError, ValueError, TypeError) as e:
+        for fd in fds:
+            os.close(fd)
+        raise NotAdopted(f"its cache does not map: {e}") from None
+    except NotAdopted:
+        for fd in fds:
+            os.close(fd)
+        raise
+    try:
+        meta = shared.meta
+        if meta.layout != want:
+            raise NotAdopted(f"its layout {meta.layout} is not this engine's {want}")
+        if os.fstat(shared.fds[0]).st_size < 2 * want.tensor_bytes:
+            raise NotAdopted("its cache is shorter than its layout")
+        deadline = time.monotonic() + WRITER_GONE_S
+        while is_alive(meta.pid, meta.start_time):
+            if meta.pid == os.getpid():
+                raise NotAdopted("it is this engine's own")
+            if time.monotonic() > deadline:
+                raise NotAdopted(f"the engine that writes it (pid {meta.pid}) still runs")
+            time.sleep(0.001)
+        entries = shared.entries()
+        check(entries, want)
+        shared.meta = shared._claim(want)
+        return shared, entries
+    except NotAdopted:
+        shared.close()
+        raise
+
+
+def check(entries: list[Entry], layout: Layout) -> None:
+    """Every block named once, inside the cache, and enough of them for the tokens."""
+    seen: set[int] = set()
+    for e in entries:
+        if len(e.blocks) * layout.block_size < len(e.tokens):
+            raise NotAdopted(f"stream {e.key}: {len(e.tokens)} tokens in {len(e.blocks)} blocks")
+        for b in e.blocks:
+            if not 0 <= b < layout.blocks or b in seen:
+                raise NotAdopted(f"stream {e.key}: block {b} is outside the cache or named twice")
+            seen.add(b)
+
+
+class Home:
+    """Where an engine keeps its shared cache: the keeper at `keeper`, under `kv/<name>`;
+    and what the cache is (`layout`, from `budget_mb`)."""
+
+    def __init__(
+        self, keeper: str, name: str, layout: Layout, budget_mb: int, max_batch: int, max_len: int
+    ) -> None:
+        self.keeper, self.key = keeper, kv_key(name)
+        self.layout, self.budget_mb = layout, budget_mb
+        self.max_batch, self.max_len = max_batch, max_len
+
+    def fresh(self) -> SharedKV:
+        """A new cache of our own, deposited (a keeper that does not answer: logged, and
+        the cache is ours alone)."""
+        shared = SharedKV.create(self.layout, self.max_batch, self.max_len)
+        self.deposit(shared)
+        return shared
+
+    def cache(self, shared: SharedKV) -> KVCache:
+        """A KV cache on `shared`'s tensors."""
+        lay = self.layout
+        dtype = getattr(torch, lay.dtype)
+        return KVCache(
+            lay.layers,
+            lay.kv_heads,
+            lay.head_dim,
+            self.budget_mb,
+            dtype,
+            "cpu",
+            lay.block_size,
+            tensors=shared.tensors(),
+        )
+
+    def deposit(self, shared: SharedKV) -> None:
+        from cachedaemon import protocol
+        from cachedaemon.errors import CacheError
+        from holdfast_contract.errors import ProtocolError
+
+        try:
+            reply, fds = protocol.call(self.keeper, protocol.DepositKV(self.key), shared.fds)
+        except (CacheError, ProtocolError, OSError) as e:
+            log.warning("kv cache not deposited", keeper=self.keeper, error=str(e))
+            return
+        for fd in fds:
+            os.close(fd)
+        if not isinstance(reply, protocol.Ok):
+            log.warning("kv cache not deposited", keeper=self.keeper, reply=repr(reply))
+
+    def withdraw(self) -> None:
+        """Drop what the keeper holds under our key: a standby starting again under this
+        name, whose last incarnation's cache was adopted already, or is no one's."""
+        from cachedaemon import protocol
+        from cachedaemon.errors import CacheError
+        from holdfast_contract.errors import ProtocolError
+
+        try:
+            protocol.call(self.keeper, protocol.WithdrawKV(self.key))
+        except (CacheError, ProtocolError, OSError) as e:
+            log.warning("kv cache not withdrawn", keeper=self.keeper, error=str(e))
+
+    def take_over(self, dead: str) -> tuple[SharedKV, list[Entry], str]:
+        """The cache and ledger the keeper holds under `dead` (a dead engine's key),
+        adopted; else a fresh cache and why not. Deposited under our own key either way."""
+        t0 = time.perf_counter()
+        try:
+            shared, entries = adopt(self._reclaim(dead), self.layout)
+        except NotAdopted as e:
+            log.warning("kv cache not adopted; continuations prefill", dead=dead, why=str(e))
+            return self.fresh(), [], str(e)
+        self.deposit(shared)
+        log.info(
+            "kv cache adopted",
+            dead=dead,
+            streams=len(entries),
+            tokens=sum(len(e.tokens) for e in entries),
+            ms=round((time.perf_counter() - t0) * 1e3, 2),
+        )
+        return shared, entries, ""
+
+    def _reclaim(self, key: str) -> list[int]:
+        from cachedaemon import protocol
+        from cachedaemon.errors import CacheError
+        from holdfast_contract.errors import ProtocolError
+
+        try:
+            reply, fds = protocol.call(self.keeper, protocol.ReclaimKV(key), max_fds=2)
+        except (CacheError, ProtocolError, OSError) as e:
+            raise NotAdopted(f"the keeper at {self.keeper} does not answer: {e}") from None
+        if not isinstance(reply, protocol.KVReclaimed) or len(fds) != 2:
+            for fd in fds:
+                os.close(fd)
+            raise NotAdopted(f"the keeper holds no KV cache under {key}")
+        return fds

@@ -1,0 +1,137 @@
+"""A KV cache shared through the keeper (engine/kvshare.py): another process adopts it,
+keys, values and ledger as its writer left them, only once that writer is gone; a writer
+stopped (SIGSTOP), not dead, keeps its cache from anyone else.
+
+Real processes, a real keeper on a unix socket, memfds passed between them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from cachedaemon import protocol
+from cachedaemon.keeper import Keeper
+from engine.kvshare import Entry, Home, Layout, NotAdopted, SharedKV, adopt, check
+from holdfast_contract.agent_protocol import kv_key
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYOUT = Layout(
+    layers=2, blocks=12, block_size=16, kv_heads=2, head_dim=8, dtype="float32", model="m"
+)
+
+# the writer: a cache of LAYOUT deposited under kv/writer, its keys set to 1.5 and values
+# to -2, two ledger writes (the second is the one that counts), then it waits
+WRITER = textwrap.dedent(
+    """
+    import sys, time
+    from engine.kvshare import Entry, Home, Layout
+    layout = Layout(2, 12, 16, 2, 8, "float32", "m")
+    home = Home(sys.argv[1], "writer", layout, 1, 4, 64)
+    shared = home.fresh()
+    k, v = shared.tensors()
+    k.fill_(1.5)
+    v.fill_(-2.0)
+    shared.write([Entry("a", [1, 2, 3], [0])])
+    shared.write([Entry("a", [1, 2, 3, 4], [0]), Entry("b", list(range(20)), [5, 7])])
+    print("written", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+@pytest.fixture
+def keeper(tmp_path: Path):
+    with Keeper(tmp_path / "keeper.sock") as k:
+        yield k
+
+
+def writer(keeper: Keeper) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(keeper.socket_path)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "written"
+    return proc
+
+
+def end(proc: subprocess.Popen[str]) -> None:
+    proc.kill()
+    proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def reclaim(keeper: Keeper, key: str) -> list[int]:
+    reply, fds = protocol.call(str(keeper.socket_path), protocol.ReclaimKV(key), max_fds=2)
+    assert isinstance(reply, protocol.KVReclaimed) and len(fds) == 2, reply
+    return fds
+
+
+def test_a_dead_writers_cache_is_adopted_as_it_left_it(keeper: Keeper) -> None:
+    proc = writer(keeper)
+    end(proc)
+    shared, entries = adopt(reclaim(keeper, kv_key("writer")), LAYOUT)
+    try:
+        assert entries == [Entry("a", [1, 2, 3, 4], [0]), Entry("b", list(range(20)), [5, 7])]
+        k, v = shared.tensors()
+        assert torch.all(k == 1.5) and torch.all(v == -2.0)
+        assert shared.meta.pid == os.getpid()  # the writer is this process now
+    finally:
+        shared.close()
+
+
+def test_a_stopped_writers_cache_is_not_adopted_until_it_is_dead(keeper: Keeper) -> None:
+    proc = writer(keeper)
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        with pytest.raises(NotAdopted, match=f"pid {proc.pid}.* still runs"):
+            adopt(reclaim(keeper, kv_key("writer")), LAYOUT)
+    finally:
+        end(proc)
+    shared, entries = adopt(reclaim(keeper, kv_key("writer")), LAYOUT)
+    shared.close()
+    assert [e.key for e in entries] == ["a", "b"]
+
+
+def test_a_cache_of_another_layout_is_not_adopted(keeper: Keeper) -> None:
+    proc = writer(keeper)
+    end(proc)
+    other = Layout(2, 12, 16, 2, 8, "float32", "another model")
+    with pytest.raises(NotAdopted, match="layout"):
+        adopt(reclaim(keeper, kv_key("writer")), other)
+
+
+def test_a_ledger_that_names_a_block_twice_or_outside_the_cache_is_refused() -> None:
+    check([Entry("a", [1] * 32, [3, 4]), Entry("b", [2], [5])], LAYOUT)  # whole: no error
+    for bad, says in [
+        ([Entry("a", [1], [3]), Entry("b", [2], [3])], "named twice"),
+        ([Entry("a", [1], [LAYOUT.blocks])], "outside"),
+        ([Entry("a", [1] * 17, [3])], "17 tokens in 1 blocks"),
+    ]:
+        with pytest.raises(NotAdopted, match=says):
+            check(bad, LAYOUT)
+
+
+def test_an_engine_never_adopts_its_own_cache() -> None:
+    shared = SharedKV.create(LAYOUT, 4, 64)
+    fds = [os.dup(fd) for fd in shared.fds]
+    shared.close()
+    with pytest.raises(NotAdopted, match="this engine's own"):
+        adopt(fds, LAYOUT)
+
+
+def test_a_home_without_a_keeper_serves_a_fresh_cache(tmp_path: Path) -> None:
+    home = Home(str(tmp_path / "none.sock"), "e1", LAYOUT, 1, 4, 64)
+    shared, entries, why = home.take_over(kv_key("e0"))
+    shared.close()
+    assert entries == [] and "does not answer" in why
