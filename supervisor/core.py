@@ -208,6 +208,7 @@ class Crew(Failover):
         if e.state != S.STOPPED:  # (stopped meanwhile: the supervisor stops)
             self._move(e, N.RETIRED, version=e.version)
         self.engines.pop(e.name, None)
+        self.daemons.drop_kv(e.name)
         self.wake.set()
 
     async def restart(self, e: Engine) -> None:

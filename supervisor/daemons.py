@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from holdfast_contract.agent_protocol import kv_key
 from holdfast_contract.errors import ProtocolError
 from holdfast_contract.events import EventName as N
 from holdfast_contract.ready import DaemonReady, daemon_ready_path, drop_stale, read_daemon_ready
@@ -264,6 +265,12 @@ class CacheDaemons:
             down_ms=ms,
         )
         self.term.wake.set()
+
+    def drop_kv(self, engine: str) -> None:
+        """What the keeper holds of `engine`'s shared KV cache (engines.kv_adopt) goes: the
+        engine left for good."""
+        if self.keeper is not None:
+            self.keeper.withdraw_kv(kv_key(engine))
 
     def before_handout(self, engine: str) -> None:
         """Say so when `engine` is about to start against a pool whose checkpoint changed."""

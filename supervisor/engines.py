@@ -115,6 +115,9 @@ class EngineLauncher:
         env.update(to_environ(given))
         if e.memory_mb > 0:  # the engine's budget, less a fifth for activations and graphs
             env.setdefault(var("kv_cache_mb"), str(e.memory_mb * 4 // 5))
+        env.pop(var("kv_share"), None)
+        if p.engines.kv_adopt and e.serving:  # its KV cache kept in the keeper
+            env[var("kv_share")] = str(self.run / "keeper.sock")
         env.pop(var("agent"), None)
         if rank == 0 and p.engines.health == "agent":
             env[var("agent")] = f"ipc://{self.run / 'agents'}"

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import structlog
 
-from holdfast_contract.agent_protocol import Promote
+from holdfast_contract.agent_protocol import Promote, kv_key
 from holdfast_contract.events import EventName as N
 from supervisor.errors import ControlError
 from supervisor.events import EventBus
@@ -128,7 +128,9 @@ class Failover(Roster):
         if self.primary is e:
             self.primary = None
             silent_ms = round((t_detect - e.last_beat) * 1000, 1) if e.last_beat else None
-            self._promote_best(t_detect, cause=cause, old=e.name, silent_ms=silent_ms, cpu=cpu)
+            self._promote_best(
+                t_detect, cause=cause, old=e.name, silent_ms=silent_ms, cpu=cpu, dead=e
+            )
             if self.primary is None:  # none promoted: nothing to route to
                 self.view.set(None)  # (a promotion routes to its own at once)
                 if self.exit_watch is not None:
@@ -193,10 +195,11 @@ class Failover(Roster):
         old: str | None,
         silent_ms: float | None,
         cpu: CpuMark | None = None,
+        dead: Engine | None = None,
     ) -> None:
         s = self.best_standby()
         if s is not None:
-            self.promote(s, t_detect, cause=cause, old=old, silent_ms=silent_ms, cpu=cpu)
+            self.promote(s, t_detect, cause=cause, old=old, silent_ms=silent_ms, cpu=cpu, dead=dead)
 
     def promote(
         self,
@@ -207,8 +210,11 @@ class Failover(Roster):
         old: str | None,
         silent_ms: float | None = None,
         cpu: CpuMark | None = None,
+        dead: Engine | None = None,
     ) -> None:
-        """standby -> primary: route to `s` and tell it; `silent_ms`: how long the old
+        """standby -> primary: route to `s` and tell it (with engines.kv_adopt, to take
+        over the KV cache of `dead`, the primary just fenced or exited, if it served the
+        same version); `silent_ms`: how long the old
         primary had been silent when its loss was detected, `promote_ms`: detection to
         routed and told; with `cpu` (taken as `down` began: after a fence's kill, which
         `promote_ms` includes), how much of that the supervisor spent on a CPU
@@ -219,7 +225,8 @@ class Failover(Roster):
         self.epoch += 1
         s.role = "primary"
         self.primary = s
-        told = self._route_to(s)
+        adopt = dead is not None and self.policy.engines.kv_adopt and dead.version == s.version
+        told = self._route_to(s, kv=kv_key(dead.name) if adopt and dead is not None else "")
         cost = self._cost(t_detect, cpu)
         self.realtime.leave()  # (entered where the loss was seen, if it was)
         if s.inc is not None and self.policy.engines.primary_nice:  # before it is said
@@ -231,6 +238,7 @@ class Failover(Roster):
             cause=cause,
             told=told,
             silent_ms=silent_ms,
+            kv_from=dead.name if adopt and dead is not None else None,
             **cost._asdict(),
         )
         if self.exit_watch is not None and s.inc is not None:  # once routed and told
@@ -243,10 +251,11 @@ class Failover(Roster):
         promote_ms = round((time.monotonic() - t_detect) * 1000, 3)
         return Cost(promote_ms, cpu_ms, self.realtime.held)
 
-    def _route_to(self, p: Engine) -> bool:
-        """Tell `p` to serve at the current epoch and route to it (the router waits for
-        its ack if it was told); whether it was told."""
-        told = self.hub.send(p.name, Promote(epoch=self.epoch))
+    def _route_to(self, p: Engine, kv: str = "") -> bool:
+        """Tell `p` to serve at the current epoch (taking over the KV cache the keeper
+        holds under `kv`, if any) and route to it (the router waits for its ack if it
+        was told); whether it was told."""
+        told = self.hub.send(p.name, Promote(epoch=self.epoch, kv=kv))
         self.view.set(Target(p.name, p.port, self.epoch, version=p.version), await_ack=told)
         return told
 
@@ -309,5 +318,5 @@ class Failover(Roster):
             old.next_start = time.monotonic()
             self._move(old, N.FENCED, cause="operator-promote", pid=inc.pid)
             old.role = "standby"  # it restarts as one; `fenced` says what it was
-        self.promote(new, t0, cause="operator", old=old.name if old else None)
+        self.promote(new, t0, cause="operator", old=old.name if old else None, dead=old)
         self.wake.set()

@@ -263,12 +263,16 @@ class SupervisorMetrics:
         warms.add_metric(["kept"], warmer.sent)
         warms.add_metric(["failed"], warmer.failed)
         yield warms
-        yield HistogramMetricFamily(
+        stalls = HistogramMetricFamily(
             PREFIX + "router_stream_stall_seconds",
-            "a migrated stream's last token before the cut to its first after it",
-            buckets=r.stalls.cumulative(),
-            sum_value=r.stalls.total,
+            "a migrated stream's last token before the cut to its first after it, by how "
+            "its continuation began: from the dead primary's KV cache (adopted), from a "
+            "past kept warm (kept), or from the tokens sent, computed again (replayed)",
+            labels=["continued"],
         )
+        for how, hist in r.stalls.items():
+            stalls.add_metric([how], hist.cumulative(), hist.total)
+        yield stalls
 
 
 def _reason(reason: object) -> str:

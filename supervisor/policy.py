@@ -86,6 +86,11 @@ class EnginesSpec(_Spec, frozen=True):
     # and off as true and false: those mean on and off here (`spares_mode`)
     spares: Literal["auto", "on", "ready", "off"] | bool = "auto"
     health: Literal["agent", "http"] = "agent"
+    # the serving engines keep their KV cache in the keeper with a ledger of its streams; a
+    # standby keeps only a small cache, and promoted after the primary's death, takes the
+    # dead one's, so cut streams go on with no prefill of what was sent (engine/kvshare.py;
+    # the reference engine on CPU devices; router.warm_every is then unused)
+    kv_adopt: bool = False
     primary: int = 1
     standby: int = 1
     memory_mb: int = 0  # per primary/standby engine, beyond the shared weights
@@ -209,12 +214,36 @@ def semantic_errors(p: Policy, *, schema_only: bool = False) -> list[str]:
         errors.append("$.engines.primary_nice: must be a nice value, -20..19 (0: unchanged)")
     if p.router.warm_every < 0:
         errors.append("$.router.warm_every: must be 0 (off) or more tokens")
+    errors += kv_adopt_errors(p)
     errors += update_errors(p.update)
     if p.cluster is not None:
         errors += cluster_errors(p.cluster, p.heartbeat.miss_window_s)
         if not p.cluster.advertise:
             errors += advertise_errors(p.router.listen, "router.listen")
     return errors
+
+
+def kv_adopt_errors(p: Policy) -> list[str]:
+    """engines.kv_adopt needs what it is built on: the reference engine, CPU devices, one
+    rank, and the keeper."""
+    if not p.engines.kv_adopt:
+        return []
+    why = []
+    if p.engines.kind != "holdfast":
+        why.append(f"engines.kind is {p.engines.kind!r}, not the reference engine")
+    if any(d != "cpu" for d in p.devices.ids):
+        why.append(f"devices.ids {list(p.devices.ids)} are not all cpu")
+    if p.model.tp_size != 1:
+        why.append(f"model.tp_size is {p.model.tp_size}, not 1")
+    if not p.cache.keeper:
+        why.append("cache.keeper is false")
+    if spares_mode(p.engines) == "ready":  # built before it knows whose cache it holds
+        why.append("engines.spares is ready")
+    if not why:
+        return []
+    return [
+        f"$.engines.kv_adopt: {'; '.join(why)}: the KV cache is shared only there; set it false"
+    ]
 
 
 def spares_mode(e: EnginesSpec) -> str:

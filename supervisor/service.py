@@ -279,7 +279,14 @@ class Service:
         """Serve the router and the health API."""
         spec = self.policy.cluster
         name, shape = spec.node if spec else "", kind_of(self.policy).stream
-        router = Router(self.policy.router, self.view, name, c.bus.emit, shape)
+        router = Router(
+            self.policy.router,
+            self.view,
+            name,
+            c.bus.emit,
+            shape,
+            kv_keys=self.policy.engines.kv_adopt,
+        )
         # a client that hangs up cancels its routed request, so the engine stops generating
         await self._serve_http(router.app(), "router.listen", stack, cancel_on_hangup=True)
         metrics = SupervisorMetrics(c.bus, router=router, agents=hub, control=control)

@@ -131,6 +131,9 @@ class NoDaemons:
     def before_handout(self, engine: str) -> None:
         pass
 
+    def drop_kv(self, engine: str) -> None:
+        pass
+
 
 def policy(**engines: Any) -> Policy:
     spec = EnginesSpec(

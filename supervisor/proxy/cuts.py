@@ -196,11 +196,22 @@ class Cuts:
 
     def resumed(self, st: Stream, tokens: int) -> None:
         """The first token after a cut reached the client: the stall it saw, and how many
-        tokens of its past the engine had kept warm (`kept`; the rest it computed)."""
+        tokens of its past the engine had kept (`kept`; the rest it computed), from the
+        dead primary's KV cache (`continued`: adopted) or warm (kept), or none (replayed)."""
         stall, st.cut_at = st.last_token_at - st.cut_at, 0.0
-        self.tally.stalls.observe(stall)
+        how = ("adopted" if st.kv_key else "kept") if st.kept else "replayed"
+        self.tally.stalls[how].observe(stall)
         stall_ms = round(stall * 1e3, 2)
-        self.events(N.MIGRATED, st.epoch, tokens=tokens, kept=st.kept, stall_ms=stall_ms)
+        past = len(st.prompt_ids or ()) + tokens  # the continuation's prompt
+        self.events(
+            N.MIGRATED,
+            st.epoch,
+            tokens=tokens,
+            kept=st.kept,
+            prefill=max(0, past - st.kept),
+            continued=how,
+            stall_ms=stall_ms,
+        )
 
     async def finish(self, out: Answer, st: Stream) -> web.StreamResponse:
         """The end of a stream that came whole (its migration, if any, succeeded)."""

@@ -101,6 +101,7 @@ class Stream:
     warming: bool = False
     over: bool = False  # ended: its past is forgotten once no warm request is under way
     kept: int = 0  # of those, what the continuation under way names
+    kv_key: str = ""  # its key in the engines' shared KV caches (engines.kv_adopt)
 
     @property
     def chat(self) -> bool:
@@ -122,13 +123,17 @@ class Stream:
 
     def first_body(self) -> bytes:
         body = {**self.request, "return_token_ids": True}
+        if self.kv_key:
+            body["holdfast_kv"] = self.kv_key
         if self.collect:
             body.update(stream=True, stream_options={"include_usage": True})
         return json.dumps(body).encode()
 
     def fresh(self) -> Stream:
         """The same request with nothing received yet (what was kept warm is stale)."""
-        return Stream(self.path, self.request, collect=self.collect, shape=self.shape)
+        return Stream(
+            self.path, self.request, collect=self.collect, shape=self.shape, kv_key=self.kv_key
+        )
 
     def can_continue(self) -> bool:
         """Whether the ids needed for a continuation are known."""
@@ -157,6 +162,8 @@ class Stream:
             body.setdefault("skip_special_tokens", True)
         if warm_key:
             body["holdfast_warm"] = warm_key
+        if self.kv_key:  # the engine goes on listing it in its ledger
+            body["holdfast_kv"] = self.kv_key
         return json.dumps(body).encode()
 
     def rewind(self) -> None:

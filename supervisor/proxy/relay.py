@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from holdfast_contract.control import KEPT_HEADER
 from supervisor.primary import Target
 from supervisor.proxy import migration, sse
 from supervisor.proxy.answers import Answer, ClientGone, JsonAnswer, SseAnswer, as_it_came
@@ -130,6 +131,8 @@ class StreamRelay:
         if not streaming and cont:
             raise Refused(up.status, (await up.read()).decode(errors="replace")[:500])
         if f.out.opened:
+            # what the engine had kept of its past (it says so when it has: KEPT_HEADER)
+            f.st.kept = max(f.st.kept, _int(up.headers.get(KEPT_HEADER, "")))
             await f.out.resumed(up, target)  # the stream goes on elsewhere
             return await self._pump(f, up, cont, bytearray())
         if not streaming and f.st.collect:
@@ -187,6 +190,10 @@ class StreamRelay:
             self.cuts.resumed(st, tokens)
         if len(st.emitted) > tokens:
             self.warmer.heard(st)
+
+
+def _int(text: str) -> int:
+    return int(text) if text.isdigit() else 0
 
 
 def _superseded(version: str, target: Target) -> bool:

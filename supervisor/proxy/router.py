@@ -60,7 +60,11 @@ class Router:
         node: str = "",
         emit: Emit | None = None,
         shape: StreamShape = TOKEN_IDS,
+        *,
+        kv_keys: bool = False,
     ) -> None:
+        """`kv_keys`: the engines share their KV caches (engines.kv_adopt): every stream
+        is sent under a key of its own, which its continuation names (warming.py)."""
         self.spec = spec
         self.shape = shape  # where the engine kind's stream chunks carry token ids
         self.view = view
@@ -69,7 +73,7 @@ class Router:
         self.routes = Routes(spec, view, node)
         self.tally = self.routes.tally  # what GET /metrics reads
         self.in_flight = 0
-        self.warmer = Warmer(spec.warm_every, view, self.client)
+        self.warmer = Warmer(spec.warm_every, view, self.client, kv_keys=kv_keys)
         self.streams = StreamRelay(
             self.routes, self.client, self.warmer, self.tally, Events(node, emit)
         )

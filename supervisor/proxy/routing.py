@@ -38,6 +38,8 @@ HOP_BY_HOP = frozenset(
 FORWARDED_BY = "X-Holdfast-Forwarded-By"  # set on a request one router sends to another
 NOT_LEADER = "X-Holdfast-Not-Leader"  # on a 421: the receiving node no longer leads
 Emit = Callable[..., Any]  # EventBus.emit: where the router's events go
+# how a cut stream's continuation began: `continued`, the stall histogram's label
+CONTINUED = ("adopted", "kept", "replayed")
 # upper bounds (s) of the stream stall histogram's buckets
 STALL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -132,7 +134,11 @@ class Tally:
     migrations: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(("attempted", "succeeded", "failed"), 0)
     )
-    stalls: Histogram = field(default_factory=lambda: Histogram(STALL_BUCKETS))  # seconds
+    # seconds, by how the continuation began (cuts.CONTINUED): from the dead primary's KV
+    # cache, from a past kept warm, or computed again from the tokens sent
+    stalls: dict[str, Histogram] = field(
+        default_factory=lambda: {how: Histogram(STALL_BUCKETS) for how in CONTINUED}
+    )
 
 
 @dataclass(frozen=True)

@@ -52,9 +52,19 @@ class Warmer:
     requests go out on the router's `client()`."""
 
     def __init__(
-        self, every: int, view: PrimaryView, client: Callable[[], aiohttp.ClientSession]
+        self,
+        every: int,
+        view: PrimaryView,
+        client: Callable[[], aiohttp.ClientSession],
+        *,
+        kv_keys: bool = False,
     ) -> None:
-        self.every = every
+        # with kv_keys (engines.kv_adopt) nothing is warmed: each stream goes out under a
+        # key of its own (`holdfast_kv`), which the primary's shared KV cache lists it
+        # under; the standby promoted after its death keeps each stream's past there, and
+        # a continuation names that key
+        self.kv_keys = kv_keys
+        self.every = 0 if kv_keys else every
         self.view = view
         self.client = client
         self.sent = 0  # warm requests answered 200
@@ -64,7 +74,11 @@ class Warmer:
         self._live: weakref.WeakValueDictionary[int, Stream] = weakref.WeakValueDictionary()
 
     def arrived(self, st: Stream) -> None:
-        """A stream is about to start: its prompt goes to the heir now, if it is token ids."""
+        """A stream is about to start: its prompt goes to the heir now, if it is token ids
+        (with kv_keys: it gets its key)."""
+        if self.kv_keys:
+            st.kv_key = st.kv_key or uuid.uuid4().hex
+            return
         heir = self.view.heir
         ids = _prompt_ids(st.request) if st.path == COMPLETIONS else None
         if not self.every or heir is None or ids is None:
@@ -118,7 +132,10 @@ class Warmer:
     def key_for(self, st: Stream, target: Target) -> str:
         """The key a continuation on `target` names: its past is kept there, or on its way
         (a prefill of it under way there is taken over when it ends; one still queued
-        gives way to the continuation, engine/scheduler.py)."""
+        gives way to the continuation, engine/scheduler.py). With kv_keys, the stream's
+        own: the engine keeps its past under it if it adopted the dead primary's cache."""
+        if self.kv_keys:
+            return st.kv_key
         if st.warmed_on != target.name or not (st.warmed or st.warming):
             return ""
         return st.warm_key

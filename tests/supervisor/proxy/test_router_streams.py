@@ -99,8 +99,8 @@ def migrations(sup: Supervisor) -> dict[str, float]:
                     out[s.labels["outcome"]] = s.value
         if family.name == "holdfast_supervisor_router_stream_stall_seconds":
             for s in family.samples:
-                if s.name.endswith("_count"):
-                    out["stalls"] = s.value
+                if s.name.endswith("_count"):  # one per `continued` label
+                    out["stalls"] = out.get("stalls", 0) + s.value
     return out
 
 

@@ -1,0 +1,100 @@
+"""engines.kv_adopt: the serving engines' KV caches live in the keeper, each with a ledger
+of its streams, and a standby keeps only a small cache. When the primary dies (kill -9) or
+stops (SIGSTOP: fenced once its heartbeats are missed), the standby promoted takes over
+the dead primary's cache, and each cut stream's continuation prefills only the last token
+its client was sent (the one the next decode step would feed anyway): nothing of what was
+delivered is computed again, and the client's stream equals the same request run without
+a fault.
+
+Real `supervisor run`, engines and keeper on the tiny checkpoint; sizes in tokens."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+from tests.engines.harness import Event, Supervisor, get
+from tests.supervisor.proxy.test_router_streams import (
+    CUT_AFTER,
+    ENGINE,
+    PROMPT,
+    TOKENS,
+    boot,
+    chunks,
+    get_text,
+    migrations,
+    stream,
+    token_ids,
+)
+from tests.supervisor.proxy.test_router_warm import engine_metric
+
+ENGINES = {"command": ENGINE, "ready_timeout_s": 120, "stop_grace_s": 5.0, "kv_adopt": True}
+
+
+def sent_before_cut(events: list[bytes]) -> int:
+    """Token ids the client had before the stream moved (the router's `: migrated`)."""
+    cut = next(i for i, e in enumerate(events) if e.startswith(b": migrated"))
+    return len(token_ids(events[:cut]))
+
+
+def adopted(sup: Supervisor, stop: int) -> Event:
+    """A stream cut by `stop` (a signal) sent to the primary after CUT_AFTER chunks, the
+    standby promoted over the dead one's cache, the stream equal to its fault-free twin
+    and its continuation a prefill of one token."""
+    sup.wait_pair()
+    reference = token_ids(list(stream(sup.router, prompt_token_ids=PROMPT, max_tokens=TOKENS)))
+    primary = get(f"{sup.api}/primary")[1]
+    standby = get(f"{sup.api}/standby")[1][0]
+    before = engine_metric(standby["port"], "holdfast_engine_reused_prompt_tokens_total")
+    mark = sup.tap.mark()
+    events: list[bytes] = []
+    for data in stream(sup.router, prompt_token_ids=PROMPT, max_tokens=TOKENS):
+        events.append(data)
+        if len(events) == CUT_AFTER:
+            os.kill(primary["pid"], stop)
+    promoted = sup.wait(lambda e: e.event == "promoted", timeout=30, after=mark)
+    assert promoted.name == standby["name"]
+    assert promoted.data["kv_from"] == primary["name"]
+    assert events[-1] == b"[DONE]" and token_ids(events) == reference
+    assert any(e.startswith(b": migrated") for e in events), "the stream was not cut"
+    # the continuation's prompt is PROMPT and what was sent: all of it but its last token
+    # came from the dead primary's cache
+    reused = engine_metric(standby["port"], "holdfast_engine_reused_prompt_tokens_total")
+    assert reused - before == len(PROMPT) + sent_before_cut(events) - 1
+    migrated = sup.wait(lambda e: e.event == "migrated", timeout=10, after=mark)
+    assert migrated.data["continued"] == "adopted"
+    assert migrated.data["kept"] == reused - before
+    assert migrations(sup)["stalls"] == 1
+    stalls = get_text(f"{sup.api}/metrics")
+    line = 'holdfast_supervisor_router_stream_stall_seconds_count{continued="adopted"} 1.0'
+    assert line in stalls.splitlines()
+    log = (sup.run / "logs" / f"{standby['name']}.0.log").read_text()
+    assert "kv cache adopted" in log and "not adopted" not in log
+    assert len(chunks(events)) > CUT_AFTER
+    return promoted
+
+
+def test_a_killed_primarys_stream_continues_from_its_kv_cache(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    sup = boot(tmp_path, tiny_model, engines=ENGINES)
+    try:
+        adopted(sup, signal.SIGKILL)
+    finally:
+        sup.stop(signal.SIGKILL)
+
+
+def test_a_stopped_primary_is_fenced_before_its_kv_cache_is_adopted(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    sup = boot(tmp_path, tiny_model, engines=ENGINES)
+    try:
+        mark = sup.tap.mark()
+        promoted = adopted(sup, signal.SIGSTOP)
+        fenced = sup.wait(lambda e: e.event == "fenced", timeout=5, after=mark)
+        assert fenced.name == promoted.data["previous"] == promoted.data["kv_from"]
+        order = sup.tap.events
+        assert order.index(fenced) < order.index(promoted)
+    finally:
+        sup.stop(signal.SIGKILL)
