@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import statistics
 from collections.abc import Callable, Collection, Iterable, Sequence
@@ -12,6 +13,8 @@ from chaos import twins as tw
 from chaos.checks import Check
 from chaos.load import RequestRow
 from chaos.models import UPDATE_FAULTS
+from chaos.recorder import EventRow
+from holdfast_contract.events import EventName as N
 
 PRIMARY_FAULTS = frozenset(
     {"kill-primary", "stop-primary", "kill-tp-rank", "kill-daemon-and-primary", "restart-broker"}
@@ -31,6 +34,10 @@ STREAMS = (
     "twin_mismatches",
     "stream_stall_ms",
     "stream_stall_p50_ms",
+    "adopted_streams",
+    "kept_streams",
+    "replayed_streams",
+    "continuation_prefill_tokens",
 )
 
 
@@ -60,6 +67,12 @@ class TrialRow(msgspec.Struct, frozen=True):
     twin_mismatches: int = 0  # complete greedy streams whose tokens differ from their twins'
     stream_stall_ms: float | None = None  # the longest stall a migrated stream showed
     stream_stall_p50_ms: float | None = None  # the median of the migrated streams' stalls
+    # the router's continuations in the trial: from the dead primary's KV cache, from a past
+    # kept warm, computed again; and the prompt tokens their prefills computed in all
+    adopted_streams: int = 0
+    kept_streams: int = 0
+    replayed_streams: int = 0
+    continuation_prefill_tokens: int = 0
     unlabelled_answers: int = 0  # successful answers that did not name their model version
     update_ms: float | None = None  # update, refit: the request -> finished or rolled back
     rolled_back: int | None = None  # update, refit: 1 when it ended rolled back
@@ -124,10 +137,12 @@ def with_requests(
     rows: Sequence[RequestRow],
     baseline_ms: float | None,
     trials: Sequence[TrialRow] = (),
+    events: Sequence[EventRow] = (),
 ) -> TrialRow:
     """Fill the request-side figures of one trial from the requests started inside it; a
     failed request counts against the fault in force when it failed (see `blamed`), so
-    `trials` (all of the stage's, this one among them) decides where failures go."""
+    `trials` (all of the stage's, this one among them) decides where failures go. The
+    router's `migrated` events inside it (`events`) say how its continuations began."""
     inside = [r for r in rows if trial.injected <= r.start < trial.ended]
     everyone = trials or [trial]
     failed = [r for r in rows if r.failed and blamed(r, everyone) is trial]
@@ -142,8 +157,18 @@ def with_requests(
     twins = tw.references(rows)
     cut = [r for r in overlapping if r.migrated and blamed_cut(r, everyone) is trial]
     stalls = [r.stall_ms for r in cut if r.stall_ms is not None]
+    moved = [
+        e.detail
+        for e in events
+        if e.kind == "router" and e.event == N.MIGRATED and trial.injected <= e.ts < trial.ended
+    ]
+    began = collections.Counter(str(d.get("continued", "replayed")) for d in moved)
     return msgspec.structs.replace(
         trial,
+        adopted_streams=began["adopted"],
+        kept_streams=began["kept"],
+        replayed_streams=began["replayed"],
+        continuation_prefill_tokens=sum(int(d.get("prefill", 0)) for d in moved),
         broken_streams=sum(1 for r in failed if r.broken),
         migrated_streams=len(cut),
         twin_mismatches=sum(

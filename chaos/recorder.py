@@ -10,6 +10,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import aiomqtt
 import msgspec
@@ -18,9 +19,11 @@ import zmq
 import zmq.asyncio
 
 from chaos.waiters import Rows
+from holdfast_contract.events import EventName as N
 from holdfast_contract.events import decode_event
 
 log = structlog.get_logger("chaos.recorder")
+MIGRATED_DETAIL = ("continued", "prefill", "kept", "stall_ms")
 
 
 class EventRow(msgspec.Struct, frozen=True):
@@ -31,6 +34,9 @@ class EventRow(msgspec.Struct, frozen=True):
     name: str
     event: str
     epoch: int
+    # a cut stream's continuation (router.<node>.migrated): how it began (continued:
+    # adopted, kept, replayed), the prompt tokens it prefilled, its stall; else empty
+    detail: dict[str, Any] = msgspec.field(default_factory=dict)
 
     @property
     def topic(self) -> str:
@@ -75,8 +81,11 @@ class EventRecorder:
             ev = decode_event(data)
         except msgspec.DecodeError:
             return  # not an event: dropped
+        detail = {}
+        if ev.kind == "router" and ev.event == N.MIGRATED:
+            detail = {k: ev.data[k] for k in MIGRATED_DETAIL if k in ev.data}
         self._rows.append(
-            EventRow(ev.ts, time.time(), source, ev.kind, ev.name, ev.event, ev.epoch)
+            EventRow(ev.ts, time.time(), source, ev.kind, ev.name, ev.event, ev.epoch, detail)
         )
 
     async def _zmq(self) -> None:

@@ -189,7 +189,7 @@ async def _drive(
         base = baseline_ms(load.rows, got.baseline_before or time.time())
         mine = [t for t in got.trials if t.stage == stage.name]
         got.trials[len(got.trials) - len(mine) :] = [
-            with_requests(t, load.rows, base, mine) for t in mine
+            with_requests(t, load.rows, base, mine, recorder.rows) for t in mine
         ]
         got.requests += load.rows
         got.events += recorder.rows
