@@ -157,11 +157,14 @@ def with_requests(
     twins = tw.references(rows)
     cut = [r for r in overlapping if r.migrated and blamed_cut(r, everyone) is trial]
     stalls = [r.stall_ms for r in cut if r.stall_ms is not None]
-    moved = [
-        e.detail
-        for e in events
-        if e.kind == "router" and e.event == N.MIGRATED and trial.injected <= e.ts < trial.ended
-    ]
+    # (each event comes on the supervisor's socket and over MQTT: counted once)
+    moved = list(
+        {
+            (e.ts, e.name, repr(sorted(e.detail.items()))): e.detail
+            for e in events
+            if e.kind == "router" and e.event == N.MIGRATED and trial.injected <= e.ts < trial.ended
+        }.values()
+    )
     began = collections.Counter(str(d.get("continued", "replayed")) for d in moved)
     return msgspec.structs.replace(
         trial,

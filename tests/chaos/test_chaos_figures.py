@@ -197,3 +197,25 @@ def test_streams_unlike_their_fault_free_twins_are_counted_and_the_migrated_set_
     assert (run.twin_mismatches, run.migrated_twin_mismatches) == (2, 1)
     text = " ".join(markdown(Results(META, run, [], [], rows, [])).split())
     assert "2 unlike their fault-free twins (1 of them migrated)" in text
+
+
+def test_continuations_are_counted_by_how_they_began_once_per_event() -> None:
+    from chaos.recorder import EventRow
+
+    def moved(ts: float, source: str, how: str, prefill: int) -> EventRow:
+        detail = {"continued": how, "prefill": prefill, "kept": 90, "stall_ms": 30.0}
+        return EventRow(ts, ts, source, "router", "main", "migrated", 2, detail)
+
+    events = [
+        *(moved(100.6, src, "adopted", 1) for src in ("zmq", "mqtt")),  # one event, twice
+        moved(100.61, "zmq", "adopted", 1),
+        moved(100.62, "zmq", "replayed", 140),
+        moved(100.63, "zmq", "kept", 9),
+        moved(102.0, "zmq", "replayed", 50),  # after the trial
+        EventRow(100.7, 100.7, "zmq", "engine", "e2", "promoted", 2),
+    ]
+    rows = _steady(100.0, 101.0)
+    trial = TrialRow(0, "main", "kill-primary", "e1", 1, 100.5, 101.0, 3.0, None)
+    got = with_requests(trial, rows, None, [trial], events)
+    assert (got.adopted_streams, got.kept_streams, got.replayed_streams) == (2, 1, 1)
+    assert got.continuation_prefill_tokens == 1 + 1 + 140 + 9
