@@ -36,6 +36,9 @@ PromoteCb = Callable[[int], None]
 DrainCb = Callable[[float], None]
 StopCb = Callable[[], None]
 RefitCb = Callable[[wire.Refit], None]
+# what a promoted engine did with a dead engine's KV cache: the streams it took over, or
+# None and why not (None and "": it was not asked, or keeps its cache private)
+Adopted = tuple[int | None, str]
 
 
 def _no_load() -> tuple[int, int]:
@@ -63,7 +66,7 @@ class AgentClient:
         self._load = load or _no_load
         self._state = "starting"
         self._on_promote: list[PromoteCb] = []
-        self._on_adopt: list[Callable[[str], None]] = []
+        self._on_adopt: list[Callable[[str], Adopted]] = []
         self._on_drain: list[DrainCb] = []
         self._on_stop: list[StopCb] = []
         self._on_refit: list[RefitCb] = []
@@ -99,9 +102,10 @@ class AgentClient:
         )
 
     # ---- callbacks ----
-    def on_adopt(self, cb: Callable[[str], None]) -> None:
+    def on_adopt(self, cb: Callable[[str], Adopted]) -> None:
         """`cb(kv)` runs on this thread before a Promote's other callbacks and its ack:
-        the router sends the promoted engine nothing before the ack."""
+        the router sends the promoted engine nothing before the ack. What it says of a
+        dead engine's KV cache (`Adopted`) goes back in the ack."""
         self._on_adopt.append(cb)
 
     def on_promote(self, cb: PromoteCb) -> None:
@@ -252,10 +256,11 @@ class AgentClient:
 
     def _dispatch(self, cmd: wire.Promote | wire.Drain | wire.Stop | wire.Refit) -> wire.Ack:
         name = type(cmd).__name__.lower()
+        kv: Adopted = (None, "")
         try:
             if isinstance(cmd, wire.Promote):
                 for a in self._on_adopt:
-                    a(cmd.kv)
+                    kv = a(cmd.kv)
                 self.epoch = cmd.epoch
                 self.role = "primary"
                 for p in self._on_promote:
@@ -275,4 +280,4 @@ class AgentClient:
             return wire.Ack(
                 name=self.name, command=name, ok=False, detail=f"{type(e).__name__}: {e}"
             )
-        return wire.Ack(name=self.name, command=name, ok=True)
+        return wire.Ack(name=self.name, command=name, ok=True, kv_streams=kv[0], kv_why=kv[1])

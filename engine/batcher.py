@@ -190,17 +190,20 @@ class BatchEngine:
         self._wake.set()
         return done
 
-    def promoted_cache(self, dead: str) -> None:
+    def promoted_cache(self, dead: str) -> tuple[int | None, str]:
         """Promoted: a standby of a shared cache (`home`) serves from the one `dead` (a
         dead primary's key in the keeper, "" for none) left, adopted, or else a fresh
-        one of its own; from the next step on (waited for here)."""
+        one of its own; from the next step on (waited for here). The streams taken over
+        (None: none, and why; None and "": not asked)."""
         if self.home is None or self.shared is not None:
-            return
+            why = "this engine keeps its KV cache private" if dead and self.home is None else ""
+            return None, why
         if dead:
-            shared, entries, _ = self.home.take_over(dead)
+            shared, entries, why = self.home.take_over(dead)
         else:
-            shared, entries = self.home.fresh(), []
+            shared, entries, why = self.home.fresh(), [], ""
         self.take_cache(self.home.cache(shared), shared, entries).result(timeout=60)
+        return (None, why) if why or not dead else (len(entries), "")
 
     def take_cache(
         self, cache: KVCache, shared: SharedKV, entries: list[Entry]

@@ -48,6 +48,10 @@ class Ack(_Msg, frozen=True):
     command: str
     ok: bool
     detail: str = ""
+    # a Promote naming a dead engine's KV cache (`Promote.kv`): the streams whose pasts
+    # this engine took over from it, or None when it was not taken over (`kv_why`)
+    kv_streams: int | None = None
+    kv_why: str = ""
 
 
 class Refitted(_Msg, frozen=True):

@@ -35,6 +35,8 @@ class EventName(StrEnum):
     # an engine's, beside its moves (and `reported-<state>`, what its agent reported)
     STRAY_HELLO = "stray-hello"
     COMMAND_FAILED = "command-failed"
+    KV_ADOPTED = "kv-adopted"  # promoted over a dead primary, it took over that one's KV cache
+    KV_NOT_ADOPTED = "kv-not-adopted"  # ... asked to, it did not (why): its streams replay
     # a daemon's, beside its moves
     HUNG = "hung"
     SPARE_READY = "spare_ready"

@@ -126,6 +126,10 @@ class Crew(Failover):
     def on_ack(self, msg: Ack) -> None:
         if msg.command == "promote":
             self.view.ack(msg.name)
+            if msg.kv_streams is not None:
+                self.bus.emit("engine", msg.name, N.KV_ADOPTED, self.epoch, streams=msg.kv_streams)
+            elif msg.kv_why:  # its cut streams' continuations compute their pasts again
+                self.bus.emit("engine", msg.name, N.KV_NOT_ADOPTED, self.epoch, why=msg.kv_why)
             if not msg.ok and self.primary is not None and self.primary.name == msg.name:
                 self.refused[msg.name] = msg.detail  # fenced by the next tick
                 self.wake.set()

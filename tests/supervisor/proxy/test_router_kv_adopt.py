@@ -62,6 +62,8 @@ def adopted(sup: Supervisor, stop: int) -> Event:
     # came from the dead primary's cache
     reused = engine_metric(standby["port"], "holdfast_engine_reused_prompt_tokens_total")
     assert reused - before == len(PROMPT) + sent_before_cut(events) - 1
+    taken = sup.wait(lambda e: e.event in ("kv-adopted", "kv-not-adopted"), after=mark)
+    assert (taken.name, taken.event, taken.data["streams"]) == (standby["name"], "kv-adopted", 1)
     migrated = sup.wait(lambda e: e.event == "migrated", timeout=10, after=mark)
     assert migrated.data["continued"] == "adopted"
     assert migrated.data["kept"] == reused - before
