@@ -274,6 +274,8 @@ class BatchEngine:
             if forget:
                 with self._lock:
                     self.scheduler.forget_all()
+                    if self.shared is not None:  # nothing of the weights before is adopted
+                        self.shared.write([])
             done.set_result(None)
 
     def _gathering(self) -> float:
