@@ -198,11 +198,20 @@ class BatchEngine:
         if self.home is None or self.shared is not None:
             why = "this engine keeps its KV cache private" if dead and self.home is None else ""
             return None, why
+        t0 = time.perf_counter()
         if dead:
             shared, entries, why = self.home.take_over(dead)
         else:
             shared, entries, why = self.home.fresh(), [], ""
+        t1 = time.perf_counter()
         self.take_cache(self.home.cache(shared), shared, entries).result(timeout=60)
+        log.info(
+            "kv cache in use",
+            dead=dead,
+            streams=len(entries),
+            take_ms=round((t1 - t0) * 1e3, 2),
+            swap_ms=round((time.perf_counter() - t1) * 1e3, 2),
+        )
         return (None, why) if why or not dead else (len(entries), "")
 
     def take_cache(
@@ -210,18 +219,30 @@ class BatchEngine:
     ) -> concurrent.futures.Future[None]:
         """Serve from `cache` (a shared one: adopted from a dead engine, with its ledger's
         `entries` kept for their streams' continuations, or a fresh one) from the next
-        step on. What ran on the cache before (a standby's probe) ends as cancelled."""
+        step on. What ran on the cache before (a standby's probe) ends as cancelled. An
+        idle engine (nothing running or waiting: no step can be under way) swaps here at
+        once, not after a wake-up of the model thread."""
 
         def swap() -> None:
-            with self._lock:
-                self.scheduler.abort_all("cancelled", self._done_now)
-                self.scheduler.forget_all()
-                self.runner.cache = cache
-                self.scheduler.allocator = BlockAllocator(cache.blocks)
-                self.scheduler.adopt([(e.key, e.tokens, e.blocks) for e in entries])
-                self.shared = shared
+            self.scheduler.abort_all("cancelled", self._done_now)
+            self.scheduler.forget_all()
+            self.runner.cache = cache
+            self.scheduler.allocator = BlockAllocator(cache.blocks)
+            self.scheduler.adopt([(e.key, e.tokens, e.blocks) for e in entries])
+            self.shared = shared
 
-        return self.between_steps(swap, forget=False)
+        with self._lock:
+            if not self.scheduler.running and not self.scheduler.waiting:
+                swap()
+                done: concurrent.futures.Future[None] = concurrent.futures.Future()
+                done.set_result(None)
+                return done
+
+        def between() -> None:
+            with self._lock:
+                swap()
+
+        return self.between_steps(between, forget=False)
 
     def follow(self) -> int:
         return self.runner.follow()
