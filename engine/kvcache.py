@@ -25,32 +25,52 @@ def blocks_for(tokens: int, block_size: int = BLOCK_SIZE) -> int:
 
 
 class BlockAllocator:
-    """Free-list allocator of block ids [0, total)."""
+    """Free-list allocator of block ids [0, total): blocks given back are handed out again
+    first (the last given back first), then the lowest never handed out. Made in O(1),
+    whatever `total` (a cache taken over at a promotion gets one at once)."""
 
     def __init__(self, total: int) -> None:
         self.total = total
-        self._free = list(range(total - 1, -1, -1))  # pop() hands out low ids first
+        self._free: list[int] = []  # given back
+        self._next = 0  # blocks [_next, total) were never handed out...
+        self._ahead: set[int] = set()  # ...but these of them, which `reserve` took
+        self._count = total
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        return self._count
 
     @property
     def used(self) -> int:
-        return self.total - len(self._free)
+        return self.total - self._count
 
     def take(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise EngineError(f"asked for {n} KV blocks with {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        if n > self._count:
+            raise EngineError(f"asked for {n} KV blocks with {self._count} free")
+        out: list[int] = []
+        while len(out) < n:
+            if self._free:
+                out.append(self._free.pop())
+                continue
+            block, self._next = self._next, self._next + 1
+            if block in self._ahead:
+                self._ahead.discard(block)
+            else:
+                out.append(block)
+        self._count -= n
+        return out
 
     def give_back(self, blocks: list[int]) -> None:
         self._free.extend(reversed(blocks))
+        self._count += len(blocks)
 
     def reserve(self, blocks: list[int]) -> None:
-        """Take these very blocks (an adopted cache's, in use already)."""
-        taken = set(blocks)
-        self._free = [b for b in self._free if b not in taken]
+        """Take these very blocks (an adopted cache's, in use already); each is free."""
+        given = set(blocks).intersection(self._free)
+        if given:
+            self._free = [b for b in self._free if b not in given]
+        self._ahead.update(b for b in blocks if b >= self._next)
+        self._count -= len(blocks)
 
 
 def bytes_per_block(

@@ -7,6 +7,7 @@ Real processes, a real keeper on a unix socket, memfds passed between them."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -18,6 +19,8 @@ import torch
 
 from cachedaemon import protocol
 from cachedaemon.keeper import Keeper
+from engine.errors import EngineError
+from engine.kvcache import BlockAllocator
 from engine.kvshare import Entry, Home, Layout, NotAdopted, SharedKV, adopt, check
 from holdfast_contract.agent_protocol import kv_key
 
@@ -135,3 +138,48 @@ def test_a_home_without_a_keeper_serves_a_fresh_cache(tmp_path: Path) -> None:
     shared, entries, why = home.take_over(kv_key("e0"))
     shared.close()
     assert entries == [] and "does not answer" in why
+
+
+class ListAllocator:
+    """The allocator as a plain list of free ids (what BlockAllocator was): low ids first,
+    blocks given back handed out again first."""
+
+    def __init__(self, total: int) -> None:
+        self.free = list(range(total - 1, -1, -1))
+
+    def take(self, n: int) -> list[int]:
+        return [self.free.pop() for _ in range(n)]
+
+    def give_back(self, blocks: list[int]) -> None:
+        self.free.extend(reversed(blocks))
+
+    def reserve(self, blocks: list[int]) -> None:
+        self.free = [b for b in self.free if b not in set(blocks)]
+
+
+def test_the_block_allocator_hands_out_what_a_plain_free_list_would() -> None:
+    """Taken, given back and reserved (an adopted cache's blocks) in random order; a
+    reserve names free blocks only, as an adoption's do."""
+    rng = random.Random(7)
+    for _ in range(100):
+        total = rng.randint(1, 300)
+        got, want = BlockAllocator(total), ListAllocator(total)
+        held: list[list[int]] = []
+        for _ in range(60):
+            roll = rng.random()
+            if roll < 0.45 and got.free:
+                n = rng.randint(1, got.free)
+                held.append(got.take(n))
+                assert held[-1] == want.take(n)
+            elif roll < 0.6 and want.free:
+                blocks = rng.sample(want.free, rng.randint(1, len(want.free)))
+                got.reserve(blocks)
+                want.reserve(blocks)
+                held.append(blocks)
+            elif held:
+                blocks = held.pop(rng.randrange(len(held)))
+                got.give_back(blocks)
+                want.give_back(blocks)
+            assert got.free == len(want.free) and got.used == total - got.free
+    with pytest.raises(EngineError, match="asked for 2 KV blocks with 1 free"):
+        BlockAllocator(1).take(2)
