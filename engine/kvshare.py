@@ -14,8 +14,9 @@ then makes it current, so a writer killed halfway leaves the last whole ledger.
 A standby keeps a KV cache of STANDBY_TOKENS only (warm-up and probes) while it stands
 by. Promoted after the primary's death (`Promote.kv` names that primary's key), it
 reclaims the dead engine's cache and ledger from the keeper and `adopt`s them: the
-layout (shapes, dtype, model) must be its own, and the process that wrote them must be
-gone (not even a zombie: its memory is unmapped), else it is not adopted. Each ledger
+layout (shapes, dtype, model) must be its own, and the process that wrote them must run
+no user code any more (killed, exiting or gone, as the supervisor's fence sees it:
+holdfast_contract/procfs.py), else it is not adopted. Each ledger
 entry becomes a kept prefix under the stream's key (engine/scheduler.py), which the
 router's continuation names. Whatever stands in the way, the promoted engine takes a
 fresh cache of its own and the continuations prefill (the router's token replay).
@@ -39,14 +40,15 @@ import torch
 from engine.errors import EngineError
 from engine.kvcache import KVCache
 from holdfast_contract.agent_protocol import kv_key
-from holdfast_contract.ready import is_alive, start_time
+from holdfast_contract.procfs import runs_user_code
+from holdfast_contract.ready import start_time
 
 log = structlog.get_logger("engine.kvshare")
 MAGIC = b"HFKVLDG1"
 HEADER = 4096  # magic, the current slot, both slots' lengths, the meta
 _HEAD = struct.Struct("<8sQQQI")  # magic, current slot + 1 (0: none), len 0, len 1, meta len
 STANDBY_TOKENS = 256  # a standby's own cache while it stands by: warm-up and probes
-WRITER_GONE_S = 2.0  # how long adoption waits for the dead engine's process to be reaped
+WRITER_GONE_S = 2.0  # how long adoption waits for the dead engine's process to be killed
 
 
 class Layout(msgspec.Struct, frozen=True):
@@ -193,7 +195,9 @@ _meta_decoder = msgspec.msgpack.Decoder(Meta)
 def adopt(fds: list[int], want: Layout) -> tuple[SharedKV, list[Entry]]:
     """Take over a dead engine's cache and ledger (`fds`, ours to keep): NotAdopted if
     they are not for `want`, if the ledger is not whole, or if the engine that wrote them
-    still runs after WRITER_GONE_S (two engines never write one cache)."""
+    may still run user code after WRITER_GONE_S (two engines never write one cache):
+    killed (SIGKILL pending), exiting or gone, it writes nothing more, and its memory's
+    teardown is not waited for."""
     try:
         shared = SharedKV(*fds)
     except (OSError, ValueError, TypeError) as e:
@@ -211,7 +215,7 @@ def adopt(fds: list[int], want: Layout) -> tuple[SharedKV, list[Entry]]:
         if os.fstat(shared.fds[0]).st_size < 2 * want.tensor_bytes:
             raise NotAdopted("its cache is shorter than its layout")
         deadline = time.monotonic() + WRITER_GONE_S
-        while is_alive(meta.pid, meta.start_time):
+        while runs_user_code(meta.pid, meta.start_time):
             if meta.pid == os.getpid():
                 raise NotAdopted("it is this engine's own")
             if time.monotonic() > deadline:

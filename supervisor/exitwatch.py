@@ -27,10 +27,9 @@ import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from holdfast_contract.procfs import SIGKILL_BIT, stat_says_exiting, status_says_killed
 from supervisor.realtime import RealtimeSection
 
-PF_EXITING = 0x4  # include/linux/sched.h: getting shut down
-SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
 # the status a rank of the reference engine exits with once its group lost a peer
 # (engine.peerwatch.EXIT_BROKEN): it goes because another rank went
 EXIT_PEER_LOST = 3
@@ -74,14 +73,6 @@ def first_death(deaths: Sequence[Death]) -> Death:
     return min(deaths, key=lambda d: (d.signalled, d.code == EXIT_PEER_LOST, d.rank))
 
 
-def stat_says_exiting(stat: bytes) -> bool:
-    """Whether a /proc/<pid>/stat line is of a process that exits or has exited: state Z
-    (zombie) or X (dead), or the PF_EXITING flag set (field 9)."""
-    fields = stat[stat.rindex(b")") + 2 :].split()  # the name may hold spaces and ')'
-    state, flags = fields[0], int(fields[6])
-    return state in (b"Z", b"X", b"x") or bool(flags & PF_EXITING)
-
-
 def stat_exit_code(stat: bytes) -> int | None:
     """How a process that exits ends, from its /proc/<pid>/stat (field 52, the wait status
     the kernel sets as the exit begins, before the teardown): -N for signal N, else the
@@ -94,17 +85,6 @@ def stat_exit_code(stat: bytes) -> int | None:
         return os.waitstatus_to_exitcode(raw)
     except ValueError:
         return None
-
-
-def status_says_killed(status: bytes) -> bool:
-    """Whether /proc/<pid>/status shows SIGKILL pending (SigPnd: the thread's, ShdPnd: the
-    process's): a killed process that has not been on a CPU since, which will run no more
-    user code (a thread handles SIGKILL before any)."""
-    for key in (b"\nSigPnd:", b"\nShdPnd:"):
-        at = status.find(key)
-        if at >= 0 and int(status[at + len(key) :].split(None, 1)[0], 16) & SIGKILL_BIT:
-            return True
-    return False
 
 
 def shared_kill(status: bytes) -> bool:

@@ -1,0 +1,45 @@
+"""Whether a process runs user code still, as /proc tells it: the supervisor's fence
+(supervisor/exitwatch.py) and an engine taking over a dead one's KV cache
+(engine/kvshare.py) both act once it does not."""
+
+from __future__ import annotations
+
+import signal
+
+PF_EXITING = 0x4  # include/linux/sched.h: getting shut down
+SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
+
+
+def stat_says_exiting(stat: bytes) -> bool:
+    """Whether a /proc/<pid>/stat line is of a process that exits or has exited: state Z
+    (zombie) or X (dead), or the PF_EXITING flag set (field 9)."""
+    fields = stat[stat.rindex(b")") + 2 :].split()  # the name may hold spaces and ')'
+    state, flags = fields[0], int(fields[6])
+    return state in (b"Z", b"X", b"x") or bool(flags & PF_EXITING)
+
+
+def status_says_killed(status: bytes) -> bool:
+    """Whether /proc/<pid>/status shows SIGKILL pending (SigPnd: the thread's, ShdPnd: the
+    process's): a killed process that has not been on a CPU since, which will run no more
+    user code (a thread handles SIGKILL before any)."""
+    for key in (b"\nSigPnd:", b"\nShdPnd:"):
+        at = status.find(key)
+        if at >= 0 and int(status[at + len(key) :].split(None, 1)[0], 16) & SIGKILL_BIT:
+            return True
+    return False
+
+
+def runs_user_code(pid: int, started: int | None) -> bool:
+    """Whether process `pid`, the one that started at `started` (clock ticks; None: any),
+    may still run user code: not gone, not a zombie, not exiting, no SIGKILL pending."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        with open(f"/proc/{pid}/status", "rb") as f:
+            status = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    if started is not None and int(fields[19]) != started:
+        return False  # the pid names another process now
+    return not (stat_says_exiting(stat) or status_says_killed(status))
