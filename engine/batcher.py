@@ -202,9 +202,13 @@ class BatchEngine:
         if dead:
             shared, entries, why = self.home.take_over(dead)
         else:
-            shared, entries, why = self.home.fresh(), [], ""
+            shared, entries, why = self.home.new(), [], ""
         t1 = time.perf_counter()
         self.take_cache(self.home.cache(shared), shared, entries).result(timeout=60)
+        # into the keeper beside serving, not before: the router waits for this promotion
+        threading.Thread(
+            target=self.home.deposit, args=(shared,), name="kv-deposit", daemon=True
+        ).start()
         log.info(
             "kv cache in use",
             dead=dead,

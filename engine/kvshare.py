@@ -253,10 +253,14 @@ class Home:
         self.layout, self.budget_mb = layout, budget_mb
         self.max_batch, self.max_len = max_batch, max_len
 
+    def new(self) -> SharedKV:
+        """A new cache of our own, not deposited yet."""
+        return SharedKV.create(self.layout, self.max_batch, self.max_len)
+
     def fresh(self) -> SharedKV:
         """A new cache of our own, deposited (a keeper that does not answer: logged, and
         the cache is ours alone)."""
-        shared = SharedKV.create(self.layout, self.max_batch, self.max_len)
+        shared = self.new()
         self.deposit(shared)
         return shared
 
@@ -304,20 +308,22 @@ class Home:
 
     def take_over(self, dead: str) -> tuple[SharedKV, list[Entry], str]:
         """The cache and ledger the keeper holds under `dead` (a dead engine's key),
-        adopted; else a fresh cache and why not. Deposited under our own key either way."""
+        adopted; else a new cache and why not. Not deposited yet (`deposit`)."""
         t0 = time.perf_counter()
         try:
-            shared, entries = adopt(self._reclaim(dead), self.layout)
+            fds = self._reclaim(dead)
+            t1 = time.perf_counter()
+            shared, entries = adopt(fds, self.layout)
         except NotAdopted as e:
             log.warning("kv cache not adopted; continuations prefill", dead=dead, why=str(e))
-            return self.fresh(), [], str(e)
-        self.deposit(shared)
+            return self.new(), [], str(e)
         log.info(
             "kv cache adopted",
             dead=dead,
             streams=len(entries),
             tokens=sum(len(e.tokens) for e in entries),
-            ms=round((time.perf_counter() - t0) * 1e3, 2),
+            reclaim_ms=round((t1 - t0) * 1e3, 2),
+            adopt_ms=round((time.perf_counter() - t1) * 1e3, 2),
         )
         return shared, entries, ""
 
