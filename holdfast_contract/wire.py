@@ -14,11 +14,14 @@ Standard library only.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import random
 import socket
 import struct
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from holdfast_contract.errors import ProtocolError
 
@@ -209,7 +212,29 @@ def socket_answers(path: str | os.PathLike[str], timeout: float = 1.0) -> bool:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on `host` that nothing listened on a moment ago."""
+    """A TCP port on `host` that nothing listened on a moment ago: drawn below the kernel's
+    range of ephemeral ports where it can (a port of that range may be taken by any
+    outgoing connection between now and the listen), else one the kernel picks."""
+    low = _ephemeral_low()
+    draw = random.SystemRandom()
+    for _ in range(64 if low > 2048 else 0):
+        port = draw.randrange(max(1024, low - 16384), low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    continue
+                break  # (a host not bindable here: the kernel's pick says so below)
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (net.ipv4.ip_local_port_range)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768

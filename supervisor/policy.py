@@ -98,7 +98,7 @@ class EnginesSpec(_Spec, frozen=True):
     stop_grace_s: float = 2.0
     # the nice value of a promoted primary's threads (supervisor/priority.py); 0: unchanged
     primary_nice: int = -5
-    port_base: int = 0  # 0: free ports chosen by the OS
+    port_base: int = 0  # 0: free ports, drawn below the ephemeral range (wire.free_port)
     batch: list[BatchSpec] = msgspec.field(default_factory=list)
     load: LoadSpec = msgspec.field(default_factory=LoadSpec)
 

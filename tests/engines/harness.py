@@ -123,9 +123,18 @@ class Supervisor:
         self.api = "http://" + self.policy["api"]["listen"]
 
     def wait(self, pred: Callable[[Event], bool], timeout: float = 30.0, after: int = 0) -> Event:
-        if self.proc.poll() is not None:
-            raise AssertionError(f"supervisor exited {self.proc.returncode}:\n{self.output()}")
-        return self.tap.wait(pred, timeout, after)
+        """The first event matching `pred` (see EventTap.wait); an AssertionError with the
+        supervisor's output as soon as it has exited (looked at every second)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"supervisor exited {self.proc.returncode}:\n{self.output()}")
+            left = deadline - time.monotonic()
+            try:
+                return self.tap.wait(pred, min(1.0, max(left, 0.0)), after)
+            except AssertionError:
+                if left <= 1.0:
+                    raise
 
     def wait_pair(self, timeout: float = 180.0) -> Event:
         """Until one engine is promoted and another is ready beside it; the promotion."""

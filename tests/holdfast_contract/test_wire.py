@@ -175,3 +175,12 @@ def test_free_port_can_be_bound() -> None:
     port = wire.free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_free_port_is_drawn_below_the_ephemeral_range() -> None:
+    """No outgoing connection can take a port below the kernel's ephemeral range between
+    the draw and the listen (one of another test's did, with a port the kernel picked)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {wire.free_port() for _ in range(20)}
+    assert all(max(1024, low - 16384) <= p < low for p in ports), (sorted(ports), low)
+    assert len(ports) > 1  # drawn, not one fixed port
