@@ -105,7 +105,6 @@ class SharedKV:
             raise NotAdopted("its ledger is shorter than a header")
         self._slot = (self._ledger.size() - HEADER) // 2
         self.meta = self._read_meta()
-        self.writes = 0
 
     @classmethod
     def create(cls, layout: Layout, max_batch: int, max_len: int) -> SharedKV:
@@ -144,7 +143,6 @@ class SharedKV:
         self._ledger[at : at + len(data)] = data
         struct.pack_into("<Q", self._ledger, 16 + 8 * slot, len(data))
         struct.pack_into("<Q", self._ledger, 8, slot + 1)  # one aligned store: the switch
-        self.writes += 1
         return True
 
     def entries(self) -> list[Entry]:
