@@ -183,3 +183,42 @@ def test_the_block_allocator_hands_out_what_a_plain_free_list_would() -> None:
             assert got.free == len(want.free) and got.used == total - got.free
     with pytest.raises(EngineError, match="asked for 2 KV blocks with 1 free"):
         BlockAllocator(1).take(2)
+
+
+# a writer that rewrites its ledger without pause: write i holds i % 10 + 1 entries, each
+# with that many tokens, all equal to i, and a block of its own
+LOOPING = textwrap.dedent(
+    """
+    import sys
+    from engine.kvshare import Entry, Home, Layout
+    layout = Layout(2, 12, 16, 2, 8, "float32", "m")
+    shared = Home(sys.argv[1], "writer", layout, 1, 4, 64).fresh()
+    i = 0
+    while True:
+        n = i % 10 + 1
+        shared.write([Entry(f"s{j}", [i] * n, [j]) for j in range(n)])
+        if i == 0:
+            print("writing", flush=True)
+        i += 1
+    """
+)
+
+
+def test_a_writer_killed_while_it_writes_its_ledger_leaves_a_whole_one(keeper: Keeper) -> None:
+    """Killed with SIGKILL wherever its loop is, eight times: what is adopted is always one
+    whole write of the ledger."""
+    for _ in range(8):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", LOOPING, str(keeper.socket_path)],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
+        end(proc)
+        shared, entries = adopt(reclaim(keeper, kv_key("writer")), LAYOUT)
+        shared.close()
+        i = entries[0].tokens[0]
+        n = i % 10 + 1
+        assert entries == [Entry(f"s{j}", [i] * n, [j]) for j in range(n)]
