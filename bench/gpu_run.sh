@@ -12,6 +12,8 @@
 #   scenario=FILE (any chaos scenario file; results in $OUT/chaos-NAME),
 #   checkpoint-b-bg (write a second llama-8b, seed 1, to /tmp/models/llama-8b-b in the background),
 #   checkpoints-wait (until both are written; CHECKPOINTS_S bounds it),
+#   kv-tests (tests/engine/test_kvshare_gpu.py), standby-memory (bench/standby_memory.py: device
+#     memory per engine, KV cache private and shared; MEMORY_S bounds it),
 #   refit-tests (tests/cachedaemon/test_pool_refit.py's GPU test), update (bench/update.py on llama-8b:
 #     an update to llama-8b-b under 16 streaming clients, a refit back, a stop-and-start; UPDATE_S bounds it,
 #     UPDATE_ARGS adds flags, e.g. "--set update.refit_inflight=retry", UPDATE_TAG names its files),
@@ -194,6 +196,13 @@ for stage in $stages; do
       while { [ ! -f /tmp/models/llama-8b/.complete ] || [ ! -f /tmp/models/llama-8b-b/.complete ]; } \
         && [ $((SECONDS - t0)) -lt "${CHECKPOINTS_S:-400}" ]; do sleep 2; done
       ls -d /tmp/models/llama-8b*/.complete; echo "checkpoints: waited $((SECONDS - t0)) s here" ;;
+    kv-tests)  # a KV cache shared on the GPU: a standby's captured graph replays on an adopted cache
+      timeout 180 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/engine/test_kvshare_gpu.py \
+        2>&1 | tail -15 | tee "$OUT/tests_kv.txt" ;;
+    standby-memory)  # device memory per engine process, KV cache private and shared (kv_adopt)
+      checkpoint
+      timeout "${MEMORY_S:-300}" python3 bench/standby_memory.py --policy chaos/scenarios/policy-gpu.yaml \
+        --out "$OUT/standby_memory.json" 2>&1 | tail -20 | tee "$OUT/standby_memory.txt" ;;
     refit-tests)  # the refit's remap on cuda-vmm pools: a captured graph replays the new weights
       timeout 180 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/cachedaemon/test_pool_refit.py \
         2>&1 | tail -15 | tee "$OUT/tests_refit.txt" ;;

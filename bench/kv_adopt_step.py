@@ -37,7 +37,7 @@ from cachedaemon.loader import LoadOptions, load_state_dict  # noqa: E402
 from engine.batcher import BatchEngine  # noqa: E402
 from engine.job import Job  # noqa: E402
 from engine.kvcache import BLOCK_SIZE, BlockAllocator, KVCache, blocks_in  # noqa: E402
-from engine.kvshare import Entry, Layout, SharedKV  # noqa: E402
+from engine.kvshare import Adopted, Entry, Layout, SharedKV  # noqa: E402
 from engine.model import LlamaForCausalLM, TPGroup  # noqa: E402
 from engine.modelargs import read_model_args  # noqa: E402
 from engine.runner import Runner  # noqa: E402
@@ -93,7 +93,7 @@ def primary_ledger(
     ]
     while min(got.values()) < tokens:
         time.sleep(0.005)
-    entries = shared.entries()
+    entries = shared.read().entries
     for c in cancels:
         c.set()
     a.wake()
@@ -114,7 +114,8 @@ def continue_on(
     b = engine(model_dir, 1 if mode == "adopt" else kv_mb)
     if mode == "adopt":  # a second mapping of A's memfd, as a promoted engine's
         mine = SharedKV(*(os.dup(fd) for fd in a.fds))
-        b.take_cache(engine_cache(model_dir, kv_mb, mine), mine, entries).result()
+        took = Adopted(mine, entries, [], (0, None))
+        b.take_cache(engine_cache(model_dir, kv_mb, mine), took).result()
     b.start()
     firsts: dict[str, float] = {}
     t0 = time.perf_counter()

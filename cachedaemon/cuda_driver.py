@@ -27,6 +27,11 @@ class CudaDriverError(CacheError):
     """A CUDA driver call failed (or cuda-bindings is missing)."""
 
 
+def available() -> bool:
+    """Whether cuda-bindings is importable here."""
+    return cu is not None
+
+
 def require_bindings() -> Any:
     if cu is None:
         raise CudaDriverError(
@@ -144,6 +149,32 @@ def unmap(ctx: Any, ptr: int, size: int) -> None:
     cu.cuCtxSynchronize()
     cu.cuMemUnmap(cu.CUdeviceptr(ptr), size)
     cu.cuMemAddressFree(cu.CUdeviceptr(ptr), size)
+
+
+def reserve(size: int, align: int) -> int:
+    """A virtual range of `size` bytes with nothing mapped into it yet."""
+    return int(check("cuMemAddressReserve", cu.cuMemAddressReserve(size, align, 0, 0)))
+
+
+def free_range(ptr: int, size: int) -> None:
+    check("cuMemAddressFree", cu.cuMemAddressFree(cu.CUdeviceptr(ptr), size))
+
+
+def map_at(ordinal: int, ptr: int, size: int, handle: Any, writable: bool) -> None:
+    """Map `handle` (at least `size` bytes) at `ptr`, inside a reserved range, and grant
+    this device access; nothing stays mapped if either step fails."""
+    check("cuMemMap", cu.cuMemMap(cu.CUdeviceptr(ptr), size, 0, handle, 0))
+    try:
+        set_access(ordinal, ptr, size, writable)
+    except CudaDriverError:
+        cu.cuMemUnmap(cu.CUdeviceptr(ptr), size)
+        raise
+
+
+def unmap_at(ptr: int, size: int) -> None:
+    """Unmap what `map_at` mapped at `ptr` (the range stays reserved); work queued on it
+    must be finished."""
+    check("cuMemUnmap", cu.cuMemUnmap(cu.CUdeviceptr(ptr), size))
 
 
 def address_range(ptr: int) -> tuple[int, int]:

@@ -44,7 +44,7 @@ import torch
 from engine.errors import BadRequest, EngineError
 from engine.job import Generation, Job, OnStep, Stats, Step
 from engine.kvcache import BlockAllocator, KVCache
-from engine.kvshare import Entry, Home, SharedKV
+from engine.kvshare import Adopted, Entry, Home, SharedKV, wait_exited
 from engine.runner import Runner
 from engine.scheduler import Plan, Scheduler, Seq
 
@@ -54,6 +54,7 @@ SWITCH_INTERVAL_S = 0.0002
 CAPTURE_EVERY = 64  # steps: under non-stop load, still capture a graph now and then
 GATHER_QUIET_S = 0.002  # continuations this far apart come in one step...
 GATHER_MAX_S = 0.010  # ...which waits at most this long for them
+HELD_WAIT_S = 60.0  # a dead engine's blocks are kept from use until it exits, this long at most
 
 
 class Request:
@@ -77,8 +78,10 @@ class BatchEngine:
         self._pending: list[Callable[[], None]] = []  # the last step's callbacks, not yet out
         self._calls: list[tuple[Callable[[], None], concurrent.futures.Future[None], bool]] = []
         self._thread = threading.Thread(target=self._loop, name="model", daemon=True)
-        # a cache shared with the keeper: its ledger is written after every step
+        # a cache shared with the keeper: its ledger is written after every step, and
+        # before one that writes blocks it does not name (`_covered`)
         self.shared: SharedKV | None = None
+        self._covered: set[int] = set()
         self.home: Home | None = None  # where it is kept (a standby's: once promoted)
 
     def start(self) -> None:
@@ -200,40 +203,48 @@ class BatchEngine:
             return None, why
         t0 = time.perf_counter()
         if dead:
-            shared, entries, why = self.home.take_over(dead)
+            took, why = self.home.take_over(dead)
         else:
-            shared, entries, why = self.home.new(), [], ""
+            took, why = Adopted(self.home.new(), [], [], (0, None)), ""
         t1 = time.perf_counter()
-        self.take_cache(self.home.cache(shared), shared, entries).result(timeout=60)
+        self.take_cache(self.home.cache(took.shared), took).result(timeout=60)
         # into the keeper beside serving, not before: the router waits for this promotion
         threading.Thread(
-            target=self.home.deposit, args=(shared,), name="kv-deposit", daemon=True
+            target=self.home.deposit, args=(took.shared,), name="kv-deposit", daemon=True
         ).start()
         log.info(
             "kv cache in use",
             dead=dead,
-            streams=len(entries),
+            streams=len(took.entries),
             take_ms=round((t1 - t0) * 1e3, 2),
             swap_ms=round((time.perf_counter() - t1) * 1e3, 2),
         )
-        return (None, why) if why or not dead else (len(entries), "")
+        return (None, why) if why or not dead else (len(took.entries), "")
 
-    def take_cache(
-        self, cache: KVCache, shared: SharedKV, entries: list[Entry]
-    ) -> concurrent.futures.Future[None]:
+    def take_cache(self, cache: KVCache, took: Adopted) -> concurrent.futures.Future[None]:
         """Serve from `cache` (a shared one: adopted from a dead engine, with its ledger's
-        `entries` kept for their streams' continuations, or a fresh one) from the next
+        entries kept for their streams' continuations, or a fresh one) from the next
         step on. What ran on the cache before (a standby's probe) ends as cancelled. An
         idle engine (nothing running or waiting: no step can be under way) swaps here at
-        once, not after a wake-up of the model thread."""
+        once, not after a wake-up of the model thread. The blocks the dead engine's last
+        step may still write are handed out once it has exited (`release_held`)."""
 
         def swap() -> None:
             self.scheduler.abort_all("cancelled", self._done_now)
             self.scheduler.forget_all()
             self.runner.cache = cache
-            self.scheduler.allocator = BlockAllocator(cache.blocks)
-            self.scheduler.adopt([(e.key, e.tokens, e.blocks) for e in entries])
-            self.shared = shared
+            self.scheduler.allocator = BlockAllocator(cache.usable)
+            self.scheduler.adopt([(e.key, e.tokens, e.blocks) for e in took.entries])
+            self.scheduler.allocator.reserve(took.held)
+            self.shared = took.shared
+            self._covered = set()
+            if took.held:
+                threading.Thread(
+                    target=self.release_held,
+                    args=(self.scheduler.allocator, took.held, took.writer),
+                    name="kv-held",
+                    daemon=True,
+                ).start()
 
         with self._lock:
             if not self.scheduler.running and not self.scheduler.waiting:
@@ -247,6 +258,23 @@ class BatchEngine:
                 swap()
 
         return self.between_steps(between, forget=False)
+
+    def release_held(
+        self, allocator: BlockAllocator, held: list[int], writer: tuple[int, int | None]
+    ) -> None:
+        """Give `held` back to `allocator` once `writer` has exited (its device context
+        gone with it); never while it may run."""
+        if not wait_exited(writer, HELD_WAIT_S):
+            log.warning("kv blocks kept from use: their writer has not exited", pid=writer[0])
+            return
+
+        def back() -> None:
+            with self._lock:
+                if self.scheduler.allocator is allocator:
+                    allocator.give_back(held)
+
+        self.between_steps(back, forget=False)
+        log.info("kv blocks held for a dead engine's last step given back", blocks=len(held))
 
     def follow(self) -> int:
         return self.runner.follow()
@@ -300,7 +328,7 @@ class BatchEngine:
                 with self._lock:
                     self.scheduler.forget_all()
                     if self.shared is not None:  # nothing of the weights before is adopted
-                        self.shared.write([])
+                        self._write_ledger([])
             done.set_result(None)
 
     def _gathering(self) -> float:
@@ -317,6 +345,11 @@ class BatchEngine:
 
     def _step(self, plan: Plan) -> None:
         t0, t0_wall = time.perf_counter(), time.monotonic()
+        if self.shared is not None and any(
+            b not in self._covered for seq in plan.seqs for b in seq.blocks
+        ):  # the ledger names every block this step writes before it starts
+            with self._lock:
+                self._write_ledger([Entry(*e) for e in self.scheduler.ledger()], plan)
         try:
             steps = self.runner.step(plan, launched=self._flush)
         except Exception as e:  # a bug in a step fails its requests, not the engine
@@ -329,7 +362,7 @@ class BatchEngine:
                 self._tell(out, seq, step)
             self.scheduler.record(plan, steps, lambda seq: out.append(self._finisher(seq)))
             if self.shared is not None:  # the step's keys and values are written: say so
-                self.shared.write([Entry(*e) for e in self.scheduler.ledger()])
+                self._write_ledger([Entry(*e) for e in self.scheduler.ledger()])
             self._step_ms = (time.perf_counter() - t0) * 1e3
             self._steps += 1
             self._reused += sum(seq.cached for seq in plan.prefill)
@@ -345,6 +378,18 @@ class BatchEngine:
                 waited_ms=round((t0_wall - min(seq.queued for seq in continued)) * 1e3, 1),
                 step_ms=round(self._step_ms, 1),
             )
+
+    def _write_ledger(self, entries: list[Entry], plan: Plan | None = None) -> None:
+        """The ledger: `entries`, and as held every block of a running request (and of
+        `plan`'s, about to run). Under the lock."""
+        assert self.shared is not None
+        held = {b for seq in self.scheduler.running for b in seq.blocks}
+        if plan is not None:
+            held.update(b for seq in plan.seqs for b in seq.blocks)
+        if self.shared.write(entries, sorted(held)):
+            self._covered = held
+        else:
+            log.warning("kv ledger not written: it does not fit", streams=len(entries))
 
     def _flush(self) -> None:
         """Post the callbacks held back from the last step (before anything else is posted,

@@ -63,6 +63,7 @@ def build_llama(
 ) -> tuple[Model, api.Limits, str]:
     from engine.batcher import BatchEngine
     from engine.kvcache import BlockAllocator, KVCache
+    from engine.kvshare import STANDBY_TOKENS
     from engine.model import LlamaForCausalLM, TPGroup
     from engine.modelargs import check_tp, read_model_args
     from engine.runner import Runner
@@ -90,14 +91,15 @@ def build_llama(
     kv = args.num_key_value_heads // cfg.world_size
     dtype = getattr(torch, cfg.dtype)
     home = kv_home(cfg, args, device, max_len)
-    if home is not None and cfg.role == "standby":
+    shared = None
+    if home is None:
+        cache = KVCache(args.num_hidden_layers, kv, args.head_dim, cfg.kv_cache_mb, dtype, device)
+    elif cfg.role == "standby":  # a small cache of its own until it is promoted
         home.withdraw()
-    shared = home.fresh() if home is not None and cfg.role != "standby" else None
-    if shared is not None and home is not None:
+        cache = home.standby_cache(STANDBY_TOKENS)
+    else:
+        shared = home.fresh()
         cache = home.cache(shared)
-    else:  # a standby of a shared cache keeps a small one until it is promoted
-        mb = cfg.kv_cache_mb if home is None else standby_mb(cfg, args)
-        cache = KVCache(args.num_hidden_layers, kv, args.head_dim, mb, dtype, device)
     runner = Runner(
         module, device, cache, max_batch=cfg.max_batch, max_len=max_len, cuda_graphs=cfg.cuda_graphs
     )
@@ -107,7 +109,7 @@ def build_llama(
     phases.warmup = clock.lap()
     log.info(
         "kv cache",
-        blocks=cache.blocks,
+        blocks=cache.usable,
         block_size=cache.block_size,
         tokens=cache.tokens,
         mb=cache.bytes >> 20,
@@ -115,7 +117,7 @@ def build_llama(
         cuda_graphs=runner.graphs is not None,
     )
     scheduler = Scheduler(
-        BlockAllocator(cache.blocks),
+        BlockAllocator(cache.usable),
         runner.eos,
         block_size=cache.block_size,
         max_running=cfg.max_batch,
@@ -152,18 +154,7 @@ def kv_home(cfg: EngineConfig, args: Any, device: torch.device, max_len: int) ->
         dtype=cfg.dtype,
         model=f"{cfg.model} {cfg.dtype} {cfg.quantization}",
     )
-    return Home(cfg.kv_share, cfg.name, layout, cfg.kv_cache_mb, cfg.max_batch, max_len)
-
-
-def standby_mb(cfg: EngineConfig, args: Any) -> int:
-    """A standby's own cache while it stands by: STANDBY_TOKENS of it, in whole MB."""
-    from engine.kvcache import BLOCK_SIZE, blocks_for, bytes_per_block
-    from engine.kvshare import STANDBY_TOKENS
-
-    kv = args.num_key_value_heads // cfg.world_size
-    per = bytes_per_block(args.num_hidden_layers, kv, args.head_dim, getattr(torch, cfg.dtype))
-    need = per * (blocks_for(STANDBY_TOKENS, BLOCK_SIZE) + 1)
-    return min(cfg.kv_cache_mb, -(-need // (1 << 20)))
+    return Home(cfg.kv_share, cfg.name, layout, cfg.kv_cache_mb, cfg.max_batch, max_len, device)
 
 
 def build_hf(

@@ -106,9 +106,12 @@ class KVCache:
         block_size: int = BLOCK_SIZE,
         *,
         tensors: tuple[torch.Tensor, torch.Tensor] | None = None,
+        usable: int | None = None,
     ) -> None:
         """`tensors`: the keys' and values' tensors, of this shape, made elsewhere (a
-        shared cache, engine/kvshare.py); else allocated here."""
+        shared cache, engine/kvshare.py); else allocated here. `usable`: the blocks that
+        may be handed out, when fewer than the shape holds (a standby's on a GPU, whose
+        other blocks have no memory under them yet); all by default."""
         device = torch.device(device)
         self.blocks = blocks_in(budget_mb, layers, kv_heads, head_dim, dtype, block_size)
         shape = (layers, self.blocks + 1, block_size, kv_heads, head_dim)
@@ -121,13 +124,14 @@ class KVCache:
         elif tensors[0].shape != shape or tensors[1].shape != shape:
             raise EngineError(f"a shared KV cache of shape {tuple(tensors[0].shape)}, not {shape}")
         self.k, self.v = tensors
+        self.usable = self.blocks if usable is None else min(usable, self.blocks)
         self.block_size = block_size
         self.scratch_slot = self.blocks * block_size
         self.bytes = 2 * self.k.numel() * self.k.element_size()
 
     @property
     def tokens(self) -> int:
-        return self.blocks * self.block_size
+        return self.usable * self.block_size
 
 
 def check_fits(budget: int, device: torch.device, budget_mb: int) -> None:

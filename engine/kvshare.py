@@ -21,13 +21,21 @@ entry becomes a kept prefix under the stream's key (engine/scheduler.py), which 
 router's continuation names. Whatever stands in the way, the promoted engine takes a
 fresh cache of its own and the continuations prefill (the router's token replay).
 
-CPU devices only: on a GPU the cache would have to be exported (VMM) and its writes
-fenced by the device; an engine there keeps its cache private (`supported`).
+Besides the streams, the ledger names every block a step may write (`held`): it is
+written again before a step whose blocks it does not name yet. An adopter keeps those
+blocks from use until the dead engine's exit is over (`holdfast_contract.procfs.has_exited`):
+on a GPU a killed process's last step may still be running on the device until its
+context is torn down, so nothing new is written where that step writes.
+
+On a GPU (one rank) the cache is one VMM allocation exported as an fd, mapped into an
+address range of its own by each engine (engine/kvcuda.py): a standby maps its few pages
+there and captures its CUDA graphs over the range; promoted, it maps the adopted
+allocation over the whole range, and the graphs replay on it. Ledger writes follow a
+step's device synchronize, so what it names is written on the device too.
 """
 
 from __future__ import annotations
 
-import math
 import mmap
 import os
 import struct
@@ -39,12 +47,13 @@ import torch
 
 from engine.errors import EngineError
 from engine.kvcache import KVCache
+from engine.kvcuda import CudaSpace, standby_spans
 from holdfast_contract.agent_protocol import kv_key
-from holdfast_contract.procfs import runs_user_code
+from holdfast_contract.procfs import has_exited, runs_user_code
 from holdfast_contract.ready import start_time
 
 log = structlog.get_logger("engine.kvshare")
-MAGIC = b"HFKVLDG1"
+MAGIC = b"HFKVLDG2"
 HEADER = 4096  # magic, the current slot, both slots' lengths, the meta
 _HEAD = struct.Struct("<8sQQQI")  # magic, current slot + 1 (0: none), len 0, len 1, meta len
 STANDBY_TOKENS = 256  # a standby's own cache while it stands by: warm-up and probes
@@ -63,10 +72,18 @@ class Layout(msgspec.Struct, frozen=True):
     model: str  # whose keys and values: the checkpoint dir, dtype, quantization
 
     @property
-    def tensor_bytes(self) -> int:
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.layers, self.blocks + 1, self.block_size, self.kv_heads, self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        """One block of one layer's keys (or values)."""
         item = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        shape = (self.layers, self.blocks + 1, self.block_size, self.kv_heads, self.head_dim)
-        return math.prod(shape) * item
+        return self.block_size * self.kv_heads * self.head_dim * item
+
+    @property
+    def tensor_bytes(self) -> int:
+        return self.layers * (self.blocks + 1) * self.block_bytes
 
 
 class Meta(msgspec.Struct, frozen=True):
@@ -81,25 +98,40 @@ class Entry(msgspec.Struct, frozen=True, array_like=True):
     blocks: list[int]  # its block table
 
 
+class Slot(msgspec.Struct, frozen=True, array_like=True):
+    """One ledger write: the streams, and every block a step may write now."""
+
+    entries: list[Entry]
+    held: list[int]
+
+
 class NotAdopted(Exception):
     """Why a dead engine's KV cache is not taken over (the continuations replay instead)."""
 
 
 def supported(device: torch.device, world_size: int) -> str:
     """'' if a cache on `device` can be shared, else why not."""
-    if device.type != "cpu":
-        return f"a KV cache on {device} is kept private (sharing it needs a CPU device)"
     if world_size != 1:
         return "a tensor-parallel engine keeps its KV cache private"
+    if device.type == "cuda":
+        from cachedaemon import cuda_driver
+
+        if not cuda_driver.available():
+            return f"a KV cache on {device} is shared through cuda-bindings, which is missing"
+        return ""
+    if device.type != "cpu":
+        return f"a KV cache on {device} is kept private (sharing it needs a CPU or CUDA device)"
     return ""
 
 
 class SharedKV:
-    """A KV cache and its ledger in two memfds, mapped here."""
+    """A KV cache and its ledger: a memfd mapped here, or on a GPU a VMM allocation mapped
+    into `space` (by the caller); the ledger a memfd either way."""
 
-    def __init__(self, kv_fd: int, ledger_fd: int) -> None:
+    def __init__(self, kv_fd: int, ledger_fd: int, space: CudaSpace | None = None) -> None:
         self.fds = [kv_fd, ledger_fd]
-        self._kv = mmap.mmap(kv_fd, os.fstat(kv_fd).st_size)
+        self.space = space
+        self._kv = mmap.mmap(kv_fd, os.fstat(kv_fd).st_size) if space is None else None
         self._ledger = mmap.mmap(ledger_fd, os.fstat(ledger_fd).st_size)
         if self._ledger.size() < HEADER:
             raise NotAdopted("its ledger is shorter than a header")
@@ -107,34 +139,49 @@ class SharedKV:
         self.meta = self._read_meta()
 
     @classmethod
-    def create(cls, layout: Layout, max_batch: int, max_len: int) -> SharedKV:
-        """A new cache (zeroed, as memfd pages are) and an empty ledger, written by us."""
-        kv = os.memfd_create("holdfast-kv", os.MFD_CLOEXEC)
+    def create(
+        cls, layout: Layout, max_batch: int, max_len: int, space: CudaSpace | None = None
+    ) -> SharedKV:
+        """A new cache (on the CPU zeroed, as memfd pages are; on a GPU mapped over
+        `space`) and an empty ledger, written by us."""
         ledger = os.memfd_create("holdfast-kv-ledger", os.MFD_CLOEXEC)
-        os.ftruncate(kv, 2 * layout.tensor_bytes)
+        if space is None:
+            kv = os.memfd_create("holdfast-kv", os.MFD_CLOEXEC)
+            os.ftruncate(kv, 2 * layout.tensor_bytes)
+        else:
+            try:
+                kv = space.map_whole(None)
+            except EngineError:
+                os.close(ledger)
+                raise
         # a slot holds every running request's ids and blocks, msgpack'd (<= 5 bytes each)
-        per = max_len + max_len // layout.block_size + 64
+        per = max_len + 2 * (max_len // layout.block_size) + 64
         os.ftruncate(ledger, HEADER + 2 * max(1 << 20, 5 * max_batch * per))
         with mmap.mmap(ledger, HEADER) as head:
             _HEAD.pack_into(head, 0, MAGIC, 0, 0, 0, 0)
             _write_meta(head, Meta(layout, os.getpid(), start_time(os.getpid())))
-        return cls(kv, ledger)
+        return cls(kv, ledger, space)
 
     # ---- the cache ----
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys' and values' tensors, views of the memfd."""
+        """The keys' and values' tensors, views of the memfd (or the GPU range)."""
         lay = self.meta.layout
-        dtype = getattr(torch, lay.dtype)
-        shape = (lay.layers, lay.blocks + 1, lay.block_size, lay.kv_heads, lay.head_dim)
-        n = lay.tensor_bytes
-        raw = torch.frombuffer(self._kv, dtype=torch.uint8, count=2 * n)
-        return raw[:n].view(dtype).view(shape), raw[n:].view(dtype).view(shape)
+        return split(self._raw(), lay)
+
+    def _raw(self) -> torch.Tensor:
+        if self.space is not None:
+            return self.space.raw()
+        assert self._kv is not None
+        return torch.frombuffer(
+            self._kv, dtype=torch.uint8, count=2 * self.meta.layout.tensor_bytes
+        )
 
     # ---- the ledger ----
-    def write(self, entries: list[Entry]) -> bool:
-        """Make `entries` the ledger: into the slot not current, then that slot current.
-        False (the ledger left as it was) if they do not fit a slot."""
-        data = _encoder.encode(entries)
+    def write(self, entries: list[Entry], held: list[int]) -> bool:
+        """Make `entries` and `held` (every block a step may write now) the ledger: into
+        the slot not current, then that slot current. False (the ledger left as it was)
+        if they do not fit a slot."""
+        data = _encoder.encode(Slot(entries, held))
         if len(data) > self._slot:
             return False
         current = _HEAD.unpack_from(self._ledger, 0)[1]
@@ -145,10 +192,10 @@ class SharedKV:
         struct.pack_into("<Q", self._ledger, 8, slot + 1)  # one aligned store: the switch
         return True
 
-    def entries(self) -> list[Entry]:
+    def read(self) -> Slot:
         _, current, len0, len1, _ = _HEAD.unpack_from(self._ledger, 0)
         if current not in (1, 2):
-            return []
+            return Slot([], [])
         at = HEADER + (current - 1) * self._slot
         n = (len0, len1)[current - 1]
         try:
@@ -172,9 +219,17 @@ class SharedKV:
         return meta
 
     def close(self) -> None:
+        """Close the fds (what is mapped stays mapped)."""
         for fd in self.fds:
             os.close(fd)
         self.fds = []
+
+
+def split(raw: torch.Tensor, lay: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys' and values' tensors of `lay` from `raw`'s bytes (keys first)."""
+    dtype = getattr(torch, lay.dtype)
+    n = lay.tensor_bytes
+    return raw[:n].view(dtype).view(lay.shape), raw[n : 2 * n].view(dtype).view(lay.shape)
 
 
 def _write_meta(ledger: mmap.mmap, meta: Meta) -> None:
@@ -186,18 +241,29 @@ def _write_meta(ledger: mmap.mmap, meta: Meta) -> None:
 
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(list[Entry])
+_decoder = msgspec.msgpack.Decoder(Slot)
 _meta_decoder = msgspec.msgpack.Decoder(Meta)
 
 
-def adopt(fds: list[int], want: Layout) -> tuple[SharedKV, list[Entry]]:
+class Adopted(msgspec.Struct):
+    """A dead engine's cache taken over: its streams, and the blocks its last step may
+    still write (`held`, none of the streams'), to keep from use until `writer` has exited."""
+
+    shared: SharedKV
+    entries: list[Entry]
+    held: list[int]
+    writer: tuple[int, int | None]  # its pid and start time
+
+
+def adopt(fds: list[int], want: Layout, space: CudaSpace | None = None) -> Adopted:
     """Take over a dead engine's cache and ledger (`fds`, ours to keep): NotAdopted if
     they are not for `want`, if the ledger is not whole, or if the engine that wrote them
     may still run user code after WRITER_GONE_S (two engines never write one cache):
     killed (SIGKILL pending), exiting or gone, it writes nothing more, and its memory's
-    teardown is not waited for."""
+    teardown is not waited for. On a GPU the cache is mapped into `space` last, once all
+    else is checked (what the standby mapped there goes)."""
     try:
-        shared = SharedKV(*fds)
+        shared = SharedKV(fds[0], fds[1], space=space)
     except (OSError, ValueError, TypeError) as e:
         for fd in fds:
             os.close(fd)
@@ -210,7 +276,7 @@ def adopt(fds: list[int], want: Layout) -> tuple[SharedKV, list[Entry]]:
         meta = shared.meta
         if meta.layout != want:
             raise NotAdopted(f"its layout {meta.layout} is not this engine's {want}")
-        if os.fstat(shared.fds[0]).st_size < 2 * want.tensor_bytes:
+        if space is None and os.fstat(shared.fds[0]).st_size < 2 * want.tensor_bytes:
             raise NotAdopted("its cache is shorter than its layout")
         deadline = time.monotonic() + WRITER_GONE_S
         while runs_user_code(meta.pid, meta.start_time):
@@ -219,41 +285,94 @@ def adopt(fds: list[int], want: Layout) -> tuple[SharedKV, list[Entry]]:
             if time.monotonic() > deadline:
                 raise NotAdopted(f"the engine that writes it (pid {meta.pid}) still runs")
             time.sleep(0.001)
-        entries = shared.entries()
-        check(entries, want)
+        slot = shared.read()
+        held = check(slot, want)
+        if space is not None:
+            try:
+                space.map_whole(shared.fds[0])
+            except EngineError as e:
+                raise NotAdopted(str(e)) from None
         shared.meta = shared._claim(want)
-        return shared, entries
+        return Adopted(shared, slot.entries, held, (meta.pid, meta.start_time))
     except NotAdopted:
         shared.close()
         raise
 
 
-def check(entries: list[Entry], layout: Layout) -> None:
-    """Every block named once, inside the cache, and enough of them for the tokens."""
+def check(slot: Slot, layout: Layout) -> list[int]:
+    """Every stream's block named once, inside the cache, and enough of them for the
+    tokens; every held block inside the cache. The held blocks no stream names."""
     seen: set[int] = set()
-    for e in entries:
+    for e in slot.entries:
         if len(e.blocks) * layout.block_size < len(e.tokens):
             raise NotAdopted(f"stream {e.key}: {len(e.tokens)} tokens in {len(e.blocks)} blocks")
         for b in e.blocks:
             if not 0 <= b < layout.blocks or b in seen:
                 raise NotAdopted(f"stream {e.key}: block {b} is outside the cache or named twice")
             seen.add(b)
+    held = sorted(set(slot.held) - seen)
+    if held and not (held[0] >= 0 and held[-1] < layout.blocks):
+        raise NotAdopted(f"its ledger holds a block outside the cache ({held[0]}..{held[-1]})")
+    return held
+
+
+def wait_exited(writer: tuple[int, int | None], limit_s: float) -> bool:
+    """Whether the process `writer` (pid, start time) has exited within `limit_s`."""
+    deadline = time.monotonic() + limit_s
+    while not has_exited(*writer):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 class Home:
     """Where an engine keeps its shared cache: the keeper at `keeper`, under `kv/<name>`;
-    and what the cache is (`layout`, from `budget_mb`)."""
+    and what the cache is (`layout`, from `budget_mb`, on `device`)."""
 
     def __init__(
-        self, keeper: str, name: str, layout: Layout, budget_mb: int, max_batch: int, max_len: int
+        self,
+        keeper: str,
+        name: str,
+        layout: Layout,
+        budget_mb: int,
+        max_batch: int,
+        max_len: int,
+        device: torch.device | None = None,
     ) -> None:
         self.keeper, self.key = keeper, kv_key(name)
         self.layout, self.budget_mb = layout, budget_mb
         self.max_batch, self.max_len = max_batch, max_len
+        self.device = device if device is not None else torch.device("cpu")
+        # on a GPU: the one address range every cache of this engine is mapped into
+        self._space: CudaSpace | None = None
+
+    @property
+    def space(self) -> CudaSpace | None:
+        if self.device.type == "cuda" and self._space is None:
+            self._space = CudaSpace(self.device, self.layout.tensor_bytes)
+        return self._space
+
+    def standby_cache(self, tokens: int) -> KVCache:
+        """A standby's own cache while it stands by: room for `tokens` (and scratch). On a
+        GPU it has the whole cache's shape, in the range a cache it takes later is mapped
+        into, with memory under only the blocks it uses."""
+        lay = self.layout
+        usable = min(lay.blocks, -(-tokens // lay.block_size))
+        space = self.space
+        if space is None:
+            per = 2 * lay.layers * lay.block_bytes
+            mb = min(self.budget_mb, -(-(per * (usable + 1)) // (1 << 20)))
+            dtype = getattr(torch, lay.dtype)
+            return KVCache(lay.layers, lay.kv_heads, lay.head_dim, mb, dtype, "cpu", lay.block_size)
+        space.map_pages(
+            standby_spans(lay.layers, lay.blocks, lay.block_bytes, usable, lay.tensor_bytes)
+        )
+        return self._cache(split(space.raw(), lay), usable)
 
     def new(self) -> SharedKV:
         """A new cache of our own, not deposited yet."""
-        return SharedKV.create(self.layout, self.max_batch, self.max_len)
+        return SharedKV.create(self.layout, self.max_batch, self.max_len, self.space)
 
     def fresh(self) -> SharedKV:
         """A new cache of our own, deposited (a keeper that does not answer: logged, and
@@ -264,6 +383,9 @@ class Home:
 
     def cache(self, shared: SharedKV) -> KVCache:
         """A KV cache on `shared`'s tensors."""
+        return self._cache(shared.tensors(), None)
+
+    def _cache(self, tensors: tuple[torch.Tensor, torch.Tensor], usable: int | None) -> KVCache:
         lay = self.layout
         dtype = getattr(torch, lay.dtype)
         return KVCache(
@@ -272,9 +394,10 @@ class Home:
             lay.head_dim,
             self.budget_mb,
             dtype,
-            "cpu",
+            self.device,
             lay.block_size,
-            tensors=shared.tensors(),
+            tensors=tensors,
+            usable=usable,
         )
 
     def deposit(self, shared: SharedKV) -> None:
@@ -304,26 +427,27 @@ class Home:
         except (CacheError, ProtocolError, OSError) as e:
             log.warning("kv cache not withdrawn", keeper=self.keeper, error=str(e))
 
-    def take_over(self, dead: str) -> tuple[SharedKV, list[Entry], str]:
+    def take_over(self, dead: str) -> tuple[Adopted, str]:
         """The cache and ledger the keeper holds under `dead` (a dead engine's key),
         adopted; else a new cache and why not. Not deposited yet (`deposit`)."""
         t0 = time.perf_counter()
         try:
             fds = self._reclaim(dead)
             t1 = time.perf_counter()
-            shared, entries = adopt(fds, self.layout)
+            took = adopt(fds, self.layout, self.space)
         except NotAdopted as e:
             log.warning("kv cache not adopted; continuations prefill", dead=dead, why=str(e))
-            return self.new(), [], str(e)
+            return Adopted(self.new(), [], [], (0, None)), str(e)
         log.info(
             "kv cache adopted",
             dead=dead,
-            streams=len(entries),
-            tokens=sum(len(e.tokens) for e in entries),
+            streams=len(took.entries),
+            tokens=sum(len(e.tokens) for e in took.entries),
+            held=len(took.held),
             reclaim_ms=round((t1 - t0) * 1e3, 2),
             adopt_ms=round((time.perf_counter() - t1) * 1e3, 2),
         )
-        return shared, entries, ""
+        return took, ""
 
     def _reclaim(self, key: str) -> list[int]:
         from cachedaemon import protocol

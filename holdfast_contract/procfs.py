@@ -43,3 +43,18 @@ def runs_user_code(pid: int, started: int | None) -> bool:
     if started is not None and int(fields[19]) != started:
         return False  # the pid names another process now
     return not (stat_says_exiting(stat) or status_says_killed(status))
+
+
+def has_exited(pid: int, started: int | None) -> bool:
+    """Whether process `pid` (the one that started at `started`; None: any) is gone or a
+    zombie: its exit is over, its files closed, and with them any device context it had,
+    so nothing it queued on a device runs any more."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    if started is not None and int(fields[19]) != started:
+        return True
+    return fields[0] in (b"Z", b"X", b"x")

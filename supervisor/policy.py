@@ -224,15 +224,15 @@ def semantic_errors(p: Policy, *, schema_only: bool = False) -> list[str]:
 
 
 def kv_adopt_errors(p: Policy) -> list[str]:
-    """engines.kv_adopt needs what it is built on: the reference engine, CPU devices, one
-    rank, and the keeper."""
+    """engines.kv_adopt needs what it is built on: the reference engine, CPU or CUDA
+    devices, one rank, and the keeper."""
     if not p.engines.kv_adopt:
         return []
     why = []
     if p.engines.kind != "holdfast":
         why.append(f"engines.kind is {p.engines.kind!r}, not the reference engine")
-    if any(d != "cpu" for d in p.devices.ids):
-        why.append(f"devices.ids {list(p.devices.ids)} are not all cpu")
+    if any(d != "cpu" and not d.startswith("cuda") for d in p.devices.ids):
+        why.append(f"devices.ids {list(p.devices.ids)} are not all cpu or cuda")
     if p.model.tp_size != 1:
         why.append(f"model.tp_size is {p.model.tp_size}, not 1")
     if not p.cache.keeper:

@@ -21,8 +21,19 @@ from cachedaemon import protocol
 from cachedaemon.keeper import Keeper
 from engine.errors import EngineError
 from engine.kvcache import BlockAllocator
-from engine.kvshare import Entry, Home, Layout, NotAdopted, SharedKV, adopt, check
+from engine.kvshare import (
+    Entry,
+    Home,
+    Layout,
+    NotAdopted,
+    SharedKV,
+    Slot,
+    adopt,
+    check,
+    wait_exited,
+)
 from holdfast_contract.agent_protocol import kv_key
+from holdfast_contract.ready import start_time
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = Layout(
@@ -41,8 +52,8 @@ WRITER = textwrap.dedent(
     k, v = shared.tensors()
     k.fill_(1.5)
     v.fill_(-2.0)
-    shared.write([Entry("a", [1, 2, 3], [0])])
-    shared.write([Entry("a", [1, 2, 3, 4], [0]), Entry("b", list(range(20)), [5, 7])])
+    shared.write([Entry("a", [1, 2, 3], [0])], [0])
+    shared.write([Entry("a", [1, 2, 3, 4], [0]), Entry("b", list(range(20)), [5, 7])], [0, 5, 7, 9])
     print("written", flush=True)
     time.sleep(600)
     """
@@ -83,9 +94,15 @@ def reclaim(keeper: Keeper, key: str) -> list[int]:
 def test_a_dead_writers_cache_is_adopted_as_it_left_it(keeper: Keeper) -> None:
     proc = writer(keeper)
     end(proc)
-    shared, entries = adopt(reclaim(keeper, kv_key("writer")), LAYOUT)
+    took = adopt(reclaim(keeper, kv_key("writer")), LAYOUT)
+    shared = took.shared
     try:
-        assert entries == [Entry("a", [1, 2, 3, 4], [0]), Entry("b", list(range(20)), [5, 7])]
+        assert took.entries == [
+            Entry("a", [1, 2, 3, 4], [0]),
+            Entry("b", list(range(20)), [5, 7]),
+        ]
+        assert took.held == [9]  # a block its last step wrote for no stream of the ledger
+        assert took.writer[0] == proc.pid
         k, v = shared.tensors()
         assert torch.all(k == 1.5) and torch.all(v == -2.0)
         assert shared.meta.pid == os.getpid()  # the writer is this process now
@@ -101,9 +118,9 @@ def test_a_stopped_writers_cache_is_not_adopted_until_it_is_dead(keeper: Keeper)
             adopt(reclaim(keeper, kv_key("writer")), LAYOUT)
     finally:
         end(proc)
-    shared, entries = adopt(reclaim(keeper, kv_key("writer")), LAYOUT)
-    shared.close()
-    assert [e.key for e in entries] == ["a", "b"]
+    took = adopt(reclaim(keeper, kv_key("writer")), LAYOUT)
+    took.shared.close()
+    assert [e.key for e in took.entries] == ["a", "b"]
 
 
 def test_a_cache_of_another_layout_is_not_adopted(keeper: Keeper) -> None:
@@ -115,11 +132,14 @@ def test_a_cache_of_another_layout_is_not_adopted(keeper: Keeper) -> None:
 
 
 def test_a_ledger_that_names_a_block_twice_or_outside_the_cache_is_refused() -> None:
-    check([Entry("a", [1] * 32, [3, 4]), Entry("b", [2], [5])], LAYOUT)  # whole: no error
+    whole = Slot([Entry("a", [1] * 32, [3, 4]), Entry("b", [2], [5])], [3, 4, 5, 8, 1])
+    assert check(whole, LAYOUT) == [1, 8]  # held, and named by no stream
     for bad, says in [
-        ([Entry("a", [1], [3]), Entry("b", [2], [3])], "named twice"),
-        ([Entry("a", [1], [LAYOUT.blocks])], "outside"),
-        ([Entry("a", [1] * 17, [3])], "17 tokens in 1 blocks"),
+        (Slot([Entry("a", [1], [3]), Entry("b", [2], [3])], []), "named twice"),
+        (Slot([Entry("a", [1], [LAYOUT.blocks])], []), "outside"),
+        (Slot([Entry("a", [1] * 17, [3])], []), "17 tokens in 1 blocks"),
+        (Slot([Entry("a", [1], [3])], [3, LAYOUT.blocks]), "holds a block outside"),
+        (Slot([], [-1]), "holds a block outside"),
     ]:
         with pytest.raises(NotAdopted, match=says):
             check(bad, LAYOUT)
@@ -135,9 +155,9 @@ def test_an_engine_never_adopts_its_own_cache() -> None:
 
 def test_a_home_without_a_keeper_serves_a_fresh_cache(tmp_path: Path) -> None:
     home = Home(str(tmp_path / "none.sock"), "e1", LAYOUT, 1, 4, 64)
-    shared, entries, why = home.take_over(kv_key("e0"))
-    shared.close()
-    assert entries == [] and "does not answer" in why
+    took, why = home.take_over(kv_key("e0"))
+    took.shared.close()
+    assert took.entries == [] and took.held == [] and "does not answer" in why
 
 
 class ListAllocator:
@@ -196,7 +216,7 @@ LOOPING = textwrap.dedent(
     i = 0
     while True:
         n = i % 10 + 1
-        shared.write([Entry(f"s{j}", [i] * n, [j]) for j in range(n)])
+        shared.write([Entry(f"s{j}", [i] * n, [j]) for j in range(n)], list(range(n + 1)))
         if i == 0:
             print("writing", flush=True)
         i += 1
@@ -217,8 +237,76 @@ def test_a_writer_killed_while_it_writes_its_ledger_leaves_a_whole_one(keeper: K
         )
         assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
         end(proc)
-        shared, entries = adopt(reclaim(keeper, kv_key("writer")), LAYOUT)
-        shared.close()
-        i = entries[0].tokens[0]
+        took = adopt(reclaim(keeper, kv_key("writer")), LAYOUT)
+        took.shared.close()
+        i = took.entries[0].tokens[0]
         n = i % 10 + 1
-        assert entries == [Entry(f"s{j}", [i] * n, [j]) for j in range(n)]
+        assert took.entries == [Entry(f"s{j}", [i] * n, [j]) for j in range(n)]
+        assert took.held == [n]
+
+
+def test_blocks_held_for_a_dead_writer_wait_until_its_exit_is_over() -> None:
+    """A stopped process has not exited, however long one waits; killed, it has once it
+    is a zombie, before anyone reaps it, and once it is reaped."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        start = start_time(proc.pid)
+        assert not wait_exited((proc.pid, start), 0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert wait_exited((proc.pid, start), 10.0)  # a zombie: not reaped yet
+        assert proc.poll() is not None
+        assert wait_exited((proc.pid, start), 0.0)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_ledger_names_every_block_a_step_writes_before_the_step_starts(
+    tiny_model: Path,
+) -> None:
+    """Requests with stream keys and without, joining at different steps: before every
+    step, the ledger's held blocks include each block of each request in the step (what
+    an adopter keeps from use while the dead engine's last step may still run)."""
+    from engine.job import Job
+    from engine.kvcache import KVCache
+    from engine.modelargs import read_model_args
+    from tests.engine.test_engine_batching import build_engine
+
+    engine = build_engine(tiny_model, kv_mb=4)
+    args = read_model_args(tiny_model)
+    cache = engine.runner.cache
+    layout = Layout(
+        args.num_hidden_layers,
+        cache.blocks,
+        cache.block_size,
+        args.num_key_value_heads,
+        args.head_dim,
+        "float32",
+        "m",
+    )
+    shared = SharedKV.create(layout, 16, 512)
+    dims = (args.num_hidden_layers, args.num_key_value_heads, args.head_dim)
+    engine.runner.cache = KVCache(*dims, 4, torch.float32, "cpu", tensors=shared.tensors())
+    engine.shared = shared
+    missing: list[set[int]] = []
+    step = engine.runner.step
+
+    def observed(plan, **kw):  # type: ignore[no-untyped-def]
+        named = set(shared.read().held)
+        missing.append({b for seq in plan.seqs for b in seq.blocks} - named)
+        return step(plan, **kw)
+
+    engine.runner.step = observed  # type: ignore[method-assign,assignment]
+    engine.start()
+    try:
+        futures = []
+        for i in range(6):
+            prompt = tuple((5 * i + j) % 200 + 1 for j in range(3 + 11 * i))
+            key = f"s{i}" if i % 2 == 0 else ""
+            futures.append(engine.submit(Job(prompt, 20 + 7 * i, ignore_eos=True, kv_key=key)))
+        for f in futures:
+            f.result(timeout=120)
+    finally:
+        engine.stop_followers()
+    assert len(missing) >= 20 and all(not m for m in missing), missing
