@@ -201,16 +201,35 @@ class BatchEngine:
         if self.home is None or self.shared is not None:
             why = "this engine keeps its KV cache private" if dead and self.home is None else ""
             return None, why
+        home = self.home
         t0 = time.perf_counter()
-        if dead:
-            took, why = self.home.take_over(dead)
+        taken: list[tuple[Adopted, str]] = []
+
+        def take() -> None:
+            if dead:
+                taken.append(home.take_over(dead))
+            else:
+                taken.append((Adopted(home.new(), [], [], (0, None)), ""))
+
+        if home.device.type == "cuda":
+            # the range the cache is mapped into changes under the standby's own pages:
+            # on the model thread, where no step or graph capture runs meanwhile
+            def remap() -> None:
+                take()
+                with self._lock:
+                    self._swap(home.cache(taken[0][0].shared), taken[0][0])
+
+            self.between_steps(remap, forget=False).result(timeout=60)
+            took, why = taken[0]
+            t1 = t0
         else:
-            took, why = Adopted(self.home.new(), [], [], (0, None)), ""
-        t1 = time.perf_counter()
-        self.take_cache(self.home.cache(took.shared), took).result(timeout=60)
+            take()
+            took, why = taken[0]
+            t1 = time.perf_counter()
+            self.take_cache(home.cache(took.shared), took).result(timeout=60)
         # into the keeper beside serving, not before: the router waits for this promotion
         threading.Thread(
-            target=self.home.deposit, args=(took.shared,), name="kv-deposit", daemon=True
+            target=home.deposit, args=(took.shared,), name="kv-deposit", daemon=True
         ).start()
         log.info(
             "kv cache in use",
@@ -229,35 +248,36 @@ class BatchEngine:
         once, not after a wake-up of the model thread. The blocks the dead engine's last
         step may still write are handed out once it has exited (`release_held`)."""
 
-        def swap() -> None:
-            self.scheduler.abort_all("cancelled", self._done_now)
-            self.scheduler.forget_all()
-            self.runner.cache = cache
-            self.scheduler.allocator = BlockAllocator(cache.usable)
-            self.scheduler.adopt([(e.key, e.tokens, e.blocks) for e in took.entries])
-            self.scheduler.allocator.reserve(took.held)
-            self.shared = took.shared
-            self._covered = set()
-            if took.held:
-                threading.Thread(
-                    target=self.release_held,
-                    args=(self.scheduler.allocator, took.held, took.writer),
-                    name="kv-held",
-                    daemon=True,
-                ).start()
-
         with self._lock:
             if not self.scheduler.running and not self.scheduler.waiting:
-                swap()
+                self._swap(cache, took)
                 done: concurrent.futures.Future[None] = concurrent.futures.Future()
                 done.set_result(None)
                 return done
 
         def between() -> None:
             with self._lock:
-                swap()
+                self._swap(cache, took)
 
         return self.between_steps(between, forget=False)
+
+    def _swap(self, cache: KVCache, took: Adopted) -> None:
+        """`take_cache`'s swap, under the lock."""
+        self.scheduler.abort_all("cancelled", self._done_now)
+        self.scheduler.forget_all()
+        self.runner.cache = cache
+        self.scheduler.allocator = BlockAllocator(cache.usable)
+        self.scheduler.adopt([(e.key, e.tokens, e.blocks) for e in took.entries])
+        self.scheduler.allocator.reserve(took.held)
+        self.shared = took.shared
+        self._covered = set()
+        if took.held:
+            threading.Thread(
+                target=self.release_held,
+                args=(self.scheduler.allocator, took.held, took.writer),
+                name="kv-held",
+                daemon=True,
+            ).start()
 
     def release_held(
         self, allocator: BlockAllocator, held: list[int], writer: tuple[int, int | None]
