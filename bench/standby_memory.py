@@ -121,7 +121,9 @@ def main() -> int:
             sup.stop()
         result["modes"][mode] = {"kv_adopt": adopt, "engines": engines}
         for e in engines:
-            print(f"{mode:8} {e['state']:8} {e['name']:12} gpu {e['gpu_mb']} MiB  rss {e['rss_mb']} MiB")
+            print(
+                f"{mode:8} {e['state']:8} {e['name']:12} gpu {e['gpu_mb']} MiB  rss {e['rss_mb']} MiB"
+            )
         args.out.write_text(json.dumps(result, indent=2))
     standby = {
         mode: [e["gpu_mb"] for e in m["engines"] if e["state"] == "standby" and e["gpu_mb"]]
