@@ -48,6 +48,21 @@ def gpu_used_mib() -> int:
     return int(out.split()[0])
 
 
+def gpu_apps() -> dict[int, int]:
+    """nvidia-smi's compute processes: pid -> used MiB ({} without nvidia-smi)."""
+    q = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
+    try:
+        out = subprocess.run(q, capture_output=True, text=True, timeout=30, check=False).stdout
+    except OSError:
+        return {}
+    got = {}
+    for line in out.splitlines():
+        pid, _, mb = line.partition(",")
+        if pid.strip().isdigit() and mb.strip().isdigit():
+            got[int(pid)] = int(mb)
+    return got
+
+
 class Proc:
     """`python -m cachedaemon ARGS` with JSON logs; waits for a log event with a deadline."""
 

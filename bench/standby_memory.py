@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +26,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.cuda_procs import gpu_apps  # noqa: E402
 from holdfast_contract.wire import free_port  # noqa: E402
 from tests.engines.harness import Supervisor  # noqa: E402
 
@@ -45,21 +45,6 @@ def write_policy(base: Path, run: Path, out: Path, adopt: bool, standby: int) ->
     eng["kv_adopt"] = adopt
     out.write_text(yaml.safe_dump(p))
     return out
-
-
-def gpu_mb() -> dict[int, int]:
-    """nvidia-smi's compute processes: pid -> used MiB ({} without nvidia-smi)."""
-    q = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
-    try:
-        out = subprocess.run(q, capture_output=True, text=True, timeout=20, check=False).stdout
-    except OSError:
-        return {}
-    got = {}
-    for line in out.splitlines():
-        pid, _, mb = line.partition(",")
-        if pid.strip().isdigit() and mb.strip().isdigit():
-            got[int(pid)] = int(mb)
-    return got
 
 
 def rss_mb(pid: int) -> int | None:
@@ -84,7 +69,7 @@ def measure(sup: Supervisor, timeout: float, standby: int) -> list[dict[str, Any
     else:
         raise SystemExit(f"the crew was not up within {timeout} s: {sup.status()['engines']}")
     time.sleep(3.0)  # the engines' graphs are captured after ready, between steps
-    per = gpu_mb()
+    per = gpu_apps()
     return [
         {
             "name": e["name"],

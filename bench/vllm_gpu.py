@@ -53,6 +53,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import msgspec  # noqa: E402
 import vllm_startup as vs  # noqa: E402
+from cuda_procs import gpu_apps  # noqa: E402
 
 from holdfast_contract import forkserver  # noqa: E402
 from holdfast_contract.ready import daemon_ready_path, read_daemon_ready  # noqa: E402
@@ -423,16 +424,6 @@ def complete(port: int, model: str, ids: list[int], new_tokens: int) -> list[int
     if not isinstance(tokens, list) or len(tokens) != new_tokens:
         raise RuntimeError(f"expected {new_tokens} token ids, got: {json.dumps(reply)[:500]}")
     return [int(t) for t in tokens]
-
-
-def gpu_apps() -> dict[int, int]:
-    """nvidia-smi's compute processes: pid -> used MiB."""
-    q = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
-    rows = [
-        x.split(",") for x in subprocess.run(q, capture_output=True, text=True).stdout.split("\n")
-    ]
-    return {int(r[0]): int(r[1]) for r in rows if len(r) == 2 and r[0].strip().isdigit()
-            and r[1].strip().isdigit()}  # fmt: skip
 
 
 def snapshot(b: Bench, server: Server) -> dict[str, Any]:

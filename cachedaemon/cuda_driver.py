@@ -27,6 +27,26 @@ class CudaDriverError(CacheError):
     """A CUDA driver call failed (or cuda-bindings is missing)."""
 
 
+class DeviceBytes:
+    """`size` bytes of device memory at `ptr`, as torch takes them (`torch.as_tensor`,
+    through `__cuda_array_interface__`): a flat uint8 array. The page at `ptr` must be
+    mapped, since torch asks the driver whose memory a pointer is."""
+
+    def __init__(self, ptr: int, size: int) -> None:
+        self.ptr, self.size = ptr, size
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {
+            "shape": (self.size,),
+            "typestr": "|u1",
+            "data": (self.ptr, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
+
+
 def available() -> bool:
     """Whether cuda-bindings is importable here."""
     return cu is not None

@@ -11,33 +11,9 @@ over the whole range: every graph it captured replays on the adopted keys and va
 
 from __future__ import annotations
 
-from typing import Any
-
-import structlog
 import torch
 
 from engine.errors import EngineError
-
-log = structlog.get_logger("engine.kvcuda")
-
-
-class _Range:
-    """The range as torch sees it (`__cuda_array_interface__`); its first page is always
-    mapped, since torch asks the driver whose memory a pointer is."""
-
-    def __init__(self, ptr: int, size: int) -> None:
-        self.ptr, self.size = ptr, size
-
-    @property
-    def __cuda_array_interface__(self) -> dict[str, Any]:
-        return {
-            "shape": (self.size,),
-            "typestr": "|u1",
-            "data": (self.ptr, False),
-            "version": 3,
-            "strides": None,
-            "stream": None,
-        }
 
 
 class CudaSpace:
@@ -63,8 +39,11 @@ class CudaSpace:
         return sum(size for _, size in self.runs)
 
     def raw(self) -> torch.Tensor:
-        """The whole range as one uint8 tensor (its unmapped pages must not be touched)."""
-        return torch.as_tensor(_Range(self.base, self.size), device=self.device)
+        """The whole range as one uint8 tensor (its unmapped pages must not be touched;
+        its first page is always mapped)."""
+        from cachedaemon import cuda_driver as drv
+
+        return torch.as_tensor(drv.DeviceBytes(self.base, self.size), device=self.device)
 
     def map_whole(self, fd: int | None) -> int:
         """Map the allocation behind `fd` (a dead engine's, adopted; the fd stays the

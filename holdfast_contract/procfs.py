@@ -29,32 +29,35 @@ def status_says_killed(status: bytes) -> bool:
     return False
 
 
-def runs_user_code(pid: int, started: int | None) -> bool:
-    """Whether process `pid`, the one that started at `started` (clock ticks; None: any),
-    may still run user code: not gone, not a zombie, not exiting, no SIGKILL pending."""
+def _fields(pid: int, started: int | None) -> tuple[bytes, list[bytes]] | None:
+    """Process `pid`'s /proc stat line and its fields after the name; None if it is gone
+    or the pid names a process other than the one that started at `started`."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat[stat.rindex(b")") + 2 :].split()  # the name may hold spaces and ')'
+    if started is not None and int(fields[19]) != started:
+        return None
+    return stat, fields
+
+
+def runs_user_code(pid: int, started: int | None) -> bool:
+    """Whether process `pid`, the one that started at `started` (clock ticks; None: any),
+    may still run user code: not gone, not a zombie, not exiting, no SIGKILL pending."""
+    got = _fields(pid, started)
+    try:
         with open(f"/proc/{pid}/status", "rb") as f:
             status = f.read()
     except (FileNotFoundError, ProcessLookupError):
         return False
-    fields = stat[stat.rindex(b")") + 2 :].split()
-    if started is not None and int(fields[19]) != started:
-        return False  # the pid names another process now
-    return not (stat_says_exiting(stat) or status_says_killed(status))
+    return got is not None and not (stat_says_exiting(got[0]) or status_says_killed(status))
 
 
 def has_exited(pid: int, started: int | None) -> bool:
     """Whether process `pid` (the one that started at `started`; None: any) is gone or a
     zombie: its exit is over, its files closed, and with them any device context it had,
     so nothing it queued on a device runs any more."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    fields = stat[stat.rindex(b")") + 2 :].split()
-    if started is not None and int(fields[19]) != started:
-        return True
-    return fields[0] in (b"Z", b"X", b"x")
+    got = _fields(pid, started)
+    return got is None or got[1][0] in (b"Z", b"X", b"x")

@@ -27,26 +27,16 @@ from cachedaemon.pool_plan import GEOMETRY
 log = structlog.get_logger("cachedaemon.cuda_vmm")
 
 
-class _Region:
-    """One mapped virtual range; exposes it to torch through `__cuda_array_interface__`.
+class _Region(drv.DeviceBytes):
+    """One mapped virtual range, as torch takes it (`drv.DeviceBytes`).
 
     Tensors made from it hold a reference to it; when the last one goes, the finalizer
     unmaps the range (the physical memory goes when no fd, handle or mapping is left)."""
 
     def __init__(self, ctx: Any, ptr: int, size: int, readonly: bool) -> None:
-        self.ptr, self.size, self.readonly = ptr, size, readonly
+        super().__init__(ptr, size)
+        self.readonly = readonly
         self._finalizer = weakref.finalize(self, drv.unmap, ctx, ptr, size)
-
-    @property
-    def __cuda_array_interface__(self) -> dict[str, Any]:
-        return {
-            "shape": (self.size,),
-            "typestr": "|u1",
-            "data": (self.ptr, False),
-            "version": 3,
-            "strides": None,
-            "stream": None,
-        }
 
 
 class _Mapped(Mapping):

@@ -66,16 +66,22 @@ def keeper(tmp_path: Path):
         yield k
 
 
-def writer(keeper: Keeper) -> subprocess.Popen[str]:
+def spawn(script: str, keeper: Keeper, says: str) -> subprocess.Popen[str]:
+    """`script` in a process of its own, given the keeper's socket; once its first line
+    begins with `says`."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(keeper.socket_path)],
+        [sys.executable, "-c", script, str(keeper.socket_path)],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.PIPE,
         text=True,
     )
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "written"
+    assert proc.stdout is not None and proc.stdout.readline().split()[0] == says
     return proc
+
+
+def writer(keeper: Keeper) -> subprocess.Popen[str]:
+    return spawn(WRITER, keeper, "written")
 
 
 def end(proc: subprocess.Popen[str]) -> None:
@@ -228,15 +234,7 @@ def test_a_writer_killed_while_it_writes_its_ledger_leaves_a_whole_one(keeper: K
     """Killed with SIGKILL wherever its loop is, eight times: what is adopted is always one
     whole write of the ledger."""
     for _ in range(8):
-        proc = subprocess.Popen(
-            [sys.executable, "-c", LOOPING, str(keeper.socket_path)],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
-        end(proc)
+        end(spawn(LOOPING, keeper, "writing"))
         took = adopt(reclaim(keeper, kv_key("writer")), LAYOUT)
         took.shared.close()
         i = took.entries[0].tokens[0]

@@ -8,8 +8,6 @@ Real processes, a real keeper, real device memory; skipped without CUDA."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -20,8 +18,8 @@ from cachedaemon import protocol
 from cachedaemon.keeper import Keeper
 from engine.kvshare import Home, Layout
 from holdfast_contract.agent_protocol import kv_key
+from tests.engine.test_kvshare import end, spawn
 
-ROOT = Path(__file__).resolve().parents[2]
 # 4 layers of 2399 blocks (and scratch) of 16 tokens, 8 heads of 128: 2 x 300 MB (600 MB)
 LAYOUT = Layout(
     layers=4, blocks=2399, block_size=16, kv_heads=8, head_dim=128, dtype="bfloat16", model="m"
@@ -49,16 +47,8 @@ def test_a_standby_adopts_a_dead_writers_gpu_cache_under_its_captured_graph(
     tmp_path: Path,
 ) -> None:
     with Keeper(tmp_path / "keeper.sock") as keeper:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", WRITER, str(keeper.socket_path)],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        proc = spawn(WRITER, keeper, "written")
         try:
-            assert proc.stdout is not None
-            assert proc.stdout.readline().split()[0] == "written"
             device = torch.device("cuda:0")
             home = Home(str(keeper.socket_path), "standby", LAYOUT, 600, 4, 64, device)
             cache = home.standby_cache(256)
@@ -80,7 +70,7 @@ def test_a_standby_adopts_a_dead_writers_gpu_cache_under_its_captured_graph(
             torch.cuda.synchronize()
             assert out[0].item() == 7.0
             proc.kill()
-            proc.wait()
+            proc.wait()  # reaped: its exit is over, its device context gone
             took, why = home.take_over(kv_key("writer"))
             assert why == "" and [e.key for e in took.entries] == ["a"] and took.held == [9]
             adopted = home.cache(took.shared)
@@ -98,7 +88,4 @@ def test_a_standby_adopts_a_dead_writers_gpu_cache_under_its_captured_graph(
             for fd in fds:
                 os.close(fd)
         finally:
-            proc.kill()
-            proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
+            end(proc)
