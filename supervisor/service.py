@@ -62,6 +62,10 @@ from supervisor.wiring import Term
 
 log = structlog.get_logger("supervisor")
 T = TypeVar("T")
+# The keeper answers engines from a thread of its own (a promoted standby's ReclaimKV
+# among them) while the event loop relays streams: each time it needs the GIL back it
+# waits at most this long, not the interpreter's default 5 ms.
+SWITCH_INTERVAL_S = 0.0005
 B = TypeVar("B", AgentHub, ControlServer)
 HTTP_SHUTDOWN_S = 1.0  # the router's and health API's last connections, at the very end
 
@@ -129,6 +133,7 @@ class Service:
         self.term = Term()  # the crew's epoch and wake-up, shared with the cache daemons
 
     async def run(self) -> int:
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stop.set)

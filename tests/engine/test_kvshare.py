@@ -36,6 +36,7 @@ from holdfast_contract.agent_protocol import kv_key
 from holdfast_contract.ready import start_time
 
 ROOT = Path(__file__).resolve().parents[2]
+PYTHONPATH = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 LAYOUT = Layout(
     layers=2, blocks=12, block_size=16, kv_heads=2, head_dim=8, dtype="float32", model="m"
 )
@@ -72,7 +73,7 @@ def spawn(script: str, keeper: Keeper, says: str) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
         [sys.executable, "-c", script, str(keeper.socket_path)],
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *PYTHONPATH])},
         stdout=subprocess.PIPE,
         text=True,
     )
