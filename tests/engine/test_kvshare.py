@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -309,3 +310,57 @@ def test_the_ledger_names_every_block_a_step_writes_before_the_step_starts(
     finally:
         engine.stop_followers()
     assert len(missing) >= 20 and all(not m for m in missing), missing
+
+
+def test_blocks_a_dead_writers_last_step_may_write_are_not_used_until_it_has_exited(
+    tiny_model: Path,
+) -> None:
+    """An engine takes over a cache whose ledger holds all but 4 blocks for a writer that
+    is stopped (SIGSTOP: it has not exited): requests run on the other 4 only, however
+    many; once the writer is killed and gone, every block is free again."""
+    from engine.batcher import BatchEngine
+    from engine.job import Job
+    from engine.kvcache import KVCache
+    from engine.kvshare import Adopted
+    from engine.modelargs import read_model_args
+    from tests.engine.test_engine_batching import build_engine
+
+    engine: BatchEngine = build_engine(tiny_model, kv_mb=4)
+    args = read_model_args(tiny_model)
+    dims = (args.num_hidden_layers, args.num_key_value_heads, args.head_dim)
+    total = engine.runner.cache.blocks
+    layout = Layout(dims[0], total, 16, dims[1], dims[2], "float32", "m")
+    shared = SharedKV.create(layout, 16, 512)
+    cache = KVCache(*dims, 4, torch.float32, "cpu", tensors=shared.tensors())
+    held = list(range(2, total - 2))  # free: 0, 1 and the last two
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        took = Adopted(shared, [], held, (proc.pid, start_time(proc.pid)))
+        engine.take_cache(cache, took).result(timeout=30)
+        used: set[int] = set()
+        step = engine.runner.step
+
+        def observed(plan, **kw):  # type: ignore[no-untyped-def]
+            used.update(b for seq in plan.seqs for b in seq.blocks)
+            return step(plan, **kw)
+
+        engine.runner.step = observed  # type: ignore[method-assign,assignment]
+        engine.start()
+        for i in range(6):  # one after another: 2 blocks each (20 + 10 positions)
+            job = Job(tuple(range(1 + i, 21 + i)), 10, ignore_eos=True)
+            engine.submit(job).result(timeout=120)
+        assert used and used.isdisjoint(held), sorted(used)
+        assert engine.scheduler.allocator.free == total - len(held)
+        proc.kill()
+        proc.wait()
+        deadline = 600  # polls of the model thread's allocator, 0.05 s apart
+        while engine.scheduler.allocator.free != total and deadline:
+            deadline -= 1
+            engine.wake()
+            threading.Event().wait(0.05)
+        assert engine.scheduler.allocator.free == total
+    finally:
+        proc.kill()
+        proc.wait()
+        engine.stop_followers()
