@@ -20,10 +20,20 @@ from tests.engines.harness import complete
 from tests.supervisor.update.test_update_rollout import ENGINE, boot
 
 
-def last_ready(log: Path) -> dict:
-    """The last "ready" line of an engine's log (rank 0's: every incarnation appends)."""
+def ready_lines(log: Path) -> list[dict]:
+    """The "ready" lines of an engine's log (rank 0's: every incarnation appends)."""
     lines = [json.loads(x) for x in log.read_text().splitlines() if '"ready"' in x]
-    return [x for x in lines if x.get("event") == "ready"][-1]
+    return [x for x in lines if x.get("event") == "ready"]
+
+
+def next_ready(log: Path, before: int, timeout: float = 30) -> dict:
+    """The ready line after the `before` there were: the engine says it is ready (the
+    supervisor may see it) just before it logs so."""
+    deadline = time.monotonic() + timeout
+    while len(lines := ready_lines(log)) <= before:
+        assert time.monotonic() < deadline, f"no new ready line in {log}"
+        time.sleep(0.05)
+    return lines[before]
 
 
 def until_spare_built(forkserver_log: Path, timeout: float = 120) -> int:
@@ -52,12 +62,13 @@ def test_an_engine_restarted_after_a_kill_is_handed_a_ready_spare(
         assert code == 200, body
         want = body["choices"][0]["token_ids"]
         spare = until_spare_built(sup.run / "logs" / "forkserver.log")
+        log = sup.run / "logs" / f"{first.name}.0.log"
+        before = len(ready_lines(log))
         mark = sup.tap.mark()
         second = sup.kill_primary(first)
         # the killed engine comes back as a standby, from the spare the last fork left
         sup.wait(lambda e: e.event == "ready" and e.name == first.name, timeout=120, after=mark)
-        log = sup.run / "logs" / f"{first.name}.0.log"
-        again = last_ready(log)
+        again = next_ready(log, before)
         assert again["role"] == "standby", again
         pids = {e["name"]: e["pid"] for e in sup.status()["engines"]}
         assert pids[first.name] == spare, (pids, spare)  # the spare's process serves
