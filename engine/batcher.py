@@ -33,6 +33,7 @@ as step N+1 begins (`Runner.step`), not after its launch.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import sys
 import threading
 import time
@@ -196,38 +197,49 @@ class BatchEngine:
     def promoted_cache(self, dead: str) -> tuple[int | None, str]:
         """Promoted: a standby of a shared cache (`home`) serves from the one `dead` (a
         dead primary's key in the keeper, "" for none) left, adopted, or else a fresh
-        one of its own; from the next step on (waited for here). The streams taken over
-        (None: none, and why; None and "": not asked)."""
+        one of its own, from the next step on. The streams taken over (None: none, and
+        why; None and "": not asked).
+
+        On the CPU the swap is waited for here. On a GPU only the checks are (the keeper's
+        fds, the ledger, the writer's death): the mapping into the engine's range waits
+        for the model thread, where no step or graph capture runs meanwhile, and runs
+        while the router's continuations are on their way (sent once this returns); no
+        step runs before it (`_loop` runs queued calls before it plans)."""
         if self.home is None or self.shared is not None:
             why = "this engine keeps its KV cache private" if dead and self.home is None else ""
             return None, why
         home = self.home
         t0 = time.perf_counter()
-        taken: list[tuple[Adopted, str]] = []
-
-        def take() -> None:
-            if dead:
-                taken.append(home.take_over(dead))
-            else:
-                taken.append((Adopted(home.new(), [], [], (0, None)), ""))
-
+        claimed, why = home.claim(dead) if dead else (None, "")
         if home.device.type == "cuda":
-            # the range the cache is mapped into changes under the standby's own pages:
-            # on the model thread, where no step or graph capture runs meanwhile
+            # the range the cache is mapped into changes under the standby's own pages
             def remap() -> None:
-                take()
+                t1 = time.perf_counter()
+                try:
+                    took, late = home.place(claimed, why)
+                except EngineError as e:  # no cache at all: this engine cannot serve
+                    log.critical("no KV cache can be mapped; exiting", error=str(e))
+                    os._exit(3)
+                if late and not why:  # the router was told they were adopted: they prefill
+                    log.warning("kv cache not mapped after the promotion's ack", why=late)
                 with self._lock:
-                    self._swap(home.cache(taken[0][0].shared), taken[0][0])
+                    self._swap(home.cache(took.shared), took)
+                self._in_use(home, took, dead, t0, t1)
 
-            self.between_steps(remap, forget=False).result(timeout=60)
-            took, why = taken[0]
-            t1 = t0
+            self.between_steps(remap, forget=False)
         else:
-            take()
-            took, why = taken[0]
+            took, why = home.place(claimed, why)
             t1 = time.perf_counter()
             self.take_cache(home.cache(took.shared), took).result(timeout=60)
-        # into the keeper beside serving, not before: the router waits for this promotion
+            self._in_use(home, took, dead, t0, t1)
+        if why or not dead:
+            return None, why
+        assert claimed is not None
+        return len(claimed.entries), ""
+
+    def _in_use(self, home: Home, took: Adopted, dead: str, t0: float, t1: float) -> None:
+        """The cache is served from: into the keeper beside serving (the router waits for
+        the promotion, not for this)."""
         threading.Thread(
             target=home.deposit, args=(took.shared,), name="kv-deposit", daemon=True
         ).start()
@@ -238,7 +250,6 @@ class BatchEngine:
             take_ms=round((t1 - t0) * 1e3, 2),
             swap_ms=round((time.perf_counter() - t1) * 1e3, 2),
         )
-        return (None, why) if why or not dead else (len(took.entries), "")
 
     def take_cache(self, cache: KVCache, took: Adopted) -> concurrent.futures.Future[None]:
         """Serve from `cache` (a shared one: adopted from a dead engine, with its ledger's
@@ -317,6 +328,8 @@ class BatchEngine:
                     self._flush()
                     self.scheduler.abort_all("cancelled", self._done_now)
                     return
+                if self._calls:  # queued since they ran (a promotion's remap): first
+                    continue
                 self.scheduler.reap(self._done_now)
                 gather = self._gathering()
                 plan = None if gather else self.scheduler.plan(self.runner.graph_rows)

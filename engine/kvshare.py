@@ -254,14 +254,27 @@ class Adopted(msgspec.Struct):
     held: list[int]
     writer: tuple[int, int | None]  # its pid and start time
 
+    def place(self) -> None:
+        """On a GPU, map the cache into its space (what the standby mapped there goes):
+        NotAdopted if it does not map. Nothing to do on the CPU."""
+        space = self.shared.space
+        if space is not None:
+            try:
+                space.map_whole(self.shared.fds[0])
+            except EngineError as e:
+                raise NotAdopted(str(e)) from None
 
-def adopt(fds: list[int], want: Layout, space: CudaSpace | None = None) -> Adopted:
+
+def adopt(
+    fds: list[int], want: Layout, space: CudaSpace | None = None, *, place: bool = True
+) -> Adopted:
     """Take over a dead engine's cache and ledger (`fds`, ours to keep): NotAdopted if
     they are not for `want`, if the ledger is not whole, or if the engine that wrote them
     may still run user code after WRITER_GONE_S (two engines never write one cache):
     killed (SIGKILL pending), exiting or gone, it writes nothing more, and its memory's
     teardown is not waited for. On a GPU the cache is mapped into `space` last, once all
-    else is checked (what the standby mapped there goes)."""
+    else is checked (what the standby mapped there goes); with `place` False it is not
+    mapped here, and the caller maps it (`Adopted.place`) before anything reads it."""
     try:
         shared = SharedKV(fds[0], fds[1], space=space)
     except (OSError, ValueError, TypeError) as e:
@@ -287,13 +300,11 @@ def adopt(fds: list[int], want: Layout, space: CudaSpace | None = None) -> Adopt
             time.sleep(0.001)
         slot = shared.read()
         held = check(slot, want)
-        if space is not None:
-            try:
-                space.map_whole(shared.fds[0])
-            except EngineError as e:
-                raise NotAdopted(str(e)) from None
+        took = Adopted(shared, slot.entries, held, (meta.pid, meta.start_time))
+        if place:
+            took.place()
         shared.meta = shared._claim(want)
-        return Adopted(shared, slot.entries, held, (meta.pid, meta.start_time))
+        return took
     except NotAdopted:
         shared.close()
         raise
@@ -429,15 +440,23 @@ class Home:
 
     def take_over(self, dead: str) -> tuple[Adopted, str]:
         """The cache and ledger the keeper holds under `dead` (a dead engine's key),
-        adopted; else a new cache and why not. Not deposited yet (`deposit`)."""
+        adopted and mapped; else a new cache and why not. Not deposited yet (`deposit`).
+        On a GPU this maps into the engine's range: the model thread's work."""
+        took, why = self.claim(dead)
+        return self.place(took, why)
+
+    def claim(self, dead: str) -> tuple[Adopted | None, str]:
+        """The cache and ledger the keeper holds under `dead`, checked and claimed, but on
+        a GPU not mapped yet (`place`, on the model thread); None and why not if they
+        cannot be adopted. No device work: any thread."""
         t0 = time.perf_counter()
         try:
             fds = self._reclaim(dead)
             t1 = time.perf_counter()
-            took = adopt(fds, self.layout, self.space)
+            took = adopt(fds, self.layout, self.space, place=False)
         except NotAdopted as e:
             log.warning("kv cache not adopted; continuations prefill", dead=dead, why=str(e))
-            return Adopted(self.new(), [], [], (0, None)), str(e)
+            return None, str(e)
         log.info(
             "kv cache adopted",
             dead=dead,
@@ -448,6 +467,23 @@ class Home:
             adopt_ms=round((time.perf_counter() - t1) * 1e3, 2),
         )
         return took, ""
+
+    def place(self, took: Adopted | None, why: str = "") -> tuple[Adopted, str]:
+        """`took` mapped into the engine's range (on a GPU; where no step runs); where it
+        is None or does not map, a new cache of our own, and why not."""
+        if took is not None:
+            t0 = time.perf_counter()
+            try:
+                took.place()
+            except NotAdopted as e:
+                took.shared.close()
+                why = str(e)
+                log.warning("kv cache not adopted; continuations prefill", why=why)
+            else:
+                if self.device.type == "cuda":
+                    log.info("kv cache mapped", ms=round((time.perf_counter() - t0) * 1e3, 2))
+                return took, ""
+        return Adopted(self.new(), [], [], (0, None)), why
 
     def _reclaim(self, key: str) -> list[int]:
         from cachedaemon import protocol
