@@ -13,12 +13,14 @@ tokens; everything else runs eagerly, with the same code.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import structlog
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from engine.attention import Batch, use_kernel
 from engine.errors import BadRequest
@@ -127,6 +129,10 @@ class Runner:
         standby's first real step (a migrated stream's continuation, just promoted) then
         compiles nothing. Every position goes to the scratch block: no request's keys are
         touched."""
+        with self._layers_of_each_kind():
+            self._warm_steps(prompts)
+
+    def _warm_steps(self, prompts: tuple[tuple[int, ...], ...] | None) -> None:
         if prompts is None:
             prompts = WARM_PREFILLS_CUDA if self.device.type == "cuda" else WARM_PREFILLS
         seqs: tuple[Seq, ...] = ()
@@ -141,6 +147,25 @@ class Runner:
             beside = self._scratch_seq(prompts[-1][0])
             mixed = Plan(prefill=(beside,), decode=seqs[: self.max_batch - 1])
             self._decode_and_sample(*self._inputs(mixed))
+
+    @contextlib.contextmanager
+    def _layers_of_each_kind(self) -> Iterator[None]:
+        """On CUDA the warm-up's steps run through the first decoder layer of each kind
+        (its class and its tensors' names, shapes and dtypes) alone: every kernel a step
+        launches, and every specialization Triton compiles, is the same in each layer of
+        a kind, and the other layers' compute (31 of llama-8b's 32) was most of a start's
+        warm-up. On the CPU every layer runs: it touches the pool's pages, which a first
+        request would otherwise fault in."""
+        decoder = self.model.model
+        layers = decoder.layers
+        if self.device.type != "cuda":
+            yield
+            return
+        decoder.layers = one_of_each_kind(layers)
+        try:
+            yield
+        finally:
+            decoder.layers = layers
 
     def _scratch_seq(self, n: int) -> Seq:
         """A request of `n` prompt tokens (at most what max_len leaves room for) whose
@@ -314,3 +339,14 @@ class Runner:
         t = torch.tensor(values, dtype=torch.int64, device=self.device)
         dist.broadcast(t, src=0)
         return [int(v) for v in t.tolist()]
+
+
+def one_of_each_kind(layers: nn.ModuleList) -> nn.ModuleList:
+    """The first of `layers` of each kind: its class and its tensors' names, shapes and
+    dtypes, in their order."""
+    kinds: dict[tuple[object, ...], nn.Module] = {}
+    for layer in layers:
+        tensors = (*layer.named_parameters(), *layer.named_buffers())
+        kind = (type(layer), *((n, tuple(t.shape), t.dtype) for n, t in tensors))
+        kinds.setdefault(kind, layer)
+    return nn.ModuleList(kinds.values())
