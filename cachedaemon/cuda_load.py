@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -160,8 +161,10 @@ def fill_parallel(
     fds = {p: os.open(p, os.O_RDONLY | os.O_CLOEXEC) for p in {sp.info.path for sp in plans}}
     if digester is not None and piece % PIECE:
         raise CheckpointError(f"piece {piece} must be a multiple of the digest's {PIECE} bytes")
+    t0 = time.perf_counter()
     gpu_digest = digester is not None and gpu_hashing(torch.device(opts.device))
     job = _Job(opts, chunks, fds, piece, digester, gpu_digest)
+    t1 = time.perf_counter()
     try:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="holdfast-load") as ex:
             futures = [ex.submit(job.run, sp, pl) for sp, pl in zip(plans, per_plan, strict=True)]
@@ -174,12 +177,22 @@ def fill_parallel(
     finally:
         for fd in fds.values():
             os.close(fd)
+    t2 = time.perf_counter()
     if digester is not None and gpu_digest:
         digest_in_pool(digester, plans, per_plan, chunks)
+    t3 = time.perf_counter()
     if backend.checksum_algo == ALGO:
         sums = gpu_checksums(regions)  # one device sync for the whole pool
     else:
         sums = [backend.checksum(r) for r in regions]
+    log.info(
+        "pool filled",
+        readers=workers,
+        setup_s=round(t1 - t0, 3),
+        copy_s=round(t2 - t1, 3),
+        digest_s=round(t3 - t2, 3),
+        checksum_s=round(time.perf_counter() - t3, 3),
+    )
     specs = [o for sp in plans for o in sp.outputs]
     return [
         TensorEntry(
@@ -197,6 +210,22 @@ def fill_parallel(
 
 
 _gpu_hashing: dict[torch.device, bool] = {}
+
+
+def prewarm(device: torch.device, workers: int | None = None, piece: int = PIECE) -> None:
+    """What a first load in this process would pay before its first byte, paid now (a
+    parked daemon, before its claim): the GPU digest's kernels compiled and checked
+    (`gpu_hashing`), the checksum's kernels run, and every reader's pinned staging
+    buffers allocated and freed, which torch's pinned-memory cache keeps for the load
+    (pinning 2 GiB of host memory is most of a second)."""
+    gpu_hashing(device)
+    gpu_checksums([torch.zeros(1 << 20, dtype=torch.uint8, device=device)])
+    bufs = [
+        torch.empty(piece, dtype=torch.uint8, pin_memory=True)
+        for _ in range(2 * (workers or WORKERS))
+    ]
+    del bufs
+    torch.cuda.synchronize(device)
 
 
 def gpu_hashing(device: torch.device) -> bool:

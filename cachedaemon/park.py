@@ -57,7 +57,8 @@ class Claim:
 
 def warm(device: str, backend: str) -> None:
     """Everything `serve` imports, also what its load imports only when it runs, and the
-    device's context (a GPU backend makes it)."""
+    device's context (a GPU backend makes it); on a GPU also what the load's first
+    pass would pay (`cuda_load.prewarm`)."""
     import importlib
 
     from cachedaemon.backends import get_backend
@@ -70,6 +71,12 @@ def warm(device: str, backend: str) -> None:
     for name in mods:
         importlib.import_module(name)
     get_backend(default_backend(device) if backend == "auto" else backend, device)
+    if device.startswith("cuda"):
+        import torch
+
+        from cachedaemon.cuda_load import prewarm
+
+        prewarm(torch.device(device))
 
 
 def wait_for_claim(path: Path) -> Claim:
