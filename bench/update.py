@@ -361,6 +361,8 @@ def main() -> int:
             for logs in [sup.run / "logs", *sorted(sup.run.glob("gen-*/logs"))]:
                 dest = args.logs / logs.relative_to(sup.run)
                 shutil.copytree(logs, dest, dirs_exist_ok=True)
+            if sup.log.exists():  # the supervisor's own output: its events, the switch
+                shutil.copy(sup.log, args.logs / "supervisor.log")
 
         # 3. the baseline: stop, start afresh on B, first answer
         t0 = time.time()
