@@ -44,10 +44,10 @@ import torch
 
 from engine.errors import BadRequest, EngineError
 from engine.job import Generation, Job, OnStep, Stats, Step
-from engine.kvcache import BlockAllocator, KVCache
+from engine.kvcache import BlockAllocator, KVCache, blocks_for
 from engine.kvshare import Adopted, Entry, Home, SharedKV, wait_exited
 from engine.runner import Runner
-from engine.scheduler import Plan, Scheduler, Seq
+from engine.scheduler import Plan, Scheduler, Seq, covers
 
 log = structlog.get_logger("engine.batcher")
 Post = Callable[[Callable[[], None]], object]
@@ -84,6 +84,10 @@ class BatchEngine:
         self.shared: SharedKV | None = None
         self._covered: set[int] = set()
         self.home: Home | None = None  # where it is kept (a standby's: once promoted)
+        # the usable blocks of a cache acknowledged but not swapped in yet (a promotion on
+        # a GPU): what a request arriving meanwhile is admitted against
+        self._blocks_ahead: int | None = None
+        self._kept_ahead: dict[str, tuple[int, ...]] = {}  # and the streams it brings
 
     def start(self) -> None:
         # The model thread needs the GIL back at once after each step's device sync; the
@@ -124,7 +128,10 @@ class BatchEngine:
     def kept_for(self, key: str, prompt: tuple[int, ...]) -> int:
         """The positions of `prompt` the prefix kept under `key` covers now (0: none)."""
         with self._lock:
-            return self.scheduler.kept_for(key, prompt)
+            ahead = self._kept_ahead.get(key)
+            return (
+                covers(ahead, prompt) if ahead is not None else self.scheduler.kept_for(key, prompt)
+            )
 
     def forget(self, key: str) -> bool:
         """Give back what is kept under `key`; whether anything was."""
@@ -132,7 +139,7 @@ class BatchEngine:
             return self.scheduler.forget(key)
 
     def _queue(self, seq: Seq, on_step: OnStep | None) -> concurrent.futures.Future[Generation]:
-        if not self.scheduler.fits_ever(seq.kv_tokens):
+        if not self._fits_ever(seq.kv_tokens):
             raise BadRequest(
                 f"prompt ({len(seq.prompt)} tokens) + `max_tokens` ({seq.max_tokens}) needs "
                 f"more KV cache than this engine has ({self.runner.cache.tokens} tokens); "
@@ -146,6 +153,14 @@ class BatchEngine:
             self._requests[seq.id] = request
         self._wake.set()
         return request.future
+
+    def _fits_ever(self, tokens: int) -> bool:
+        """Whether `tokens` fit the cache served from, or the one about to be."""
+        with self._lock:
+            ahead = self._blocks_ahead
+        if ahead is not None:
+            return blocks_for(tokens, self.scheduler.block_size) <= ahead
+        return self.scheduler.fits_ever(tokens)
 
     def run(
         self, job: Job, on_step: OnStep | None = None, cancel: threading.Event | None = None
@@ -200,38 +215,38 @@ class BatchEngine:
         one of its own, from the next step on. The streams taken over (None: none, and
         why; None and "": not asked).
 
-        On the CPU the swap is waited for here. On a GPU only the checks are (the keeper's
-        fds, the ledger, the writer's death): the mapping into the engine's range waits
-        for the model thread, where no step or graph capture runs meanwhile, and runs
-        while the router's continuations are on their way (sent once this returns); no
-        step runs before it (`_loop` runs queued calls before it plans)."""
+        Only the checks are waited for here (the keeper's fds, the ledger, the writer's
+        death). The swap, and on a GPU the mapping into the engine's range under the
+        standby's own pages, wait for the model thread, where no step or graph capture
+        runs meanwhile, and run while the router's continuations (sent once this returns)
+        are on their way: they are admitted against the cache to come and say what it
+        keeps of them, and no step runs before the swap (`_loop` runs queued calls before
+        it plans)."""
         if self.home is None or self.shared is not None:
             why = "this engine keeps its KV cache private" if dead and self.home is None else ""
             return None, why
         home = self.home
         t0 = time.perf_counter()
         claimed, why = home.claim(dead) if dead else (None, "")
-        if home.device.type == "cuda":
-            # the range the cache is mapped into changes under the standby's own pages
-            def remap() -> None:
-                t1 = time.perf_counter()
-                try:
-                    took, late = home.place(claimed, why)
-                except EngineError as e:  # no cache at all: this engine cannot serve
-                    log.critical("no KV cache can be mapped; exiting", error=str(e))
-                    os._exit(3)
-                if late and not why:  # the router was told they were adopted: they prefill
-                    log.warning("kv cache not mapped after the promotion's ack", why=late)
-                with self._lock:
-                    self._swap(home.cache(took.shared), took)
-                self._in_use(home, took, dead, t0, t1)
 
-            self.between_steps(remap, forget=False)
-        else:
-            took, why = home.place(claimed, why)
+        def swap() -> None:
             t1 = time.perf_counter()
-            self.take_cache(home.cache(took.shared), took).result(timeout=60)
+            try:
+                took, late = home.place(claimed, why)
+            except EngineError as e:  # no cache at all: this engine cannot serve
+                log.critical("no KV cache can be made; exiting", error=str(e))
+                os._exit(3)
+            if late and not why:  # the router was told they were adopted: they prefill
+                log.warning("kv cache not mapped after the promotion's ack", why=late)
+            with self._lock:
+                self._swap(home.cache(took.shared), took)
             self._in_use(home, took, dead, t0, t1)
+
+        with self._lock:
+            self._blocks_ahead = home.layout.blocks
+            if claimed is not None:
+                self._kept_ahead = {e.key: tuple(e.tokens) for e in claimed.entries}
+        self.between_steps(swap, forget=False)
         if why or not dead:
             return None, why
         assert claimed is not None
@@ -273,8 +288,10 @@ class BatchEngine:
         return self.between_steps(between, forget=False)
 
     def _swap(self, cache: KVCache, took: Adopted) -> None:
-        """`take_cache`'s swap, under the lock."""
-        self.scheduler.abort_all("cancelled", self._done_now)
+        """`take_cache`'s swap, under the lock. What runs on the cache before ends as
+        cancelled; what waits (a continuation sent on the promotion's ack) runs on the new
+        one."""
+        self.scheduler.abort_running("cancelled", self._done_now)
         self.scheduler.forget_all()
         self.runner.cache = cache
         self.scheduler.allocator = BlockAllocator(cache.usable)
@@ -282,6 +299,7 @@ class BatchEngine:
         self.scheduler.allocator.reserve(took.held)
         self.shared = took.shared
         self._covered = set()
+        self._blocks_ahead, self._kept_ahead = None, {}
         if took.held:
             threading.Thread(
                 target=self.release_held,

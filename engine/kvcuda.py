@@ -11,6 +11,8 @@ over the whole range: every graph it captured replays on the adopted keys and va
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from engine.errors import EngineError
@@ -32,6 +34,7 @@ class CudaSpace:
         self.size = -(-2 * tensor_bytes // self.gran) * self.gran
         self.base = drv.reserve(self.size, self.gran)
         self.runs: list[tuple[int, int]] = []
+        self.timings: dict[str, float] = {}  # the last map_whole's: unmap, import, map
 
     @property
     def mapped(self) -> int:
@@ -52,7 +55,9 @@ class CudaSpace:
         EngineError if it cannot be mapped (then nothing is)."""
         from cachedaemon import cuda_driver as drv
 
+        t0 = time.perf_counter()
         self.unmap()
+        t1 = time.perf_counter()
         try:
             handle = drv.import_fd(fd) if fd is not None else drv.create(self.ordinal, self.size)
         except drv.CudaDriverError as e:
@@ -61,8 +66,13 @@ class CudaSpace:
             )
             raise EngineError(f"{what} cannot be made on {self.device}: {e}") from None
         try:
+            t2 = time.perf_counter()
             drv.map_at(self.ordinal, self.base, self.size, handle, writable=True)
             self.runs = [(0, self.size)]
+            ms = [
+                round((b - a) * 1e3, 2) for a, b in ((t0, t1), (t1, t2), (t2, time.perf_counter()))
+            ]
+            self.timings = dict(zip(("unmap_ms", "import_ms", "map_ms"), ms, strict=True))
             return fd if fd is not None else drv.export_fd(handle)
         except drv.CudaDriverError as e:
             self.unmap()

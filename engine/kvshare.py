@@ -480,8 +480,9 @@ class Home:
                 why = str(e)
                 log.warning("kv cache not adopted; continuations prefill", why=why)
             else:
-                if self.device.type == "cuda":
-                    log.info("kv cache mapped", ms=round((time.perf_counter() - t0) * 1e3, 2))
+                if self.space is not None:
+                    ms = round((time.perf_counter() - t0) * 1e3, 2)
+                    log.info("kv cache mapped", ms=ms, **self.space.timings)
                 return took, ""
         return Adopted(self.new(), [], [], (0, None)), why
 

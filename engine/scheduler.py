@@ -253,10 +253,7 @@ class Scheduler:
     def kept_for(self, key: str, prompt: tuple[int, ...]) -> int:
         """The positions of `prompt` the prefix kept under `key` would spare its prefill."""
         kept = self.kept.get(key)
-        n = min(len(kept.tokens), len(prompt)) if kept is not None else 0
-        if kept is None or prompt[:n] != kept.tokens[:n]:
-            return 0
-        return min(len(kept.tokens), len(prompt) - 1)
+        return covers(kept.tokens, prompt) if kept is not None else 0
 
     def _kept_for(self, seq: Seq) -> Kept | None:
         """The prefix kept under the request's key, if it and the prompt agree as far as
@@ -300,6 +297,11 @@ class Scheduler:
         for seq in list(self.running):
             self._finish(seq, reason, on_done)
 
+    def abort_running(self, reason: str, on_done: Callable[[Seq], None]) -> None:
+        """End every running request (their blocks' cache is going); those waiting stay."""
+        for seq in list(self.running):
+            self._finish(seq, reason, on_done)
+
     def drop(self, seq: Seq) -> None:
         """Take a request out of the running batch and give its blocks back."""
         if seq in self.running:
@@ -319,6 +321,15 @@ class Scheduler:
         else:
             self.drop(seq)
         on_done(seq)
+
+
+def covers(kept: tuple[int, ...], prompt: tuple[int, ...]) -> int:
+    """The positions of `prompt` a prefix kept of the tokens `kept` would spare its
+    prefill (0 where they disagree)."""
+    n = min(len(kept), len(prompt))
+    if prompt[:n] != kept[:n]:
+        return 0
+    return min(len(kept), len(prompt) - 1)
 
 
 def kept_len(kept: Kept, seq: Seq) -> int:

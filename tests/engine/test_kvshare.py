@@ -364,3 +364,70 @@ def test_blocks_a_dead_writers_last_step_may_write_are_not_used_until_it_has_exi
         proc.kill()
         proc.wait()
         engine.stop_followers()
+
+
+# a dead primary's cache for the tiny model: one stream's ledger entry, 40 positions in
+# blocks 0-2 (their keys and values zero: what the continuation computes is not checked)
+DEAD = textwrap.dedent(
+    """
+    import sys, time
+    from engine.kvshare import Entry, Home, Layout
+    layout = Layout(*(int(x) for x in sys.argv[2].split(",")[:5]), "float32", "m")
+    shared = Home(sys.argv[1], "dead", layout, 4, 16, 512).fresh()
+    shared.write([Entry("s1", list(range(1, 41)), [0, 1, 2])], [0, 1, 2])
+    print("written", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_a_continuation_sent_before_the_promoted_engines_swap_is_admitted_to_the_adopted_cache(
+    keeper: Keeper, tiny_model: Path
+) -> None:
+    """The promotion is acknowledged before the swap to the adopted cache (which waits for
+    the model thread, busy here): a continuation arriving meanwhile, longer than the
+    standby's own small cache holds, is admitted, is told the 40 positions the adopted
+    cache keeps of it, and computes only what comes after them."""
+    from engine.job import Job
+    from engine.kvcache import BLOCK_SIZE, blocks_in
+    from engine.modelargs import read_model_args
+    from tests.engine.test_engine_batching import build_engine
+
+    args = read_model_args(tiny_model)
+    dims = (args.num_hidden_layers, args.num_key_value_heads, args.head_dim)
+    blocks = blocks_in(4, *dims, torch.float32, BLOCK_SIZE)
+    layout = Layout(dims[0], blocks, BLOCK_SIZE, dims[1], dims[2], "float32", "m")
+    spec = ",".join(str(x) for x in (dims[0], blocks, BLOCK_SIZE, dims[1], dims[2]))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DEAD, str(keeper.socket_path), spec],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *PYTHONPATH])},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().split()[0] == "written"
+    end(proc)
+
+    engine = build_engine(tiny_model, kv_mb=4)
+    home = Home(str(keeper.socket_path), "standby", layout, 4, 16, 512)
+    small = home.standby_cache(32)  # 2 blocks of its own: the continuation needs 10
+    engine.runner.cache = small
+    engine.scheduler.allocator = BlockAllocator(small.usable)
+    engine.home = home
+    gate = threading.Event()
+    engine.start()
+    try:
+        busy = engine.between_steps(lambda: gate.wait(60), forget=False)  # the model thread
+        assert engine.promoted_cache(kv_key("dead")) == (1, "")
+        prompt = tuple(range(1, 42))  # the 40 kept, then the last token its client got
+        assert engine.kept_for("s1", prompt) == 40
+        future = engine.submit(Job(prompt, 100, ignore_eos=True, warm_key="s1", kv_key="s1"))
+        assert engine.runner.cache is small  # nothing swapped yet
+        gate.set()
+        busy.result(timeout=60)
+        assert len(future.result(timeout=120).tokens) == 100
+        assert engine.runner.cache is not small
+        assert engine.stats().reused_tokens == 40  # prompt positions the adopted prefix spared
+    finally:
+        gate.set()
+        engine.stop_followers()
