@@ -216,18 +216,26 @@ class BatchEngine:
         why; None and "": not asked).
 
         Only the checks are waited for here (the keeper's fds, the ledger, the writer's
-        death). The swap, and on a GPU the mapping into the engine's range under the
-        standby's own pages, wait for the model thread, where no step or graph capture
-        runs meanwhile, and run while the router's continuations (sent once this returns)
-        are on their way: they are admitted against the cache to come and say what it
-        keeps of them, and no step runs before the swap (`_loop` runs queued calls before
-        it plans)."""
+        death). The swap, and on a GPU the mapping into the engine's range, run on the
+        model thread while the router's continuations (sent once this returns) are on
+        their way: they are admitted against the cache to come and say what it keeps of
+        them. On a GPU the standby's own pages are unmapped there while the checks are
+        made. From the call on, no step or graph capture runs until the swap (`_loop`)."""
         if self.home is None or self.shared is not None:
             why = "this engine keeps its KV cache private" if dead and self.home is None else ""
             return None, why
         home = self.home
         t0 = time.perf_counter()
-        claimed, why = home.claim(dead) if dead else (None, "")
+        with self._lock:  # from now on no step runs until the swap
+            self._blocks_ahead = home.layout.blocks
+        space = home.space
+        if space is not None:  # the standby's own pages go on the model thread meanwhile
+            self.between_steps(space.unmap, forget=False)
+        try:
+            claimed, why = home.claim(dead) if dead else (None, "")
+        except Exception as e:  # whatever it is, the engine serves from a cache of its own
+            log.exception("kv cache not claimed", dead=dead)
+            claimed, why = None, f"its claim failed: {e}"
 
         def swap() -> None:
             t1 = time.perf_counter()
@@ -242,9 +250,8 @@ class BatchEngine:
                 self._swap(home.cache(took.shared), took)
             self._in_use(home, took, dead, t0, t1)
 
-        with self._lock:
-            self._blocks_ahead = home.layout.blocks
-            if claimed is not None:
+        if claimed is not None:
+            with self._lock:
                 self._kept_ahead = {e.key: tuple(e.tokens) for e in claimed.entries}
         self.between_steps(swap, forget=False)
         if why or not dead:
@@ -346,11 +353,18 @@ class BatchEngine:
                     self._flush()
                     self.scheduler.abort_all("cancelled", self._done_now)
                     return
-                if self._calls:  # queued since they ran (a promotion's remap): first
+                if self._calls:  # queued since they ran (a promotion's swap): first
                     continue
-                self.scheduler.reap(self._done_now)
-                gather = self._gathering()
-                plan = None if gather else self.scheduler.plan(self.runner.graph_rows)
+                swapping = self._blocks_ahead is not None
+                if not swapping:
+                    self.scheduler.reap(self._done_now)
+                    gather = self._gathering()
+                    plan = None if gather else self.scheduler.plan(self.runner.graph_rows)
+            if swapping:  # a promotion's cache is on its way: nothing runs on this one
+                self._flush()
+                self._wake.wait()
+                self._wake.clear()
+                continue
             if gather:
                 self._flush()
                 self._wake.wait(gather)
