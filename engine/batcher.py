@@ -241,13 +241,14 @@ class BatchEngine:
             t1 = time.perf_counter()
             try:
                 took, late = home.place(claimed, why)
-            except EngineError as e:  # no cache at all: this engine cannot serve
-                log.critical("no KV cache can be made; exiting", error=str(e))
+                if late and not why:  # the router was told they were adopted: they prefill
+                    log.warning("kv cache not mapped after the promotion's ack", why=late)
+                with self._lock:
+                    self._swap(home.cache(took.shared), took)
+            except BaseException:  # no cache to serve from, and no step runs until there
+                # is one: exit, so the supervisor sees a death, not a primary that hangs
+                log.critical("no KV cache can be served from; exiting", exc_info=True)
                 os._exit(3)
-            if late and not why:  # the router was told they were adopted: they prefill
-                log.warning("kv cache not mapped after the promotion's ack", why=late)
-            with self._lock:
-                self._swap(home.cache(took.shared), took)
             self._in_use(home, took, dead, t0, t1)
 
         if claimed is not None:
