@@ -84,8 +84,8 @@ class BatchEngine:
         self.shared: SharedKV | None = None
         self._covered: set[int] = set()
         self.home: Home | None = None  # where it is kept (a standby's: once promoted)
-        # the usable blocks of a cache acknowledged but not swapped in yet (a promotion on
-        # a GPU): what a request arriving meanwhile is admitted against
+        # the usable blocks of a cache acknowledged but not swapped in yet (a promotion's):
+        # what a request arriving meanwhile is admitted against; no step runs while set
         self._blocks_ahead: int | None = None
         self._kept_ahead: dict[str, tuple[int, ...]] = {}  # and the streams it brings
 
