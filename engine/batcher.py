@@ -154,6 +154,12 @@ class BatchEngine:
         self._wake.set()
         return request.future
 
+    @property
+    def kv_pending(self) -> bool:
+        """Whether a promotion's KV cache is on its way (no step runs until it is in)."""
+        with self._lock:
+            return self._blocks_ahead is not None
+
     def _fits_ever(self, tokens: int) -> bool:
         """Whether `tokens` fit the cache served from, or the one about to be."""
         with self._lock:

@@ -431,3 +431,80 @@ def test_a_continuation_sent_before_the_promoted_engines_swap_is_admitted_to_the
     finally:
         gate.set()
         engine.stop_followers()
+
+
+def test_no_step_runs_on_the_standbys_cache_from_the_promotion_to_the_swap(
+    keeper: Keeper, tiny_model: Path
+) -> None:
+    """A standby runs a probe when it is promoted; the dead primary's writer is stopped
+    (SIGSTOP), so the claim waits for it (WRITER_GONE_S) and then takes a fresh cache.
+    While the claim waits, the probe's next step does not run: it ends as cancelled at the
+    swap, and no step began between the promotion and the swap."""
+    from engine.job import Job, Step
+    from engine.kvcache import BLOCK_SIZE, blocks_in
+    from engine.modelargs import read_model_args
+    from tests.engine.test_engine_batching import build_engine
+
+    args = read_model_args(tiny_model)
+    dims = (args.num_hidden_layers, args.num_key_value_heads, args.head_dim)
+    blocks = blocks_in(4, *dims, torch.float32, BLOCK_SIZE)
+    layout = Layout(dims[0], blocks, BLOCK_SIZE, dims[1], dims[2], "float32", "m")
+    spec = ",".join(str(x) for x in (dims[0], blocks, BLOCK_SIZE, dims[1], dims[2]))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DEAD, str(keeper.socket_path), spec],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *PYTHONPATH])},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().split()[0] == "written"
+    os.kill(proc.pid, signal.SIGSTOP)  # fenced, not dead: its cache is not adopted
+
+    engine = build_engine(tiny_model, kv_mb=4)
+    home = Home(str(keeper.socket_path), "standby", layout, 4, 16, 512)
+    small = home.standby_cache(32)
+    engine.runner.cache = small
+    engine.scheduler.allocator = BlockAllocator(small.usable)
+    engine.home = home
+    events: list[str] = []
+    step = engine.runner.step
+
+    def observed(plan, **kw):  # type: ignore[no-untyped-def]
+        events.append("step" if engine.runner.cache is small else "step on the new cache")
+        return step(plan, **kw)
+
+    engine.runner.step = observed  # type: ignore[method-assign,assignment]
+    gate, first = threading.Event(), threading.Event()
+
+    def on_step(_: Step) -> None:
+        if not first.is_set():  # hold the model thread before the probe's next step
+            first.set()
+            engine.between_steps(lambda: gate.wait(60), forget=False)
+
+    engine.start()
+    try:
+        probe = engine.submit(Job((5, 17, 99, 3), 28, ignore_eos=True), on_step)
+        assert first.wait(60)
+        result: list[tuple[int | None, str]] = []
+        promoting = threading.Thread(
+            target=lambda: result.append(engine.promoted_cache(kv_key("dead")))
+        )
+        events.append("promoted")
+        promoting.start()
+        for _ in range(60_000):  # the promotion has begun: its pending cache is set
+            if engine.kv_pending:
+                break
+            threading.Event().wait(0.001)
+        assert engine.kv_pending
+        gate.set()  # the model thread is free while the claim still waits for the writer
+        promoting.join(60)
+        assert result and result[0][0] is None and "still runs" in result[0][1], result
+        generation = probe.result(timeout=60)
+        assert generation.finish_reason == "cancelled" and len(generation.steps) < 28
+        assert engine.runner.cache is not small
+        assert "step" not in events[events.index("promoted") :], events
+    finally:
+        gate.set()
+        engine.stop_followers()
+        os.kill(proc.pid, signal.SIGCONT)
+        end(proc)
