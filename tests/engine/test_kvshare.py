@@ -381,17 +381,11 @@ DEAD = textwrap.dedent(
 )
 
 
-def test_a_continuation_sent_before_the_promoted_engines_swap_is_admitted_to_the_adopted_cache(
-    keeper: Keeper, tiny_model: Path
-) -> None:
-    """The promotion is acknowledged before the swap to the adopted cache (which waits for
-    the model thread, busy here): a continuation arriving meanwhile, longer than the
-    standby's own small cache holds, is admitted, is told the 40 positions the adopted
-    cache keeps of it, and computes only what comes after them."""
-    from engine.job import Job
+def dead_primary(keeper: Keeper, tiny_model: Path) -> tuple[subprocess.Popen[str], Layout]:
+    """A process that has deposited DEAD's cache (a layout of the tiny model's) with
+    `keeper` and waits; and that layout."""
     from engine.kvcache import BLOCK_SIZE, blocks_in
     from engine.modelargs import read_model_args
-    from tests.engine.test_engine_batching import build_engine
 
     args = read_model_args(tiny_model)
     dims = (args.num_hidden_layers, args.num_key_value_heads, args.head_dim)
@@ -406,6 +400,20 @@ def test_a_continuation_sent_before_the_promoted_engines_swap_is_admitted_to_the
         text=True,
     )
     assert proc.stdout is not None and proc.stdout.readline().split()[0] == "written"
+    return proc, layout
+
+
+def test_a_continuation_sent_before_the_promoted_engines_swap_is_admitted_to_the_adopted_cache(
+    keeper: Keeper, tiny_model: Path
+) -> None:
+    """The promotion is acknowledged before the swap to the adopted cache (which waits for
+    the model thread, busy here): a continuation arriving meanwhile, longer than the
+    standby's own small cache holds, is admitted, is told the 40 positions the adopted
+    cache keeps of it, and computes only what comes after them."""
+    from engine.job import Job
+    from tests.engine.test_engine_batching import build_engine
+
+    proc, layout = dead_primary(keeper, tiny_model)
     end(proc)
 
     engine = build_engine(tiny_model, kv_mb=4)
@@ -441,23 +449,9 @@ def test_no_step_runs_on_the_standbys_cache_from_the_promotion_to_the_swap(
     While the claim waits, the probe's next step does not run: it ends as cancelled at the
     swap, and no step began between the promotion and the swap."""
     from engine.job import Job, Step
-    from engine.kvcache import BLOCK_SIZE, blocks_in
-    from engine.modelargs import read_model_args
     from tests.engine.test_engine_batching import build_engine
 
-    args = read_model_args(tiny_model)
-    dims = (args.num_hidden_layers, args.num_key_value_heads, args.head_dim)
-    blocks = blocks_in(4, *dims, torch.float32, BLOCK_SIZE)
-    layout = Layout(dims[0], blocks, BLOCK_SIZE, dims[1], dims[2], "float32", "m")
-    spec = ",".join(str(x) for x in (dims[0], blocks, BLOCK_SIZE, dims[1], dims[2]))
-    proc = subprocess.Popen(
-        [sys.executable, "-c", DEAD, str(keeper.socket_path), spec],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *PYTHONPATH])},
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None and proc.stdout.readline().split()[0] == "written"
+    proc, layout = dead_primary(keeper, tiny_model)
     os.kill(proc.pid, signal.SIGSTOP)  # fenced, not dead: its cache is not adopted
 
     engine = build_engine(tiny_model, kv_mb=4)
