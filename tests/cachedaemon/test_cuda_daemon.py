@@ -171,14 +171,25 @@ def test_fp8_block_on_gpu_equals_cpu_bit_for_bit(
         assert bytes_equal(t, on_cpu[name]), name
 
 
+@pytest.mark.parametrize("hash_batch", [1, 1 << 30], ids=["hashed-one-by-one", "hashed-at-once"])
+@pytest.mark.parametrize("transformed", [True, False], ids=["fp8-tp2", "as-the-file-holds"])
 def test_parallel_gpu_fill_builds_the_same_pool(
-    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch, hash_batch: int, transformed: bool
 ) -> None:
+    """The parallel load, its digest and checksums hashed beside the copies (a batch per
+    tensor, or all at the end), builds the pool the serial load does: the same manifest
+    (every checksum, the files' digests), the same bytes. Tensors copied as the file holds
+    them are digested on the GPU; transformed ones by their readers."""
     from cachedaemon import cuda_load, pool
     from cachedaemon.backends.cuda_vmm import CudaVmmBackend
 
+    monkeypatch.setattr(cuda_load, "HASH_BATCH", hash_batch)
     backend = CudaVmmBackend("cuda:0")
-    opts = LoadOptions(tp_size=2, tp_rank=1, quantization="fp8-block", device="cuda:0")
+    opts = (
+        LoadOptions(tp_size=2, tp_rank=1, quantization="fp8-block", device="cuda:0")
+        if transformed
+        else LoadOptions(device="cuda:0")
+    )
     monkeypatch.setattr(pool, "_filler", lambda _backend: pool._fill)
     serial, _ = pool.build_pool(tiny_model, opts, backend, "fp")
     monkeypatch.setattr(pool, "_filler", lambda _backend: cuda_load.fill_parallel)
