@@ -191,14 +191,14 @@ def write_policy(base: Path, model: Path, run: Path, out: Path, args: argparse.N
         eng.pop("batch", None)
     if args.memory_mb:
         eng["memory_mb"] = args.memory_mb
-    for kv in args.set:
+    p["update"] = {"keep_old_s": 0, "drain_s": args.drain_s, "ready_timeout_s": 300}
+    for kv in args.set:  # after the bench's own settings: --set update.X=... holds
         key, _, value = kv.partition("=")
         *path, leaf = key.split(".")
         node = p
         for part in path:
             node = node.setdefault(part, {})
         node[leaf] = yaml.safe_load(value)
-    p["update"] = {"keep_old_s": 0, "drain_s": args.drain_s, "ready_timeout_s": 300}
     out.write_text(yaml.safe_dump(p))
     return out
 
@@ -279,8 +279,8 @@ def main() -> int:
         v_a = sup.status()["version"]
         clients = Clients(sup.router, args.clients, args.prompt, args.max_tokens, vocab)
         t_quiet = time.time()
-        time.sleep(3.0)
-        quiet = (t_quiet + 1.0, time.time())
+        time.sleep(6.0)
+        quiet = (t_quiet + 3.0, time.time())  # past the clients' first prefills
 
         # 1. update to B
         result["parked_wait_s"] = [wait_parked(sup.run)]
