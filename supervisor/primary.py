@@ -56,6 +56,9 @@ class PrimaryView:
         # (from, to): an answer cut on an engine of version `from` may go on on one of
         # version `to` (a refit with update.refit_inflight: retry; set by the supervisor)
         self.continues: set[tuple[str, str]] = set()
+        # whether every stream under way has its past kept warm on this engine (set by
+        # the router: supervisor/proxy/warming.py; True where nothing is warmed)
+        self.warm_on: Callable[[Target], bool] = lambda _engine: True
         self._changed = asyncio.Event()
         self._acked = asyncio.Event()
         self._listeners: list[Callable[[Target | None], None]] = []

@@ -39,6 +39,9 @@ class Roster:
         self.warms = policy.router.warm_every > 0 and kind_of(policy).warms
         # the model version the router's primary serves: only its standbys are promoted
         self.version = ""
+        # the version whose standby the router keeps streams' pasts warm on, when not the
+        # one served: a refit's, between its standbys' refit and its switch (warm_next)
+        self.warm_version = ""
         self._moved = asyncio.Event()  # set, and replaced, at each move
 
     @property
@@ -72,12 +75,27 @@ class Roster:
     def _name_heir(self) -> None:
         """Tell the router which standby is promoted next: it keeps streams' pasts warm
         there (router.warm_every), if this kind of engine keeps them."""
-        h = self.best_standby() if self.warms else None
+        h = self._warm_standby() if self.warms else None
         now = self.view.heir
         if h is None:
             self.view.heir = None
-        elif now is None or now.name != h.name or now.port != h.port:
+        elif now is None or (now.name, now.port, now.version) != (h.name, h.port, h.version):
             self.view.heir = Target(h.name, h.port, 0, version=h.version)
+
+    def warm_next(self, version: str) -> Engine | None:
+        """Until the next switch, streams' pasts are kept warm on a standby of `version`,
+        not of the version served (a refit whose cut streams go on there,
+        supervisor/update/refit.py); "" for the version served again. The standby named."""
+        self.warm_version = version
+        self._name_heir()
+        heir = self.view.heir
+        return self.engines.get(heir.name) if heir is not None else None
+
+    def _warm_standby(self) -> Engine | None:
+        if not self.warm_version or self.warm_version == self.version:
+            return self.best_standby()
+        ours = [e for e in self.engines.values() if e.version == self.warm_version]
+        return decisions.best_standby(ours, time.monotonic(), self.windows.hang_s)
 
     def best_standby(self) -> Engine | None:
         """The standby to promote: the one the router keeps pasts warm on, if ready."""

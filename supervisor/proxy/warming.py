@@ -66,6 +66,7 @@ class Warmer:
         self.kv_keys = kv_keys
         self.every = 0 if kv_keys else every
         self.view = view
+        view.warm_on = self.warm_on  # what a refit's switch waits for (supervisor/update/)
         self.client = client
         self.sent = 0  # warm requests answered 200
         self.failed = 0
@@ -83,7 +84,7 @@ class Warmer:
         ids = _prompt_ids(st.request) if st.path == COMPLETIONS else None
         if not self.every or heir is None or ids is None:
             return
-        st.warmed_on, st.warmed = heir.name, 0
+        st.warmed_on, st.warmed = _kept_by(heir), 0
         st.warm_key = st.warm_key or uuid.uuid4().hex
         st.warming = True
         self._spawn(self._warm(heir, st, ids))
@@ -121,8 +122,8 @@ class Warmer:
         it kept (all of it on a new heir), and the stream is not about to end."""
         if st.warming or st.prompt_ids is None:
             return False
-        if st.warmed_on != heir.name:
-            st.warmed_on, st.warmed = heir.name, 0
+        if st.warmed_on != _kept_by(heir):  # another heir, or the heir on new weights
+            st.warmed_on, st.warmed = _kept_by(heir), 0
             st.warm_key = st.warm_key or uuid.uuid4().hex
         if st.warmed and len(st.prompt_ids) + len(st.emitted) - st.warmed < tokens:
             return False
@@ -136,9 +137,23 @@ class Warmer:
         own: the engine keeps its past under it if it adopted the dead primary's cache."""
         if self.kv_keys:
             return st.kv_key
-        if st.warmed_on != target.name or not (st.warmed or st.warming):
+        if st.warmed_on != _kept_by(target) or not (st.warmed or st.warming):
             return ""
         return st.warm_key
+
+    def warm_on(self, heir: Target) -> bool:
+        """Whether every stream under way has its past kept on `heir` (on the weights it
+        runs now), but for those about to end: a switch to it (a refit's, whose cut
+        streams go on there) then costs each stream only its last few tokens' prefill."""
+        for st in list(self._live.values()):
+            if st.over or st.prompt_ids is None:
+                continue
+            left = st.left()
+            if left is not None and left <= self.every // 2:
+                continue
+            if st.warmed_on != _kept_by(heir) or not st.warmed:
+                return False
+        return True
 
     def ended(self, st: Stream) -> None:
         """`st` is over: the engine keeping its past warm may forget it. A warm request
@@ -151,7 +166,7 @@ class Warmer:
 
     def _forget(self, st: Stream) -> None:
         heir = self.view.heir
-        if st.warmed and heir is not None and heir.name == st.warmed_on:
+        if st.warmed and heir is not None and _kept_by(heir) == st.warmed_on:
             st.warmed = 0
             self._spawn(self._post(heir, {"key": st.warm_key, "forget": True}))
 
@@ -163,7 +178,7 @@ class Warmer:
     async def _warm(self, heir: Target, st: Stream, past: list[int]) -> None:
         try:
             kept = await self._post(heir, {"key": st.warm_key, "prompt": past})
-            if kept and st.warmed_on == heir.name:
+            if kept and st.warmed_on == _kept_by(heir):
                 st.warmed = len(past)
         finally:
             st.warming = False
@@ -189,6 +204,13 @@ class Warmer:
             else:
                 self.failed += 1
         return ok
+
+
+def _kept_by(engine: Target) -> str:
+    """Where a stream's past is kept: the engine, on the model version it runs. A standby
+    refitted to new weights has given back what it kept (engine/refit.py), so it is another
+    place for the warming."""
+    return f"{engine.name}@{engine.version}"
 
 
 def _prompt_ids(request: dict[str, Any]) -> list[int] | None:

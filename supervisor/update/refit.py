@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("supervisor.update.refit")
 S = EngineState
 STANDBY_GRACE_S = 5.0  # a standby's in flight: warm prefills and a smoke request at most
+REWARM_POLL_S = 0.005
 
 
 class RefitFailed(Exception):
@@ -130,7 +132,9 @@ async def go(r: Steps, gen: CacheDaemons) -> None:
                 await tell(c, e, src, STANDBY_GRACE_S, spec.ready_timeout_s)
                 done.append(e)
         r.emit(N.READY, version=src.version, engines={e.name: e.version for e in done})
+        heir = await _rewarmed(r, src) if spec.refit_inflight == "retry" else None
     except (TimeoutError, RefitFailed, ControlError) as e:
+        c.warm_next("")
         await _back(r, done, old_src)
         why = str(e) or (
             f"the new pool did not serve within update.ready_timeout_s ({spec.ready_timeout_s:g} s)"
@@ -138,21 +142,50 @@ async def go(r: Steps, gen: CacheDaemons) -> None:
         await r.refused(gen, [], why, built=True)
         return
     except asyncio.CancelledError:
+        c.warm_next("")
         if not r.closing:
             await _back(r, done, old_src)
             await r.refused(gen, [], "rolled back by hand", built=True)
         raise
-    await _switch(r, gen, src, done)
+    await _switch(r, gen, src, heir if heir in done else None, done)
 
 
-async def _switch(r: Steps, gen: CacheDaemons, src: Source, done: list[Engine]) -> None:
+async def _rewarmed(r: Steps, src: Source) -> Engine | None:
+    """With update.refit_inflight: retry, the streams the old primary will cut go on on
+    the refitted standby that takes its place: before the switch, the router keeps their
+    pasts warm there, on the new weights (the standby gave back what it kept when it
+    refitted), so each continuation prefills only its last few tokens, not its whole
+    past. At most update.rewarm_s: then the switch goes on regardless. The standby, or None where
+    nothing is kept warm (router.warm_every 0, engines.kv_adopt's keys)."""
+    c = r.c
+    heir = c.warm_next(src.version)
+    target = c.view.heir
+    if heir is None or target is None:
+        return None
+    t0 = time.monotonic()
+    while not c.view.warm_on(target) and time.monotonic() - t0 < r.spec.rewarm_s:
+        await asyncio.sleep(REWARM_POLL_S)
+    warm = c.view.warm_on(target)
+    log.info(
+        "refit heir warm" if warm else "refit heir not warm in time; switching",
+        engine=heir.name,
+        ms=round((time.monotonic() - t0) * 1e3, 1),
+    )
+    return heir
+
+
+async def _switch(
+    r: Steps, gen: CacheDaemons, src: Source, warm: Engine | None, done: list[Engine]
+) -> None:
     c, before = r.c, r.c.version
-    heir = next((e for e in done if e.state == S.STANDBY), None)
+    heir = warm if warm is not None and warm.state == S.STANDBY else None
+    heir = heir or next((e for e in done if e.state == S.STANDBY), None)
     r.status("switching")
     old: Engine | None = None
     if heir is not None:
         # the old primary's answers cut by update.refit_inflight: retry go on on the heir
         old = c.switch(heir, continues=r.spec.refit_inflight == "retry")
+        c.warm_next("")  # the version served now is the one warmed
     elif c.primary is not None:  # no standby: the primary refits where it serves
         await _in_place(r, c.primary, src, hold=True)
         c.serve_version(src.version)

@@ -32,6 +32,10 @@ class UpdateSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # retry: cut them at once and refit, the router answering them from the new weights
     # (a collected answer made again whole, a stream continued from what its client has)
     refit_inflight: Literal["finish", "retry"] = "finish"
+    # with retry, the switch first waits (at most this long) until the router keeps every
+    # stream's past warm on the refitted heir, on the new weights: each cut stream then
+    # goes on there prefilling only its last few tokens (router.warm_every)
+    rewarm_s: float = 1.0
 
 
 def update_errors(spec: UpdateSpec) -> list[str]:
@@ -41,8 +45,9 @@ def update_errors(spec: UpdateSpec) -> list[str]:
         for key, value in (("ready_timeout_s", spec.ready_timeout_s), ("drain_s", spec.drain_s))
         if value <= 0
     ]
-    if spec.keep_old_s < 0:
-        errors.append(f"$.update.keep_old_s: got {spec.keep_old_s:g}, must be >= 0")
+    for key, value in (("keep_old_s", spec.keep_old_s), ("rewarm_s", spec.rewarm_s)):
+        if value < 0:
+            errors.append(f"$.update.{key}: got {value:g}, must be >= 0")
     if spec.smoke is not None and spec.smoke.max_tokens < 1:
         errors.append(f"$.update.smoke.max_tokens: got {spec.smoke.max_tokens}, must be >= 1")
     return errors

@@ -213,3 +213,55 @@ def test_a_stream_that_ends_while_its_past_is_on_its_way_is_forgotten_after_it()
         await runner.cleanup()
 
     asyncio.run(main())
+
+
+def test_a_heir_refitted_to_new_weights_gets_every_past_again_before_it_counts_as_warm() -> None:
+    """A standby refitted to new weights gave back every past it kept (engine/refit.py):
+    named again as the heir on its new version, it is another place for the warming. The
+    next chunk of any stream sends every stream's whole past there at once; until those
+    are kept, `warm_on` (what a retrying refit's switch waits for) says no, and a
+    continuation there names no key. (The heir is a real HTTP server answering 200.)"""
+    from aiohttp import web
+
+    async def main() -> None:
+        arrived: list[dict[str, object]] = []
+
+        async def warm(request: web.Request) -> web.Response:
+            arrived.append(await request.json())
+            return web.json_response({})
+
+        app = web.Application()
+        app.router.add_post(warming.PATH, warm)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port = runner.addresses[0][1]
+        view = PrimaryView()
+        router = Router(RouterSpec(warm_every=4), view)
+        old = Target("e2", port, 2, version="v1")
+        view.heir = old
+        streams = [Stream(COMPLETIONS, {}) for _ in range(3)]
+        for st in streams:
+            st.prompt_ids, st.emitted = [1, 2, 3], [5] * 8
+        for st in streams:
+            router.warmer.heard(st)
+        await asyncio.gather(*list(router.warmer._tasks))
+        assert len(arrived) == 3 and view.warm_on(old)
+        assert all(router.warmer.key_for(st, old) == st.warm_key for st in streams)
+
+        new = Target("e2", port, 2, version="v2")  # the same engine, refitted
+        view.heir = new
+        assert not view.warm_on(new)
+        assert all(router.warmer.key_for(st, new) == "" for st in streams)
+        streams[1].emitted.append(6)  # one chunk of one stream: every past goes again
+        router.warmer.heard(streams[1])
+        assert all(st.warming for st in streams)
+        await asyncio.gather(*list(router.warmer._tasks))
+        assert len(arrived) == 6
+        assert [len(b["prompt"]) for b in arrived[3:]] == [11, 12, 11]  # type: ignore[arg-type]
+        assert view.warm_on(new)
+        assert all(router.warmer.key_for(st, new) == st.warm_key for st in streams)
+        await router.client().close()
+        await runner.cleanup()
+
+    asyncio.run(main())

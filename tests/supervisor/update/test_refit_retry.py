@@ -15,9 +15,10 @@ import signal
 from pathlib import Path
 
 from tests.engines.harness import topic
-from tests.supervisor.update.test_update_rollout import Clients, boot
+from tests.supervisor.update.test_update_rollout import PROMPT, Clients, boot
 
 TOKENS = 400  # a stream on the tiny model lasts long beside a refit's switch
+WARM_EVERY = 8
 
 
 def test_a_refit_that_retries_cuts_the_old_primary_and_loses_nothing(
@@ -26,7 +27,9 @@ def test_a_refit_that_retries_cuts_the_old_primary_and_loses_nothing(
     sup = boot(
         tmp_path,
         tiny_model,
-        update={"keep_old_s": 0.5, "drain_s": 300, "refit_inflight": "retry"},
+        # rewarm_s far above any machine's pace: the switch waits for the heir's pasts
+        update={"keep_old_s": 0.5, "drain_s": 300, "refit_inflight": "retry", "rewarm_s": 60},
+        router={"warm_every": WARM_EVERY},
     )
     try:
         sup.wait_pair()
@@ -51,6 +54,9 @@ def test_a_refit_that_retries_cuts_the_old_primary_and_loses_nothing(
                     json.loads(x)["count"] for x in log.splitlines() if '"requests cut"' in x
                 )
                 if cuts:
+                    migrated = [
+                        e.data for e in sup.tap.events[mark:] if topic("router.main.migrated")(e)
+                    ]
                     break
         finally:
             answers = clients.stop()
@@ -62,6 +68,15 @@ def test_a_refit_that_retries_cuts_the_old_primary_and_loses_nothing(
         assert cuts >= 1, "no refit found a request under way on the primary it replaced"
         cut_streams = [a for a in answers if a.stream and a.migrated]
         assert all(len(a.tokens) == TOKENS for a in cut_streams)
+        # before the switch the router kept the streams' pasts warm on the refitted heir,
+        # on the new weights: each cut stream went on from a past kept there, its answer's
+        # tokens included (the heir gave back what it kept when it refitted; a prompt
+        # alone may be found in its prefix cache), never computing its whole past again
+        assert migrated, "the cut streams' continuations were not seen"
+        for m in migrated:
+            assert m["continued"] == "kept", m
+            if m["tokens"] > 2 * WARM_EVERY:
+                assert m["kept"] > len(PROMPT) + 2, m
         # a collected answer is never made by two versions: each version's is one answer
         made: dict[str, set[tuple[int, ...]]] = {}
         for a in answers:
