@@ -11,7 +11,8 @@
 #   chaos / chaos-tp2 (chaos/scenarios/gpu.yaml / gpu-tp2.yaml; results in $OUT/chaos-gpu*),
 #   scenario=FILE (any chaos scenario file; results in $OUT/chaos-NAME),
 #   gpu-test=FILE (a test file's gpu-marked tests; $OUT/tests_NAME.txt),
-#   startup-profile (bench/startup_profile.py: where a start goes before ready, cProfile'd),
+#   startup-profile (bench/startup_profile.py: where a start goes before ready, cProfile'd; by default
+#     the whole warm-up's steps on uninitialised weights; STARTUP_PROFILE_ARGS replaces its flags),
 #   checkpoint-b-bg (write a second llama-8b, seed 1, to /tmp/models/llama-8b-b in the background),
 #   checkpoints-wait (until both are written; CHECKPOINTS_S bounds it),
 #   kv-tests (tests/engine/test_kvshare_gpu.py), standby-memory (bench/standby_memory.py: device
@@ -266,7 +267,8 @@ sys.exit(0 if p.get("equal") else 1)' "$OUT/vllm_gpu.json" && touch "$VLLM_HOME/
     startup-profile)
       checkpoint
       timeout 300 python3 bench/startup_profile.py --model-dir /tmp/models/llama-8b --device cuda:0 \
-        --trials 2 --out "$OUT/startup_profile.json" 2>&1 | tail -60 | tee "$OUT/startup_profile.txt" ;;
+        --trials 3 ${STARTUP_PROFILE_ARGS:---weights empty --whole --sort tottime} \
+        --out "$OUT/startup_profile.json" 2>&1 | tail -120 | tee "$OUT/startup_profile.txt" ;;
     gpu-test=*) f=${stage#gpu-test=}
       timeout 300 python3 -m pytest -q -p no:cacheprovider -rA -m gpu "$f" 2>&1 | tail -15 \
         | tee "$OUT/tests_$(basename "$f" .py).txt" ;;
