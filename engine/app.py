@@ -25,7 +25,7 @@ from engine.config import EngineConfig, dist_init_method
 from engine.metrics import Metrics, Phases
 from engine.peerwatch import PeerWatch, store_address
 from engine.server import EngineServer, Model
-from engine.tokenizer import load_tokenizer
+from engine.tokenizer import load_tokenizer, read_before
 from holdfast_contract import agent_protocol as wire
 
 log = structlog.get_logger("engine")
@@ -81,6 +81,8 @@ def run(cfg: EngineConfig, t0: float, spare_ms: float = 0.0) -> int:
                 log.info("following rank 0", rank=cfg.rank, startup_ms=clock.total())
                 return follow(model, watch)
             tokenizer = load_tokenizer(cfg.model)
+            took = clock.lap()
+            phases.tokenizer = 0.0 if read_before(tokenizer) else took
         metrics = Metrics()
         metrics.phases, metrics.weights_source = phases, source
         server = EngineServer(
@@ -100,6 +102,12 @@ def run(cfg: EngineConfig, t0: float, spare_ms: float = 0.0) -> int:
             watch.close()
         if agent is not None:
             agent.close()
+
+
+def _tokenizer_source(server: EngineServer) -> str:
+    if server.tokenizer is None:
+        return "none"
+    return "read before the fork" if read_before(server.tokenizer) else "read"
 
 
 def follow(model: Model, watch: PeerWatch | None) -> int:
@@ -221,6 +229,8 @@ async def serve(
         role=cfg.role,
         port=cfg.port,
         weights=server.metrics.weights_source,
+        # the tokenizer's files: read here, read by the fork server before the fork, none
+        tokenizer=_tokenizer_source(server),
         phases=msgspec.structs.asdict(server.metrics.phases),
     )
     grace = await stop

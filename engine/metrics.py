@@ -30,6 +30,7 @@ class Phases(msgspec.Struct):
     build: float = 0.0  # the model on the meta device
     attach: float = 0.0  # weights: daemon views, or a disk load
     warmup: float = 0.0  # one forward pass
+    tokenizer: float = 0.0  # its files read (0: read before the fork, by the fork server)
     total: float = 0.0  # up to ready (HTTP listening, agent told)
     spare: float = 0.0  # a spare's warm-up, done before the request (0: a fresh process)
 

@@ -46,10 +46,18 @@ Program = Callable[[list[str], float, float], int]
 
 class Server:
     def __init__(
-        self, listener: socket.socket, program: Program, spares: Spares = NO_SPARES
+        self,
+        listener: socket.socket,
+        program: Program,
+        spares: Spares = NO_SPARES,
+        after: Callable[[Spawn], None] | None = None,
     ) -> None:
+        """`after`: run here, in the server, once a request is answered (its engine forked
+        or a spare handed over, and the next spare forked): what it leaves in this process
+        (a file read, never a device touched) every later fork inherits."""
         self.listener = listener
         self.program = program
+        self.after = after
         self.sel = selectors.DefaultSelector()
         self.sel.register(listener, selectors.EVENT_READ)
         # a signal (SIGTERM: stop) may be delivered to any thread of the process, and an
@@ -143,6 +151,11 @@ class Server:
             conn.sendall(frame(Started(pid)))
         if key is not None and self.spares.wanted(key):
             self._fork_spare(spawn, key)
+        if self.after is not None:
+            try:
+                self.after(spawn)
+            except Exception as e:  # only what later forks find done: they do it themselves
+                log.warning("after a fork", error=f"{type(e).__name__}: {e}")
 
     def _done_reading(self, req: Request) -> None:
         self.sel.unregister(req.conn)

@@ -209,3 +209,49 @@ def _ask_as(uid: int, sock: Path, tiny_model: Path) -> str:
 
     said: str = as_user(uid, ask)
     return said
+
+
+def test_a_later_fork_finds_the_tokenizer_read_by_the_server(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """After its first request for a model the fork server reads that model's tokenizer
+    (engine.tokenizer keeps it): the next engine forked for it reads no tokenizer file
+    (its `tokenizer` phase is 0) and encodes as the first did. Once a tokenizer file
+    changes, the next fork reads it again."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    server = ForkServerProc(tmp_path / "fork.sock")
+    engines: list[EngineProcess] = []
+    try:
+        server.wait_ready()
+
+        def start() -> dict[str, Any]:
+            e = EngineProcess(disk_flags(model), forkserver=server.sock)
+            engines.append(e)
+            return e.wait_ready()
+
+        first, second = start(), start()
+        assert first["tokenizer"] == "read"
+        assert second["tokenizer"] == "read before the fork"
+        assert second["phases"]["tokenizer"] == 0
+        text = {"prompt": "Hello world. How are you today?", "max_tokens": 4, "ignore_eos": True}
+        said = [_completion(e.url, text) for e in engines]
+        assert said[0] == said[1] and said[0]["usage"]["prompt_tokens"] > 1
+        config = model / "tokenizer_config.json"
+        config.write_text(config.read_text() + "\n")  # the same settings, another file
+        assert start()["tokenizer"] == "read"
+    finally:
+        for e in engines:
+            e.stop()
+        server.stop()
+
+
+def _completion(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(
+        url + "/v1/completions", data=json.dumps(body).encode(), method="POST"
+    )
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        out: dict[str, Any] = json.loads(resp.read())
+    out.pop("id", None)
+    out.pop("created", None)
+    return out
