@@ -74,6 +74,8 @@ def test_a_refit_that_retries_cuts_the_old_primary_and_loses_nothing(
         # alone may be found in its prefix cache), never computing its whole past again
         assert migrated, "the cut streams' continuations were not seen"
         for m in migrated:
+            if m["tokens"] >= TOKENS - WARM_EVERY // 2:
+                continue  # about to end: not worth warming (its continuation is short)
             assert m["continued"] == "kept", m
             if m["tokens"] > 2 * WARM_EVERY:
                 assert m["kept"] > len(PROMPT) + 2, m
