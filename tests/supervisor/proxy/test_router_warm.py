@@ -14,8 +14,9 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -187,14 +188,10 @@ def test_a_stream_that_ends_while_its_past_is_on_its_way_is_forgotten_after_it()
                 await release.wait()
             return web.json_response({})
 
-        app = web.Application()
-        app.router.add_post(warming.PATH, warm)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        runner, port = await heir_serving(warm)
         view = PrimaryView()
         router = Router(RouterSpec(warm_every=4), view)
-        view.heir = Target("e2", runner.addresses[0][1], 2)
+        view.heir = Target("e2", port, 2)
         st = Stream(COMPLETIONS, {"prompt_token_ids": [1, 2, 3]})
         router.warmer.arrived(st)  # the prompt: kept at once
         await asyncio.gather(*list(router.warmer._tasks))
@@ -230,12 +227,7 @@ def test_a_heir_refitted_to_new_weights_gets_every_past_again_before_it_counts_a
             arrived.append(await request.json())
             return web.json_response({})
 
-        app = web.Application()
-        app.router.add_post(warming.PATH, warm)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        port = runner.addresses[0][1]
+        runner, port = await heir_serving(warm)
         view = PrimaryView()
         router = Router(RouterSpec(warm_every=4), view)
         old = Target("e2", port, 2, version="v1")
@@ -265,3 +257,17 @@ def test_a_heir_refitted_to_new_weights_gets_every_past_again_before_it_counts_a
         await runner.cleanup()
 
     asyncio.run(main())
+
+
+async def heir_serving(
+    warm: Callable[[Any], Awaitable[Any]],
+) -> tuple[Any, int]:
+    """A real HTTP server answering POST /holdfast/warm with `warm`: its runner and port."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_post(warming.PATH, warm)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, int(runner.addresses[0][1])
