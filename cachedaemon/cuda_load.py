@@ -189,7 +189,8 @@ class _Hashing:
         job = self.job
         if self._stream is None:
             self._stream = torch.cuda.Stream(job.device)  # type: ignore[no-untyped-call]
-        with torch.cuda.stream(self._stream):
+        # this thread's current device is its own: the pool's, for Triton's launches
+        with torch.cuda.device(job.device), torch.cuda.stream(self._stream):
             t = time.perf_counter()
             if job.digester is not None and job.gpu_digest:
                 digest_in_pool(job.digester, plans, per_plan, self.chunks)
