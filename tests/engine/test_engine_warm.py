@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from engine import batcher as engine_batcher
+from engine import scheduler as scheduler_module
 from engine.batcher import BatchEngine
 from engine.job import Job, Step
 from engine.kvcache import BlockAllocator, blocks_for
@@ -326,3 +327,32 @@ def test_warm_prefills_fill_a_step_only_up_to_the_rows_of_a_graph() -> None:
         s.add(seq)
     plan = s.plan()
     assert plan is not None and len(plan.prefill) == 4
+
+
+def test_whole_warm_pasts_longer_than_a_graph_share_eager_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A heir given every stream's whole past at once (newly named, or refitted to new
+    weights) runs them in as few eager steps as EAGER_WARM_ROWS allows, not one step each:
+    a step whose first warm past is longer than a graph holds takes more warm pasts up to
+    that many tokens. A continuation gains no room from it."""
+    monkeypatch.setattr(scheduler_module, "EAGER_WARM_ROWS", 100)
+
+    def warm(n: int, key: str) -> Seq:
+        return Seq(tuple(range(1, n + 1)), 1, warm_key=key, warming=True)
+
+    s = fresh_scheduler()
+    pasts = [warm(45, k) for k in "abcde"]
+    for seq in pasts:
+        s.add(seq)
+    steps = []
+    while (plan := s.plan(graph_rows=40)) is not None:
+        steps.append(plan.prefill)
+        s.record(plan, [Step(0, 0.0, ())] * len(plan.seqs), lambda seq: None)
+    assert steps == [tuple(pasts[:2]), tuple(pasts[2:4]), (pasts[4],)]
+    # continuations of 45 fresh tokens each: one a step, as before
+    conts = [Seq(seq.prompt + tuple(range(45)), 4, warm_key=seq.warm_key) for seq in pasts[:2]]
+    for seq in conts:
+        s.add(seq)
+    plan = s.plan(graph_rows=40)
+    assert plan is not None and plan.prefill == (conts[0],)
