@@ -263,13 +263,20 @@ def test_kill9_daemon_mid_forward_then_reclaim_from_keeper(
         os.kill(first.proc.pid, signal.SIGKILL)
         first.proc.wait(10)
         at_kill = report()["count"]
-        _zero_tensor_data(model)  # a daemon that read the checkpoint now would serve zeros
         second = start_daemon(model, run, "--device", "cuda:0", "--keeper", str(keeper.sock))
         assert '"adopted": true' in second.log
         assert '"checkpoint_bytes_read": 0' in second.log
         assert raw_digest(attach_state_dict(sock)) == expected
         after = report()
         assert after["count"] > at_kill and after["mismatches"] == 0
+        # the checkpoint changed in place (every tensor byte zeroed): another checkpoint,
+        # which a restart loads from its files rather than taking the pool in escrow
+        second.stop()
+        _zero_tensor_data(model)
+        third = start_daemon(model, run, "--device", "cuda:0", "--keeper", str(keeper.sock))
+        assert '"adopted": false' in third.log
+        assert raw_digest(attach_state_dict(sock)) != expected
+        assert report()["mismatches"] == 0  # the client's mapping of the old pool is untouched
     finally:
         client.kill()
         client.wait(10)
