@@ -13,6 +13,8 @@
 #   gpu-test=FILE (a test file's gpu-marked tests; $OUT/tests_NAME.txt),
 #   startup-profile (bench/startup_profile.py: where a start goes before ready, cProfile'd; by default
 #     the whole warm-up's steps on uninitialised weights; STARTUP_PROFILE_ARGS replaces its flags),
+#   decode-profile (bench/decode_profile.py: each projection's read rate, cuBLAS against the one-row
+#     kernel, and a decode step's kernels; no checkpoint needed; DECODE_PROFILE_ARGS adds flags),
 #   checkpoint-b-bg (write a second llama-8b, seed 1, to /tmp/models/llama-8b-b in the background),
 #   checkpoints-wait (until both are written; CHECKPOINTS_S bounds it),
 #   kv-tests (tests/engine/test_kvshare_gpu.py), standby-memory (bench/standby_memory.py: device
@@ -264,6 +266,9 @@ sys.exit(0 if p.get("equal") else 1)' "$OUT/vllm_gpu.json" && touch "$VLLM_HOME/
     chaos) chaos_run gpu ;;
     chaos-tp2) chaos_run gpu-tp2 ;;
     scenario=*) f=${stage#scenario=}; chaos_run "$(basename "$f" .yaml)" "$f" ;;
+    decode-profile)  # kernel by kernel: a decode step's GPU time, each projection's read rate
+      timeout 400 python3 bench/decode_profile.py --preset llama-8b ${DECODE_PROFILE_ARGS:-} \
+        --out "$OUT/decode_profile.json" 2>&1 | tail -150 | tee "$OUT/decode_profile.txt" ;;
     startup-profile)
       checkpoint
       timeout 300 python3 bench/startup_profile.py --model-dir /tmp/models/llama-8b --device cuda:0 \

@@ -75,6 +75,43 @@ def itemsize(dtype: str) -> int:
         raise CacheError(f"unknown dtype {dtype!r}") from None
 
 
+# Projections an engine multiplies by one input, kept side by side in a pool (in this
+# order, at the place of the first one the checkpoint lists), so that an engine reads each
+# group as one matrix with no copy (engine/model.py `fuse_projections`): q|k|v, gate|up.
+SIDE_BY_SIDE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _group(name: str) -> tuple[str, int, str, int] | None:
+    """(prefix, group, suffix, place in the group) of a projection of SIDE_BY_SIDE, by its
+    name's parts ("model.layers.3.self_attn" "k_proj" "weight"); None for any other."""
+    parts = name.split(".")
+    for g, members in enumerate(SIDE_BY_SIDE):
+        for i, part in enumerate(parts):
+            if part in members:
+                return ".".join(parts[:i]), g, ".".join(parts[i + 1 :]), members.index(part)
+    return None
+
+
+def side_by_side(names: Sequence[str]) -> list[int]:
+    """The order (indices into `names`) that puts each group of SIDE_BY_SIDE together, in
+    the group's order, where its first member was; every other name keeps its place."""
+    groups: dict[tuple[str, int, str], list[tuple[int, int]]] = {}
+    for i, name in enumerate(names):
+        g = _group(name)
+        if g is not None:
+            groups.setdefault(g[:3], []).append((g[3], i))
+    out: list[int] = []
+    placed = set()
+    for i, name in enumerate(names):
+        g = _group(name)
+        if g is None:
+            out.append(i)
+        elif g[:3] not in placed:
+            placed.add(g[:3])
+            out.extend(j for _, j in sorted(groups[g[:3]]))
+    return out
+
+
 def plan(reader: CheckpointReader, opts: LoadOptions) -> list[SourcePlan]:
     if opts.dtype not in DTYPES:
         raise CacheError(f"unsupported dtype {opts.dtype!r}; choose one of {', '.join(DTYPES)}")
@@ -92,7 +129,7 @@ def plan(reader: CheckpointReader, opts: LoadOptions) -> list[SourcePlan]:
         else:
             outputs = (OutSpec(info.name, dtype, shape),)
         out.append(SourcePlan(info, dim, outputs))
-    return out
+    return [out[i] for i in side_by_side([sp.info.name for sp in out])]
 
 
 def layout(

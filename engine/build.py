@@ -78,6 +78,7 @@ def build_llama(
     )
     phases.build = clock.lap()
     report = load_weights(module, cfg)
+    fused = module.fuse_projections()
     phases.attach = clock.lap()
     log.info(
         "weights",
@@ -86,6 +87,7 @@ def build_llama(
         tensors=report.tensors,
         bytes=report.bytes,
         socket=report.socket,
+        fused_groups=fused,
     )
     max_len = cfg.max_model_len or args.max_position_embeddings
     kv = args.num_key_value_heads // cfg.world_size

@@ -84,7 +84,7 @@ def _kernels() -> dict[str, Any]:
     @triton.jit
     def rope_store(
         q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slots_ptr,
-        heads, kv_heads, half,
+        heads, kv_heads, half, q_row, k_row, v_row,
         BLOCK: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
     ):  # fmt: skip
         tok = tl.program_id(0).to(tl.int64)
@@ -98,7 +98,7 @@ def _kernels() -> dict[str, Any]:
         ty = q_ptr.dtype.element_ty
         hs = tl.arange(0, HEADS)
         m = (hs[:, None] < heads) & cm[None, :]
-        base = q_ptr + tok * heads * dim + hs[:, None] * dim + cols[None, :]
+        base = q_ptr + tok * q_row + hs[:, None] * dim + cols[None, :]
         a = tl.load(base, mask=m, other=0.0).to(tl.float32)
         b = tl.load(base + half, mask=m, other=0.0).to(tl.float32)
         tl.store(base, (a * c1 - b * s1).to(ty), mask=m)
@@ -107,7 +107,7 @@ def _kernels() -> dict[str, Any]:
         km = (ks[:, None] < kv_heads) & cm[None, :]
         inner = ks[:, None] * dim + cols[None, :]
         slot = tl.load(slots_ptr + tok).to(tl.int64)
-        kb = k_ptr + tok * kv_heads * dim + inner
+        kb = k_ptr + tok * k_row + inner
         a = tl.load(kb, mask=km, other=0.0).to(tl.float32)
         b = tl.load(kb + half, mask=km, other=0.0).to(tl.float32)
         ka, kb2 = (a * c1 - b * s1).to(ty), (b * c2 + a * s2).to(ty)
@@ -116,17 +116,19 @@ def _kernels() -> dict[str, Any]:
         cache = slot * kv_heads * dim + inner
         tl.store(kc_ptr + cache, ka, mask=km)
         tl.store(kc_ptr + cache + half, kb2, mask=km)
-        vb = v_ptr + tok * kv_heads * dim + inner
+        vb = v_ptr + tok * v_row + inner
         tl.store(vc_ptr + cache, tl.load(vb, mask=km, other=0.0), mask=km)
         tl.store(vc_ptr + cache + half, tl.load(vb + half, mask=km, other=0.0), mask=km)
 
     @triton.jit
-    def silu_mul(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        m = i < n
-        g = tl.load(g_ptr + i, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + i, mask=m, other=0.0).to(tl.float32)
-        tl.store(out_ptr + i, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=m)
+    def silu_mul(g_ptr, u_ptr, out_ptr, width, g_row, u_row, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        i = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = i < width
+        g = tl.load(g_ptr + row * g_row + i, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * u_row + i, mask=m, other=0.0).to(tl.float32)
+        out = (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * width + i, out, mask=m)
 
     return {"add_norm": add_norm, "rope": rope, "rope_store": rope_store, "silu_mul": silu_mul}
 
@@ -171,20 +173,36 @@ def rope_store(
     slots: torch.Tensor,
 ) -> None:
     """Rotate q and k (tokens, heads, dim) in place, and write k and v to the cache (one
-    layer's (blocks, block, kv_heads, dim)) at each token's slot: one kernel, not four."""
+    layer's (blocks, block, kv_heads, dim)) at each token's slot: one kernel, not four.
+    Each token's heads lie together (a row of a fused q|k|v product is fine)."""
     n, heads, dim = q.shape
     kv_heads = k.shape[1]
+    v = v if _rows(v) else v.contiguous()
+    if not (_rows(q) and _rows(k)):
+        raise ValueError(
+            "rope_store rotates q and k in place: each token's heads must lie together"
+        )
     _kernels()["rope_store"][(n,)](
-        q, k, v.contiguous(), cos.contiguous(), sin.contiguous(), k_cache, v_cache, slots,
-        heads, kv_heads, dim // 2,
+        q, k, v, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slots,
+        heads, kv_heads, dim // 2, q.stride(0), k.stride(0), v.stride(0),
         BLOCK=_pow2(dim // 2), HEADS=_pow2(heads), KV_HEADS=_pow2(kv_heads),
     )  # fmt: skip
 
 
+def _rows(x: torch.Tensor) -> bool:
+    """Whether x (tokens, heads, dim) keeps each token's heads together, densely."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(g)
-    n = g.numel()
-    _kernels()["silu_mul"][(-(-n // 1024),)](g.contiguous(), u.contiguous(), out, n, BLOCK=1024)
+    """silu(g) * u for (tokens, width) g and u, each row dense (a row may be part of a
+    wider one: the halves of a fused gate|up product)."""
+    g = g if g.stride(-1) == 1 else g.contiguous()
+    u = u if u.stride(-1) == 1 else u.contiguous()
+    rows, width = g.shape
+    out = torch.empty((rows, width), dtype=g.dtype, device=g.device)
+    grid = (rows, -(-width // 1024))
+    _kernels()["silu_mul"][grid](g, u, out, width, g.stride(0), u.stride(0), BLOCK=1024)
     return out
 
 

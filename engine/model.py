@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from engine import fused
+from engine import fused, gemv
 from engine.attention import Batch, attend
 from engine.kvcache import KVCache
 from engine.modelargs import ModelArgs
@@ -73,7 +73,55 @@ class Linear(nn.Module):
         w: torch.Tensor = self.weight
         if self.weight_scale_inv is not None:
             w = dequantize(w, self.weight_scale_inv, self.dtype)
-        return F.linear(x, w, self.bias)
+        return gemv.linear(x, w, self.bias)
+
+
+def side_by_side(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """One view of tensors that lie one after another in one storage, their rows stacked
+    (a pool lays q|k|v and gate|up so: cachedaemon/pool_plan.py SIDE_BY_SIDE); None where
+    they do not (tensors of their own, a gap, another dtype or width). Never a copy."""
+    if not parts or any(p is None or p.is_meta for p in parts):
+        return None
+    first = parts[0]
+    assert first is not None
+    storage, at = first.untyped_storage().data_ptr(), first.data_ptr()
+    for p in parts:
+        assert p is not None
+        if (
+            p.dtype != first.dtype
+            or p.shape[1:] != first.shape[1:]
+            or not p.is_contiguous()
+            or p.untyped_storage().data_ptr() != storage
+            or p.data_ptr() != at
+        ):
+            return None
+        at += p.nbytes
+    rows = sum(p.shape[0] for p in parts if p is not None)
+    return first.detach().as_strided(
+        (rows, *first.shape[1:]), first.stride(), first.storage_offset()
+    )
+
+
+class Fused:
+    """Linears of one input read as one matrix: one product instead of several, each
+    part's columns of the output a view of it."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: tuple[int, ...]):
+        self.weight, self.bias, self.sizes = weight, bias, sizes
+
+    @classmethod
+    def of(cls, linears: list[Linear]) -> Fused | None:
+        if any(lin.weight_scale_inv is not None for lin in linears):
+            return None  # fp8 weights are dequantized one projection at a time
+        weight = side_by_side([lin.weight for lin in linears])
+        has_bias = linears[0].bias is not None
+        bias = side_by_side([lin.bias for lin in linears]) if has_bias else None
+        if weight is None or (has_bias and bias is None):
+            return None
+        return cls(weight, bias, tuple(lin.weight.shape[0] for lin in linears))
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.split(gemv.linear(x, self.weight, self.bias), list(self.sizes), dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -129,14 +177,23 @@ class Attention(nn.Module):
         self.k_proj = Linear(kv, a.hidden_size, dtype, bias=bias, fp8=fp8)
         self.v_proj = Linear(kv, a.hidden_size, dtype, bias=bias, fp8=fp8)
         self.o_proj = Linear(a.hidden_size, q, dtype, fp8=fp8)
+        self.qkv: Fused | None = None  # q|k|v as one product, once `fuse` finds them so
+
+    def fuse(self) -> bool:
+        self.qkv = Fused.of([self.q_proj, self.k_proj, self.v_proj])
+        return self.qkv is not None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch, kv: KVPair
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        if self.qkv is not None:
+            q, k, v = self.qkv(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(n, self.heads, self.head_dim)
+        k = k.view(n, self.kv_heads, self.head_dim)
+        v = v.view(n, self.kv_heads, self.head_dim)
         if batch.triton:
             fused.rope_store(q, k, v, cos, sin, kv[0], kv[1], batch.slots)
         else:
@@ -153,10 +210,19 @@ class MLP(nn.Module):
         self.gate_proj = Linear(inter, a.hidden_size, dtype, fp8=fp8)
         self.up_proj = Linear(inter, a.hidden_size, dtype, fp8=fp8)
         self.down_proj = Linear(a.hidden_size, inter, dtype, fp8=fp8)
+        self.gate_up: Fused | None = None  # gate|up as one product, once `fuse` finds them so
+
+    def fuse(self) -> bool:
+        self.gate_up = Fused.of([self.gate_proj, self.up_proj])
+        return self.gate_up is not None
 
     def forward(self, x: torch.Tensor, triton: bool = False) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         act = fused.silu_mul if triton else fused.silu_mul_torch
-        return self.tp.all_reduce(self.down_proj(act(self.gate_proj(x), self.up_proj(x))))
+        return self.tp.all_reduce(self.down_proj(act(gate, up)))
 
 
 class DecoderLayer(nn.Module):
@@ -230,6 +296,16 @@ class LlamaForCausalLM(nn.Module):
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq(a).to(device), persistent=False)
 
+    def fuse_projections(self) -> int:
+        """Read q|k|v and gate|up as one matrix each wherever the weights lie side by side
+        (views of one pool: no copy); how many groups are read so. Call again after the
+        weights are put in place anew (a refit maps new weights at the same addresses)."""
+        groups = 0
+        for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)
+            groups += int(layer.self_attn.fuse()) + int(layer.mlp.fuse())
+        return groups
+
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape (tokens, 1, head_dim): they broadcast over heads."""
         freqs = positions.float()[:, None] * self.inv_freq.view(1, -1)
@@ -248,4 +324,4 @@ class LlamaForCausalLM(nn.Module):
         tail = delta.index_select(0, last) if delta is not None else None
         h, _ = self.model.norm.add_forward(x.index_select(0, last), tail, batch.triton)
         head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        return self.tp.all_gather_last(F.linear(h, head)).float()
+        return self.tp.all_gather_last(gemv.linear(h, head)).float()

@@ -97,8 +97,8 @@ def paged_decode(
     n, heads, dim = q.shape
     block, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
-    q = q.contiguous()
-    out = torch.empty_like(q)
+    q = q if q.stride(2) == 1 else q.contiguous()  # (a row of a fused q|k|v product is fine)
+    out = torch.empty((n, heads, dim), dtype=q.dtype, device=q.device)
     _kernel()[(n, kv_heads)](
         q, k_cache, v_cache, out, tables, lengths,
         1.0 / math.sqrt(dim), group, dim, tables.stride(0),
