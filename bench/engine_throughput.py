@@ -188,6 +188,7 @@ def main() -> int:
         help="the fork server's --spares (the engine measured is its first start either way)",
     )
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--engine-flags", default="", help='more engine flags, e.g. "--matvec triton"')
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -214,6 +215,7 @@ def main() -> int:
                 "--model", str(args.model_dir), "--device", args.device, "--dtype", args.dtype,
                 "--daemons", str(run_dir / "daemon-0.sock"), "--kv-cache-mb", str(args.kv_cache_mb),
                 "--max-batch", str(args.max_batch), "--max-tokens-cap", "4096",
+                *shlex.split(args.engine_flags),
             ]  # fmt: skip
             engine = EngineProcess(flags, forkserver=run_dir / "forkserver.sock")
             ready = engine.wait_ready(args.timeout)

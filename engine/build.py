@@ -79,6 +79,10 @@ def build_llama(
     phases.build = clock.lap()
     report = load_weights(module, cfg)
     fused = module.fuse_projections()
+    if device.type == "cuda":
+        from engine import gemv
+
+        gemv.enabled = cfg.matvec == "triton"
     phases.attach = clock.lap()
     log.info(
         "weights",

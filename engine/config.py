@@ -22,6 +22,7 @@ from holdfast_contract.formats import DTYPES, QUANTIZATIONS
 ROLES = ("primary", "standby", "batch")
 VERIFY = ("stat", "content")
 IMPLS = ("llama", "hf")
+MATVECS = ("cublas", "triton")
 
 EXAMPLE = """example:
   cachedaemon make-checkpoint /tmp/models/tiny --preset tiny
@@ -60,6 +61,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefill_tokens: int = 8192  # prompt tokens one prefill step takes (a longer one alone)
     threads: int = 0  # torch's intra-op threads on the CPU; 0: torch's default (one a core)
     cuda_graphs: bool = True
+    # one-row products on CUDA (a one-request decode step): cuBLAS, or holdfast's Triton
+    # kernel (engine/gemv.py)
+    matvec: str = "cublas"
     grace_s: float = 30.0
     attach_timeout_s: float = 10.0
     peer_stale_s: float = 5.0  # tensor parallel: a peer silent this long means exit 3
@@ -115,6 +119,11 @@ _FLAGS: dict[str, tuple[type, str]] = {
         int,
         "torch's intra-op threads (CPU ops); 0 = torch's default, one per core; engines "
         "sharing few cores run best at 1",
+    ),
+    "matvec": (
+        str,
+        "one-row products on CUDA (a one-request decode step): cublas, or triton "
+        "(holdfast's kernel, engine/gemv.py)",
     ),
     "grace_s": (float, "on SIGTERM, seconds to let in-flight requests finish"),
     "attach_timeout_s": (float, "seconds to wait for each daemon socket"),
@@ -210,6 +219,7 @@ def validate(cfg: EngineConfig) -> None:
     _choice(cfg.quantization, QUANTIZATIONS, "--quantization/HOLDFAST_QUANTIZATION")
     _choice(cfg.model_impl, IMPLS, "--model-impl/HOLDFAST_MODEL_IMPL")
     _choice(cfg.verify, VERIFY, "--verify/HOLDFAST_VERIFY")
+    _choice(cfg.matvec, MATVECS, "--matvec")
     if not 0 < cfg.port < 65536:
         raise EngineError(f"--port/HOLDFAST_PORT {cfg.port} must be in 1..65535")
     if cfg.world_size < 1 or not 0 <= cfg.rank < cfg.world_size:
