@@ -14,7 +14,7 @@
 #   startup-profile (bench/startup_profile.py: where a start goes before ready, cProfile'd; by default
 #     the whole warm-up's steps on uninitialised weights; STARTUP_PROFILE_ARGS replaces its flags),
 #   throughput-ab (bench/engine_throughput.py alone on llama-8b, once per engine --matvec in MATVECS,
-#     default "cublas triton"; the first run with transformers' baseline),
+#     default "cublas triton"; the first run with transformers' baseline unless THROUGHPUT_BASELINE=""),
 #   decode-profile (bench/decode_profile.py: each projection's read rate, cuBLAS against the one-row
 #     kernel, and a decode step's kernels; no checkpoint needed; DECODE_PROFILE_ARGS adds flags),
 #   checkpoint-b-bg (write a second llama-8b, seed 1, to /tmp/models/llama-8b-b in the background),
@@ -173,7 +173,7 @@ for stage in $stages; do
         --out "$OUT/h200_engine_throughput_llama-8b.json" 2>&1 | tee "$OUT/engine_throughput.txt" ;;
     throughput-ab)  # the throughput bench alone, once per --matvec (the first with transformers)
       checkpoint
-      base=--baseline
+      base=${THROUGHPUT_BASELINE---baseline}
       for mv in ${MATVECS:-cublas triton}; do
         timeout 300 python3 bench/engine_throughput.py --device cuda:0 --preset llama-8b \
           --model-dir /tmp/models/llama-8b --concurrency 1,32,128 --kv-cache-mb 16384 $base \

@@ -56,10 +56,10 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     out["triton"] = triton_ready()
     if out["triton"] and not args.eager:  # as the fork server does before it forks
-        from engine import fused, paged_decode
+        from engine import fused, gemv, paged_decode
         from engine.forkserver import prepare_kernels
 
-        prepare_kernels([paged_decode._kernel(), *fused._kernels().values()])
+        prepare_kernels([paged_decode._kernel(), gemv._kernel(), *fused._kernels().values()])
     lap("import_engine")
     device = torch.device(args.device)
 

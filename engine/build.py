@@ -81,8 +81,9 @@ def build_llama(
     fused = module.fuse_projections()
     if device.type == "cuda":
         from engine import gemv
+        from engine.paged_decode import triton_ready
 
-        gemv.enabled = cfg.matvec == "triton"
+        gemv.enabled = cfg.matvec == "triton" and triton_ready()
     phases.attach = clock.lap()
     log.info(
         "weights",

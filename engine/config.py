@@ -63,7 +63,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cuda_graphs: bool = True
     # one-row products on CUDA (a one-request decode step): cuBLAS, or holdfast's Triton
     # kernel (engine/gemv.py)
-    matvec: str = "cublas"
+    matvec: str = "triton"
     grace_s: float = 30.0
     attach_timeout_s: float = 10.0
     peer_stale_s: float = 5.0  # tensor parallel: a peer silent this long means exit 3

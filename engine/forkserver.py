@@ -92,10 +92,12 @@ def preload() -> float:
                 raise EngineError(f"cannot preload {name}: {e}") from e
     import torch
 
-    from engine import fused, paged_decode
+    from engine import fused, gemv, paged_decode
 
     if paged_decode.triton_ready():  # loading Triton's library holds the GIL for long: here,
-        prepare_kernels([paged_decode._kernel(), *fused._kernels().values()])  # not in an
+        prepare_kernels(
+            [paged_decode._kernel(), gemv._kernel(), *fused._kernels().values()]
+        )  # not in an
         # engine whose heartbeats would stall; none of it touches the GPU
     if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         raise EngineError("CUDA was initialized while preloading; forks could not use it")
