@@ -98,6 +98,9 @@ class Stream:
     warm_key: str = ""
     warmed_on: str = ""
     warmed: int = 0
+    # tokens kept under warm_key, by engine@version, on every engine that kept some: a heir
+    # named since (the superseded primary back as a standby) does not hide the last one
+    kept_at: dict[str, int] = field(default_factory=dict)
     warming: bool = False
     over: bool = False  # ended: its past is forgotten once no warm request is under way
     kept: int = 0  # of those, what the continuation under way names

@@ -100,7 +100,7 @@ class StreamRelay:
         cont = f.out.opened and st.wrote > 0
         path = migration.COMPLETIONS if cont else str(request.rel_url)
         key = self.warmer.key_for(st, target) if cont else ""
-        st.kept = st.warmed if key else 0
+        st.kept = self.warmer.kept(st, target) if key else 0
         body = st.continuation(key) if cont else st.first_body()
         headers = self.routes.headers(request, target)
         headers["Content-Type"] = "application/json"

@@ -137,9 +137,17 @@ class Warmer:
         own: the engine keeps its past under it if it adopted the dead primary's cache."""
         if self.kv_keys:
             return st.kv_key
-        if st.warmed_on != _kept_by(target) or not (st.warmed or st.warming):
-            return ""
-        return st.warm_key
+        return st.warm_key if self.kept(st, target) or self._warming_on(st, target) else ""
+
+    def kept(self, st: Stream, target: Target) -> int:
+        """The tokens of `st`'s past kept on `target` (on the weights it runs now): where
+        it is the heir now, or was one before (a switch's heir, when the superseded primary
+        back as a standby has become the heir since, before the stream's cut was seen)."""
+        place = _kept_by(target)
+        return st.warmed if st.warmed_on == place else st.kept_at.get(place, 0)
+
+    def _warming_on(self, st: Stream, target: Target) -> bool:
+        return st.warming and st.warmed_on == _kept_by(target)
 
     def warm_on(self, heir: Target) -> bool:
         """Whether every stream under way has its past kept on `heir` (on the weights it
@@ -178,6 +186,8 @@ class Warmer:
     async def _warm(self, heir: Target, st: Stream, past: list[int]) -> None:
         try:
             kept = await self._post(heir, {"key": st.warm_key, "prompt": past})
+            if kept:
+                st.kept_at[_kept_by(heir)] = len(past)
             if kept and st.warmed_on == _kept_by(heir):
                 st.warmed = len(past)
         finally:

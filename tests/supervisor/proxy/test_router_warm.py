@@ -259,6 +259,45 @@ def test_a_heir_refitted_to_new_weights_gets_every_past_again_before_it_counts_a
     asyncio.run(main())
 
 
+def test_a_new_heir_does_not_hide_the_past_the_last_heir_keeps() -> None:
+    """A retrying refit's switch: the streams' pasts are kept on the refitted heir (e1),
+    which is promoted; the old primary (e2) cuts its streams and, refitted, stands by as
+    the next heir. When a chunk of another stream names e2 the heir before the router has
+    seen a cut (on a loaded machine it sees it late), the cut stream's continuation on e1
+    still names its key and the tokens e1 keeps. (The heirs are real HTTP servers.)"""
+    from aiohttp import web
+
+    async def main() -> None:
+        async def warm(request: web.Request) -> web.Response:
+            return web.json_response({})
+
+        runner, port = await heir_serving(warm)
+        view = PrimaryView()
+        router = Router(RouterSpec(warm_every=4), view)
+        e1 = Target("e1", port, 2, version="v2")
+        view.heir = e1
+        cut, other = Stream(COMPLETIONS, {}), Stream(COMPLETIONS, {})
+        for st in (cut, other):
+            st.prompt_ids, st.emitted = [1, 2, 3], [5] * 8
+            router.warmer.heard(st)
+        await asyncio.gather(*list(router.warmer._tasks))
+        assert view.warm_on(e1) and router.warmer.kept(cut, e1) == 11
+
+        view.heir = Target("e2", port + 1, 0, version="v2")  # the old primary, refitted
+        other.emitted.append(6)
+        router.warmer.heard(other)  # every stream's past is due on the new heir
+        assert cut.warmed_on != warming._kept_by(e1)
+        assert router.warmer.key_for(cut, e1) == cut.warm_key
+        assert router.warmer.kept(cut, e1) == 11
+        for t in list(router.warmer._tasks):
+            t.cancel()  # nothing answers on port + 1
+        await asyncio.gather(*list(router.warmer._tasks), return_exceptions=True)
+        await router.client().close()
+        await runner.cleanup()
+
+    asyncio.run(main())
+
+
 async def heir_serving(
     warm: Callable[[Any], Awaitable[Any]],
 ) -> tuple[Any, int]:
