@@ -48,6 +48,12 @@ async def refit(server: EngineServer, cfg: EngineConfig, cmd: wire.Refit) -> wir
         return answer(False, "only a one-rank reference Llama engine refits in place")
     if server.state in ("draining", "refitting", "starting"):
         return answer(False, f"the engine is {server.state}")
+    if cmd.cut:
+        # update.refit_inflight: retry: the router answers them from the new weights (the
+        # new primary serves them already), so they are cut at once, not after the new
+        # pool is mapped here: each token made meanwhile would be one more to compute again
+        server.set_state("refitting")
+        server.cut()
     try:
         pending = await asyncio.to_thread(
             pool_refit.fetch,
@@ -57,12 +63,13 @@ async def refit(server: EngineServer, cfg: EngineConfig, cmd: wire.Refit) -> wir
             timeout=cfg.attach_timeout_s,
         )
     except CacheError as e:
+        if server.state == "refitting":
+            server.ready()
         return answer(False, str(e))
-    server.set_state("refitting")
+    if server.state != "refitting":
+        server.set_state("refitting")
     if cmd.hold:
         server.holding = asyncio.Event()
-    if cmd.cut:  # update.refit_inflight: retry: the router answers them from the new weights
-        server.cut()
     try:
         if not await server.idle(cmd.grace_s):
             pending.close()

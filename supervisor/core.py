@@ -108,6 +108,8 @@ class Crew(Failover):
         e, inc = found
         self._beat(e, inc)
         e.in_flight, e.queued = msg.in_flight, msg.queued
+        if self.view.heir is None and e.state == S.STANDBY:
+            self._name_heir()  # a standby heard again after a late beat may be the heir
         if msg.state in READY_STATES:
             self.ready(e, inc)
 

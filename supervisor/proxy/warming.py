@@ -80,9 +80,12 @@ class Warmer:
         if self.kv_keys:
             st.kv_key = st.kv_key or uuid.uuid4().hex
             return
-        heir = self.view.heir
         ids = _prompt_ids(st.request) if st.path == COMPLETIONS else None
-        if not self.every or heir is None or ids is None:
+        if not self.every or ids is None:
+            return
+        self._live[id(st)] = st  # a refit's switch waits for its prompt too (`warm_on`)
+        heir = self.view.heir
+        if heir is None:
             return
         st.warmed_on, st.warmed = _kept_by(heir), 0
         st.warm_key = st.warm_key or uuid.uuid4().hex
@@ -93,10 +96,14 @@ class Warmer:
         """After a chunk of `st` reached its client: its past goes to the heir when
         `every` tokens came since the last (at once on a new heir), and with it the past
         of every other stream `every // 2` tokens on."""
-        heir = self.view.heir
-        if not self.every or heir is None or st.prompt_ids is None:
+        if not self.every or st.prompt_ids is None:
             return
+        # every stream under way, heir or none: a refit's switch waits for all of them
+        # (`warm_on`), those heard before its heir was named too
         self._live[id(st)] = st
+        heir = self.view.heir
+        if heir is None:
+            return
         for other in self.due(st, heir):
             other.warming = True
             self._spawn(self._warm(heir, other, [*(other.prompt_ids or ()), *other.emitted]))
@@ -151,15 +158,23 @@ class Warmer:
 
     def warm_on(self, heir: Target) -> bool:
         """Whether every stream under way has its past kept on `heir` (on the weights it
-        runs now), but for those about to end: a switch to it (a refit's, whose cut
-        streams go on there) then costs each stream only its last few tokens' prefill."""
+        runs now) to within `every` tokens, or on its way there, but for those about to
+        end: a switch to it (a refit's, whose cut streams go on there) then costs each
+        stream only its last few tokens' prefill. A past kept long ago is not warm: a
+        stream whose prompt alone is kept would compute all it made since."""
         for st in list(self._live.values()):
-            if st.over or st.prompt_ids is None:
+            if st.over:
                 continue
             left = st.left()
             if left is not None and left <= self.every // 2:
                 continue
-            if st.warmed_on != _kept_by(heir) or not st.warmed:
+            if st.warmed_on != _kept_by(heir):
+                return False
+            if st.warming:
+                continue  # a prefill of its past under way there is taken over
+            # before its first chunk a stream's past is its prompt, whole when kept at all
+            past = st.warmed if st.prompt_ids is None else len(st.prompt_ids) + len(st.emitted)
+            if not st.warmed or past - st.warmed > self.every:
                 return False
         return True
 

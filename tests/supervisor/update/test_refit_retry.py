@@ -77,7 +77,11 @@ def test_a_refit_that_retries_cuts_the_old_primary_and_loses_nothing(
             if m["tokens"] >= TOKENS - WARM_EVERY // 2:
                 continue  # about to end: not worth warming (its continuation is short)
             assert m["continued"] == "kept", m
-            if m["tokens"] > 2 * WARM_EVERY:
+            # the switch waits until every stream's past is kept to within WARM_EVERY
+            # tokens (a stream 11 tokens on then has more than its prompt kept); tokens
+            # still come until the old primary hears of its refit and cuts (some 60-80 ms
+            # on busy cores): past 4 * WARM_EVERY at the cut, more than the prompt is kept
+            if m["tokens"] > 4 * WARM_EVERY:
                 assert m["kept"] > len(PROMPT) + 2, m
         # a collected answer is never made by two versions: each version's is one answer
         made: dict[str, set[tuple[int, ...]]] = {}
