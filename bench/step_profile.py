@@ -174,10 +174,20 @@ def main() -> int:
         }
         print(json.dumps(row), flush=True)
         rows.append(row)
-    logits = torch.randn(128, a.vocab_size, device=device)
-    from engine.runner import sample
+    from engine.job import TOP_LOGPROBS_MAX
+    from engine.sampling import sample, sample_kernel
 
-    print(json.dumps({"sample_128_ms": round(cuda_ms(lambda: sample(logits)), 3)}))
+    logits = torch.randn(128, a.vocab_size, device=device)
+    print(
+        json.dumps(
+            {
+                "sample_128_ms": round(cuda_ms(lambda: sample(logits, TOP_LOGPROBS_MAX)), 3),
+                "sample_kernel_128_ms": round(
+                    cuda_ms(lambda: sample_kernel(logits.bfloat16(), TOP_LOGPROBS_MAX)), 3
+                ),
+            }
+        )
+    )
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2) + "\n")
     return 0

@@ -83,18 +83,19 @@ def _kernels() -> dict[str, Any]:
 
     @triton.jit
     def rope_store(
-        q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slots_ptr,
+        q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slots_ptr, pos_ptr,
         heads, kv_heads, half, q_row, k_row, v_row,
-        BLOCK: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+        BLOCK: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, TABLE: tl.constexpr,
     ):  # fmt: skip
         tok = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         cm = cols < half
         dim = 2 * half
-        c1 = tl.load(cos_ptr + tok * dim + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
-        s1 = tl.load(sin_ptr + tok * dim + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
-        c2 = tl.load(cos_ptr + tok * dim + half + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
-        s2 = tl.load(sin_ptr + tok * dim + half + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+        row = tl.load(pos_ptr + tok).to(tl.int64) if TABLE else tok  # cos/sin's row
+        c1 = tl.load(cos_ptr + row * dim + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+        s1 = tl.load(sin_ptr + row * dim + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+        c2 = tl.load(cos_ptr + row * dim + half + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+        s2 = tl.load(sin_ptr + row * dim + half + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
         ty = q_ptr.dtype.element_ty
         hs = tl.arange(0, HEADS)
         m = (hs[:, None] < heads) & cm[None, :]
@@ -171,10 +172,13 @@ def rope_store(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
+    positions: torch.Tensor | None = None,
 ) -> None:
     """Rotate q and k (tokens, heads, dim) in place, and write k and v to the cache (one
     layer's (blocks, block, kv_heads, dim)) at each token's slot: one kernel, not four.
-    Each token's heads lie together (a row of a fused q|k|v product is fine)."""
+    Each token's heads lie together (a row of a fused q|k|v product is fine). cos, sin:
+    each token's (tokens, 1, dim), or with `positions` (one a token) tables of
+    (positions, dim) that each token's row is read from."""
     n, heads, dim = q.shape
     kv_heads = k.shape[1]
     v = v if _rows(v) else v.contiguous()
@@ -184,8 +188,10 @@ def rope_store(
         )
     _kernels()["rope_store"][(n,)](
         q, k, v, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slots,
+        slots if positions is None else positions,
         heads, kv_heads, dim // 2, q.stride(0), k.stride(0), v.stride(0),
         BLOCK=_pow2(dim // 2), HEADS=_pow2(heads), KV_HEADS=_pow2(kv_heads),
+        TABLE=positions is not None,
     )  # fmt: skip
 
 

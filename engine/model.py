@@ -194,8 +194,9 @@ class Attention(nn.Module):
         q = q.view(n, self.heads, self.head_dim)
         k = k.view(n, self.kv_heads, self.head_dim)
         v = v.view(n, self.kv_heads, self.head_dim)
-        if batch.triton:
-            fused.rope_store(q, k, v, cos, sin, kv[0], kv[1], batch.slots)
+        if batch.triton:  # cos, sin: per token, or each position's rows (`rotations`)
+            at = batch.positions if cos.dim() == 2 else None
+            fused.rope_store(q, k, v, cos, sin, kv[0], kv[1], batch.slots, at)
         else:
             q, k = fused.rotate_torch(q, cos, sin), fused.rotate_torch(k, cos, sin)
         out = attend(q, k, v, kv[0], kv[1], batch)
@@ -295,6 +296,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq(a).to(device), persistent=False)
+        self.rotation: tuple[torch.Tensor, torch.Tensor] | None = None  # (`rotations`)
 
     def fuse_projections(self) -> int:
         """Read q|k|v and gate|up as one matrix each wherever the weights lie side by side
@@ -312,10 +314,21 @@ class LlamaForCausalLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
+    def rotations(self, max_len: int) -> None:
+        """Keep cos and sin of every position below `max_len`, (max_len, head_dim) each,
+        made by `_rotary`'s math (the same values): steps on the CUDA kernels then look up
+        each token's row in `fused.rope_store`, not compute them in seven small kernels."""
+        positions = torch.arange(max_len, device=self.inv_freq.device)
+        cos, sin = self._rotary(positions)
+        self.rotation = (cos[:, 0], sin[:, 0])
+
     def forward(self, ids: torch.Tensor, batch: Batch, cache: KVCache) -> torch.Tensor:
-        """One step for a whole batch: (requests, vocab) float32 logits, one row per request
-        (its last token). Keys and values of every token go to the cache on the way."""
-        cos, sin = self._rotary(batch.positions)
+        """One step for a whole batch: (requests, vocab) logits, one row per request (its
+        last token): float32, or the head's dtype for the sampling kernels
+        (`batch.triton`, engine/sampling.py: they read it once as it is). Keys and values
+        of every token go to the cache on the way."""
+        table = batch.triton and self.rotation is not None
+        cos, sin = self.rotation if table else self._rotary(batch.positions)
         x = self.model.embed_tokens(ids)
         delta: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
@@ -324,4 +337,5 @@ class LlamaForCausalLM(nn.Module):
         tail = delta.index_select(0, last) if delta is not None else None
         h, _ = self.model.norm.add_forward(x.index_select(0, last), tail, batch.triton)
         head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        return self.tp.all_gather_last(gemv.linear(h, head)).float()
+        logits = self.tp.all_gather_last(gemv.linear(h, head))
+        return logits if batch.triton else logits.float()

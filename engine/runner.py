@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engine import sampling
 from engine.attention import Batch, use_kernel
 from engine.errors import BadRequest
 from engine.graphs import DecodeGraphs
@@ -45,15 +46,6 @@ __all__ = ["TOP_LOGPROBS_MAX", "Generation", "Job", "OnStep", "Runner", "Step"]
 log = structlog.get_logger("engine.runner")
 ALIGN = 2  # int64s in 16 bytes: every part of a step's copy starts at a multiple
 OP_STEP, OP_STOP = 1, 2
-
-
-def sample(logits: torch.Tensor) -> torch.Tensor:
-    """(n, vocab) -> (n, 2 + 2K) float32: greedy id, its logprob, top-K ids, top-K logprobs.
-    One tensor, so reading the step's result is one device-to-host copy."""
-    logp = torch.log_softmax(logits, dim=-1)
-    ids = torch.argmax(logits, dim=-1, keepdim=True)
-    vals, top = torch.topk(logp, min(TOP_LOGPROBS_MAX, logp.shape[-1]), dim=-1)
-    return torch.cat([ids.float(), logp.gather(-1, ids), top.float(), vals], dim=-1)
 
 
 def unpack(row: list[float], top_k: int) -> Step:
@@ -80,6 +72,8 @@ class Runner:
         self.tp = model.tp
         self.eos = frozenset(model.args.eos_token_ids)
         self.kernel = use_kernel(device)
+        if self.kernel:  # rope_store looks up each token's rotation: no per-step cos/sin
+            model.rotations(max_len)
         self.width = -(-max_len // cache.block_size)  # block-table columns of the longest
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and device.type == "cuda" and self.tp.size == 1 and self.kernel:
@@ -212,7 +206,10 @@ class Runner:
         return out[batch.last]
 
     def _decode_and_sample(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor:
-        return sample(self.model(ids, batch, self.cache))
+        logits = self.model(ids, batch, self.cache)
+        if batch.triton:  # two kernels that read the logits once, in the head's dtype
+            return sampling.sample_kernel(logits, TOP_LOGPROBS_MAX)
+        return sampling.sample(logits, TOP_LOGPROBS_MAX)
 
     def _inputs(self, plan: Plan, triton: bool | None = None) -> tuple[torch.Tensor, Batch]:
         """A step's tensors. Its token axis: the prompts prefilled whole, then the fresh
