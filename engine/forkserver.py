@@ -92,11 +92,16 @@ def preload() -> float:
                 raise EngineError(f"cannot preload {name}: {e}") from e
     import torch
 
-    from engine import fused, gemv, paged_decode
+    from engine import fused, gemv, paged_decode, sampling
 
     if paged_decode.triton_ready():  # loading Triton's library holds the GIL for long: here,
         prepare_kernels(
-            [paged_decode._kernel(), gemv._kernel(), *fused._kernels().values()]
+            [
+                paged_decode._kernel(),
+                gemv._kernel(),
+                *fused._kernels().values(),
+                *sampling._kernels().values(),
+            ]
         )  # not in an
         # engine whose heartbeats would stall; none of it touches the GPU
     if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]

@@ -42,6 +42,10 @@ class Roster:
         # the version whose standby the router keeps streams' pasts warm on, when not the
         # one served: a refit's, between its standbys' refit and its switch (warm_next)
         self.warm_version = ""
+        # a refit's new primary, while the superseded one still runs the streams it is
+        # about to cut (update.refit_inflight: retry): their pasts go on being kept warm
+        # there, where they go on (`warm_through_cut`)
+        self.warm_primary: Engine | None = None
         self._moved = asyncio.Event()  # set, and replaced, at each move
 
     @property
@@ -91,7 +95,16 @@ class Roster:
         heir = self.view.heir
         return self.engines.get(heir.name) if heir is not None else None
 
+    def warm_through_cut(self, e: Engine | None) -> None:
+        """Until the superseded primary has cut its streams (a refit's retry), the router
+        keeps their pasts warm on `e`, the new primary they go on on: tokens made between
+        the switch and the cut are then not computed again there. None once it has."""
+        self.warm_primary = e
+        self._name_heir()
+
     def _warm_standby(self) -> Engine | None:
+        if self.warm_primary is not None and self.warm_primary is self.primary:
+            return self.warm_primary
         if not self.warm_version or self.warm_version == self.version:
             return self.best_standby()
         ours = [e for e in self.engines.values() if e.version == self.warm_version]

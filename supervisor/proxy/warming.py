@@ -85,7 +85,7 @@ class Warmer:
             return
         self._live[id(st)] = st  # a refit's switch waits for its prompt too (`warm_on`)
         heir = self.view.heir
-        if heir is None:
+        if heir is None or self._runs_on(st, heir):
             return
         st.warmed_on, st.warmed = _kept_by(heir), 0
         st.warm_key = st.warm_key or uuid.uuid4().hex
@@ -118,11 +118,20 @@ class Warmer:
         now = time.monotonic()
         if any(o.cut_at and now - o.cut_at < RESUMING_S for o in self._live.values()):
             return []
-        if not self._due(st, heir, self.every):
+        if self._runs_on(st, heir) or not self._due(st, heir, self.every):
             return []
         return [
-            o for o in list(self._live.values()) if o is st or self._due(o, heir, self.every // 2)
+            o
+            for o in list(self._live.values())
+            if not self._runs_on(o, heir) and (o is st or self._due(o, heir, self.every // 2))
         ]
+
+    def _runs_on(self, st: Stream, heir: Target) -> bool:
+        """Whether `st` runs on `heir` itself: a refit's new primary is the heir until the
+        old one cuts its streams (supervisor/update/refit.py), and what runs there already
+        has its past there."""
+        t = self.view.target
+        return t is not None and t.name == heir.name and (not st.epoch or st.epoch == t.epoch)
 
     def _due(self, st: Stream, heir: Target, tokens: int) -> bool:
         """Whether `st`'s past is worth sending to `heir`: `tokens` came since the last

@@ -186,6 +186,8 @@ async def _switch(
         # the old primary's answers cut by update.refit_inflight: retry go on on the heir
         old = c.switch(heir, continues=r.spec.refit_inflight == "retry")
         c.warm_next("")  # the version served now is the one warmed
+        if old is not None and r.spec.refit_inflight == "retry":
+            c.warm_through_cut(heir)
     elif c.primary is not None:  # no standby: the primary refits where it serves
         await _in_place(r, c.primary, src, hold=True)
         c.serve_version(src.version)
@@ -194,7 +196,10 @@ async def _switch(
     r.emit(N.SWITCHED, version=src.version, previous=before, engines=versions(c), refit=True)
     r.status("draining", detail="the old primary finishes its requests, then refits")
     if old is not None:
-        await _rejoin(r, old, src)
+        try:
+            await _rejoin(r, old, src)
+        finally:
+            c.warm_through_cut(None)
     for e in [e for e in c.engines.values() if e.version != src.version]:
         if e.running and e.state in (S.STANDBY, S.BATCH):
             await _in_place(r, e, src)
