@@ -54,6 +54,8 @@ BARS = {
 def bars_for(machine_name: str) -> dict[str, float]:
     """The bars of the card `machine()` names (an H100's for any other)."""
     return BARS["H200" if "H200" in machine_name else "H100"]
+
+
 CPU_RATIO_BAR = 3.0  # 8 clients vs 1, CPU
 
 

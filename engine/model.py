@@ -327,8 +327,10 @@ class LlamaForCausalLM(nn.Module):
         last token): float32, or the head's dtype for the sampling kernels
         (`batch.triton`, engine/sampling.py: they read it once as it is). Keys and values
         of every token go to the cache on the way."""
-        table = batch.triton and self.rotation is not None
-        cos, sin = self.rotation if table else self._rotary(batch.positions)
+        if batch.triton and self.rotation is not None:
+            cos, sin = self.rotation  # each position's rows: rope_store looks them up
+        else:
+            cos, sin = self._rotary(batch.positions)
         x = self.model.embed_tokens(ids)
         delta: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):

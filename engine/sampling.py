@@ -112,11 +112,12 @@ def sample_kernel(logits: torch.Tensor, k: int) -> torch.Tensor:
     k = min(k, vocab)
     chunks = -(-vocab // CHUNK)
     kp = max(2, _pow2(k))
-    f32 = dict(dtype=torch.float32, device=logits.device)
-    m, s = torch.empty((n, chunks), **f32), torch.empty((n, chunks), **f32)
-    tv = torch.empty((n, chunks, kp), **f32)
-    ti = torch.empty((n, chunks, kp), dtype=torch.int32, device=logits.device)
-    out = torch.empty((n, 2 + 2 * k), **f32)
+    f32, at = torch.float32, logits.device
+    m = torch.empty((n, chunks), dtype=f32, device=at)
+    s = torch.empty((n, chunks), dtype=f32, device=at)
+    tv = torch.empty((n, chunks, kp), dtype=f32, device=at)
+    ti = torch.empty((n, chunks, kp), dtype=torch.int32, device=at)
+    out = torch.empty((n, 2 + 2 * k), dtype=f32, device=at)
     ks = _kernels()
     ks["pieces"][(n, chunks)](
         logits, m, s, tv, ti, vocab, logits.stride(0), chunks,

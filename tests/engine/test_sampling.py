@@ -174,9 +174,7 @@ def check(rows: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_the_sampling_kernels_agree_with_the_eager_math(
-    results: dict[str, Any], case: int
-) -> None:
+def test_the_sampling_kernels_agree_with_the_eager_math(results: dict[str, Any], case: int) -> None:
     row = results["sampling"][case]
     assert row["shape"] == list(CASES[case][:3])
     check([row])
