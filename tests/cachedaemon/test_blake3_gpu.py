@@ -11,11 +11,8 @@ CUDA the same batches run on the GPU, and a `gpu` test adds 64 MiB pieces.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import random
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -24,12 +21,13 @@ import pytest
 import torch
 from blake3 import blake3
 
+from tests.triton_interpreter import run_interpreted
+
 if importlib.util.find_spec("triton") is None:
     pytest.skip("needs triton (pip install triton)", allow_module_level=True)
 
 # one worker runs this module: its `results` (minutes in the interpreter) are made once
 pytestmark = pytest.mark.xdist_group("blake3-interpreter")
-ROOT = Path(__file__).resolve().parents[2]
 KiB, MiB = 1 << 10, 1 << 20
 
 # name -> (lanes, group, lengths): lanes and group are the kernels' tile sizes, None for the
@@ -104,17 +102,7 @@ def results() -> dict[str, Any]:
 
         out = {name: run_batch(torch.device("cuda"), *b) for name, b in BATCHES.items()}
         return {**out, "disagrees": disagrees(torch.device("cuda"))}
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, json.dumps(BATCHES)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return dict(json.loads(proc.stdout.splitlines()[-1]))
+    return run_interpreted(CHILD, BATCHES)
 
 
 def test_the_loaders_own_check_finds_the_digests_equal(results: dict[str, Any]) -> None:

@@ -15,10 +15,6 @@ check compares values, and ids where no value repeats); logprobs agree to float3
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -26,10 +22,11 @@ from typing import Any
 import pytest
 import torch
 
+from tests.triton_interpreter import run_interpreted
+
 if importlib.util.find_spec("triton") is None:
     pytest.skip("needs triton (pip install triton)", allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parents[2]
 K = 5
 # (rows, vocab, k, dtype, ties): a vocabulary of several pieces and one cut mid-piece, one
 # smaller than K, bf16 logits as the head makes them, and rows whose top values repeat
@@ -150,17 +147,7 @@ CHILD = textwrap.dedent(
 def results() -> dict[str, Any]:
     if torch.cuda.is_available():
         return {"sampling": compare("cuda", CASES), "rope": rope_table("cuda")}
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, json.dumps(CASES)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return dict(json.loads(proc.stdout.splitlines()[-1]))
+    return run_interpreted(CHILD, CASES)
 
 
 def check(rows: list[dict[str, Any]]) -> None:
