@@ -310,3 +310,77 @@ async def heir_serving(
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     return runner, int(runner.addresses[0][1])
+
+
+def test_a_refits_switch_waits_for_every_stream_kept_to_within_warm_every() -> None:
+    """`warm_on`, what a retrying refit's switch waits for: every stream under way counts,
+    one heard while no heir was named and one that has sent no chunk yet too, and a past
+    kept long ago (the prompt alone) is not warm. (The heir is a real HTTP server.)"""
+    from aiohttp import web
+
+    async def main() -> None:
+        async def warm(request: web.Request) -> web.Response:
+            return web.json_response({})
+
+        runner, port = await heir_serving(warm)
+        view = PrimaryView()
+        router = Router(RouterSpec(warm_every=4), view)
+        heard = Stream(COMPLETIONS, {"max_tokens": 100})
+        fresh = Stream(COMPLETIONS, {"prompt_token_ids": [1, 2], "max_tokens": 100})
+        heard.prompt_ids, heard.emitted = [1, 2, 3], [5] * 8
+        router.warmer.heard(heard)  # no heir named yet: nothing goes, but it is under way
+        router.warmer.arrived(fresh)
+        heir = Target("e2", port, 2, version="v2")
+        view.heir = heir
+        assert not view.warm_on(heir)  # nothing kept there: not vacuously warm
+        heard.emitted.append(6)
+        router.warmer.heard(heard)
+        await asyncio.gather(*list(router.warmer._tasks))
+        assert router.warmer.kept(heard, heir) == 12
+        assert not view.warm_on(heir)  # the fresh stream's prompt is not there yet
+        router.warmer.arrived(fresh)
+        await asyncio.gather(*list(router.warmer._tasks))
+        assert view.warm_on(heir)
+        heard.emitted += [7] * 5  # 5 tokens past what is kept: more than warm_every
+        assert not view.warm_on(heir)
+        await router.client().close()
+        await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_streams_of_the_superseded_primary_are_kept_on_the_new_one_until_cut() -> None:
+    """Between a retrying refit's switch and the old primary's cut, the new primary is the
+    heir (`Roster.warm_through_cut`): the old primary's streams go on being kept there,
+    and streams that already run there send nothing. (The new primary is a real HTTP
+    server counting the warm requests.)"""
+    from aiohttp import web
+
+    async def main() -> None:
+        arrived: list[dict[str, object]] = []
+
+        async def warm(request: web.Request) -> web.Response:
+            arrived.append(await request.json())
+            return web.json_response({})
+
+        runner, port = await heir_serving(warm)
+        view = PrimaryView()
+        router = Router(RouterSpec(warm_every=4), view)
+        new = Target("e2", port, 3, version="v2")
+        view.target, view.heir = new, Target("e2", port, 0, version="v2")
+        old_stream, new_stream = Stream(COMPLETIONS, {}), Stream(COMPLETIONS, {})
+        old_stream.epoch, new_stream.epoch = 2, 3  # on the superseded primary, and on e2
+        for st in (old_stream, new_stream):
+            st.prompt_ids, st.emitted = [1, 2, 3], [5] * 8
+            router.warmer.heard(st)
+        await asyncio.gather(*list(router.warmer._tasks))
+        assert [len(b["prompt"]) for b in arrived] == [11]  # type: ignore[arg-type]
+        assert router.warmer.kept(old_stream, new) == 11
+        assert router.warmer.key_for(old_stream, new) == old_stream.warm_key
+        router.warmer.arrived(Stream(COMPLETIONS, {"prompt_token_ids": [1, 2]}))  # goes to e2
+        await asyncio.gather(*list(router.warmer._tasks))
+        assert len(arrived) == 1
+        await router.client().close()
+        await runner.cleanup()
+
+    asyncio.run(main())
