@@ -218,16 +218,9 @@ def test_a_heir_refitted_to_new_weights_gets_every_past_again_before_it_counts_a
     next chunk of any stream sends every stream's whole past there at once; until those
     are kept, `warm_on` (what a retrying refit's switch waits for) says no, and a
     continuation there names no key. (The heir is a real HTTP server answering 200.)"""
-    from aiohttp import web
 
     async def main() -> None:
-        arrived: list[dict[str, object]] = []
-
-        async def warm(request: web.Request) -> web.Response:
-            arrived.append(await request.json())
-            return web.json_response({})
-
-        runner, port = await heir_serving(warm)
+        runner, port, arrived = await recording_heir()
         view = PrimaryView()
         router = Router(RouterSpec(warm_every=4), view)
         old = Target("e2", port, 2, version="v1")
@@ -265,13 +258,9 @@ def test_a_new_heir_does_not_hide_the_past_the_last_heir_keeps() -> None:
     the next heir. When a chunk of another stream names e2 the heir before the router has
     seen a cut (on a loaded machine it sees it late), the cut stream's continuation on e1
     still names its key and the tokens e1 keeps. (The heirs are real HTTP servers.)"""
-    from aiohttp import web
 
     async def main() -> None:
-        async def warm(request: web.Request) -> web.Response:
-            return web.json_response({})
-
-        runner, port = await heir_serving(warm)
+        runner, port, _ = await recording_heir()
         view = PrimaryView()
         router = Router(RouterSpec(warm_every=4), view)
         e1 = Target("e1", port, 2, version="v2")
@@ -312,17 +301,28 @@ async def heir_serving(
     return runner, int(runner.addresses[0][1])
 
 
+async def recording_heir() -> tuple[Any, int, list[dict[str, object]]]:
+    """`heir_serving` answering 200 to every warm request: its runner, its port, and the
+    bodies it was sent, in order."""
+    from aiohttp import web
+
+    arrived: list[dict[str, object]] = []
+
+    async def warm(request: web.Request) -> web.Response:
+        arrived.append(await request.json())
+        return web.json_response({})
+
+    runner, port = await heir_serving(warm)
+    return runner, port, arrived
+
+
 def test_a_refits_switch_waits_for_every_stream_kept_to_within_warm_every() -> None:
     """`warm_on`, what a retrying refit's switch waits for: every stream under way counts,
     one heard while no heir was named and one that has sent no chunk yet too, and a past
     kept long ago (the prompt alone) is not warm. (The heir is a real HTTP server.)"""
-    from aiohttp import web
 
     async def main() -> None:
-        async def warm(request: web.Request) -> web.Response:
-            return web.json_response({})
-
-        runner, port = await heir_serving(warm)
+        runner, port, _ = await recording_heir()
         view = PrimaryView()
         router = Router(RouterSpec(warm_every=4), view)
         heard = Stream(COMPLETIONS, {"max_tokens": 100})
@@ -354,16 +354,9 @@ def test_streams_of_the_superseded_primary_are_kept_on_the_new_one_until_cut() -
     heir (`Roster.warm_through_cut`): the old primary's streams go on being kept there,
     and streams that already run there send nothing. (The new primary is a real HTTP
     server counting the warm requests.)"""
-    from aiohttp import web
 
     async def main() -> None:
-        arrived: list[dict[str, object]] = []
-
-        async def warm(request: web.Request) -> web.Response:
-            arrived.append(await request.json())
-            return web.json_response({})
-
-        runner, port = await heir_serving(warm)
+        runner, port, arrived = await recording_heir()
         view = PrimaryView()
         router = Router(RouterSpec(warm_every=4), view)
         new = Target("e2", port, 3, version="v2")
