@@ -39,6 +39,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import msgspec
 import structlog
 import torch
 
@@ -47,7 +48,7 @@ from engine.job import Generation, Job, OnStep, Stats, Step
 from engine.kvcache import BlockAllocator, KVCache, blocks_for
 from engine.kvshare import Adopted, Entry, Home, SharedKV, wait_exited
 from engine.runner import Runner
-from engine.scheduler import Plan, Scheduler, Seq, covers
+from engine.scheduler import Plan, Scheduler, Seq
 
 log = structlog.get_logger("engine.batcher")
 Post = Callable[[Callable[[], None]], object]
@@ -87,7 +88,6 @@ class BatchEngine:
         # the usable blocks of a cache acknowledged but not swapped in yet (a promotion's):
         # what a request arriving meanwhile is admitted against; no step runs while set
         self._blocks_ahead: int | None = None
-        self._kept_ahead: dict[str, tuple[int, ...]] = {}  # and the streams it brings
 
     def start(self) -> None:
         # The model thread needs the GIL back at once after each step's device sync; the
@@ -124,14 +124,6 @@ class BatchEngine:
             raise BadRequest("this engine runs tensor parallel and keeps no prefix warm")
         seq = Seq(prompt, 1, ignore_eos=True, warm_key=key, warming=True)
         return self._queue(seq, None)
-
-    def kept_for(self, key: str, prompt: tuple[int, ...]) -> int:
-        """The positions of `prompt` the prefix kept under `key` covers now (0: none)."""
-        with self._lock:
-            ahead = self._kept_ahead.get(key)
-            return (
-                covers(ahead, prompt) if ahead is not None else self.scheduler.kept_for(key, prompt)
-            )
 
     def forget(self, key: str) -> bool:
         """Give back what is kept under `key`; whether anything was."""
@@ -257,9 +249,6 @@ class BatchEngine:
                 os._exit(3)
             self._in_use(home, took, dead, t0, t1)
 
-        if claimed is not None:
-            with self._lock:
-                self._kept_ahead = {e.key: tuple(e.tokens) for e in claimed.entries}
         self.between_steps(swap, forget=False)
         if why or not dead:
             return None, why
@@ -313,7 +302,7 @@ class BatchEngine:
         self.scheduler.allocator.reserve(took.held)
         self.shared = took.shared
         self._covered = set()
-        self._blocks_ahead, self._kept_ahead = None, {}
+        self._blocks_ahead = None
         if took.held:
             threading.Thread(
                 target=self.release_held,
@@ -472,8 +461,11 @@ class BatchEngine:
 
     def _tell(self, out: list[Callable[[], None]], seq: Seq, step: Step) -> None:
         on_step = self._requests[seq.id].on_step
-        if on_step is not None:
-            out.append(lambda: on_step(step))
+        if on_step is None:
+            return
+        if seq.continues and not seq.out:  # its first: what its kept past spared
+            step = msgspec.structs.replace(step, kept=seq.cached)
+        out.append(lambda: on_step(step))
 
     def _finisher(self, seq: Seq) -> Callable[[], None]:
         request = self._requests.pop(seq.id)

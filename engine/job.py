@@ -15,6 +15,9 @@ class Step(msgspec.Struct, frozen=True):
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    # a continuation's first step only: the prompt positions a kept past spared its
+    # prefill (engine/scheduler.py), told to the router in KEPT_HEADER
+    kept: int = 0
 
 
 class Generation(msgspec.Struct, frozen=True):

@@ -270,11 +270,6 @@ class Scheduler:
     def kept_blocks(self) -> int:
         return sum(len(k.blocks) for k in self.kept.values())
 
-    def kept_for(self, key: str, prompt: tuple[int, ...]) -> int:
-        """The positions of `prompt` the prefix kept under `key` would spare its prefill."""
-        kept = self.kept.get(key)
-        return covers(kept.tokens, prompt) if kept is not None else 0
-
     def _kept_for(self, seq: Seq) -> Kept | None:
         """The prefix kept under the request's key, if it and the prompt agree as far as
         both go (an adopted stream's keys and values may run past what its client was
@@ -341,15 +336,6 @@ class Scheduler:
         else:
             self.drop(seq)
         on_done(seq)
-
-
-def covers(kept: tuple[int, ...], prompt: tuple[int, ...]) -> int:
-    """The positions of `prompt` a prefix kept of the tokens `kept` would spare its
-    prefill (0 where they disagree)."""
-    n = min(len(kept), len(prompt))
-    if prompt[:n] != kept[:n]:
-        return 0
-    return min(len(kept), len(prompt) - 1)
 
 
 def kept_len(kept: Kept, seq: Seq) -> int:

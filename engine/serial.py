@@ -86,9 +86,6 @@ class SerialEngine:
     def forget(self, key: str) -> bool:
         return False
 
-    def kept_for(self, key: str, prompt: tuple[int, ...]) -> int:
-        return 0
-
     def wake(self) -> None:
         """Nothing to wake: a cancelled request stops at its next step by itself."""
 

@@ -57,8 +57,6 @@ class Model(Protocol):
 
     def forget(self, key: str) -> bool: ...
 
-    def kept_for(self, key: str, prompt: tuple[int, ...]) -> int: ...  # positions kept
-
     def follow(self) -> int: ...
 
     def stop_followers(self) -> None: ...
@@ -302,8 +300,7 @@ class EngineServer:
         if req.return_token_ids:
             out.prompt_ids = list(prompt)
         if req.stream:
-            kept = self.model.kept_for(job.warm_key, job.prompt) if job.warm_key else 0
-            return await self._stream(request, job, out, kept=kept)
+            return await self._stream(request, job, out)
         return web.json_response(await self._generate(request, job, out))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -339,7 +336,12 @@ class EngineServer:
                 "prompt",
             )
         t0 = time.perf_counter()
-        await asyncio.wrap_future(self.model.warm(req.key, tuple(req.prompt)))
+        gen = await asyncio.wrap_future(self.model.warm(req.key, tuple(req.prompt)))
+        if gen.finish_reason == "cancelled":
+            raise Unavailable(
+                f"the prefill of {req.key}'s past was cancelled (its continuation came, "
+                "it was forgotten, or the weights were refitted): no more of it is kept"
+            )
         ms = round((time.perf_counter() - t0) * 1e3, 2)
         return web.json_response({"key": req.key, "kept": len(req.prompt), "ms": ms})
 
@@ -371,10 +373,12 @@ class EngineServer:
         return out.body(gen)
 
     async def _stream(
-        self, request: web.Request, job: Job, out: Reply, usage: bool = False, kept: int = 0
+        self, request: web.Request, job: Job, out: Reply, usage: bool = False
     ) -> web.StreamResponse:
-        """`kept`: the prompt positions a kept prefix covers (a continuation), said in
-        KEPT_HEADER."""
+        """A continuation (`job.warm_key`) answers with its first token: its KEPT_HEADER
+        says how many prompt positions a kept past spared its prefill, known only once
+        it is admitted (a warm prefill of its past running then is taken over when it
+        ends)."""
         steps: asyncio.Queue[Step | None] = asyncio.Queue()
         cancel = threading.Event()  # set when the client leaves: the model stops next step
         task = self.start(job, steps.put_nowait, cancel)
@@ -386,14 +390,15 @@ class EngineServer:
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
-        if kept:
-            resp.headers[KEPT_HEADER] = str(kept)
         counted = False
         try:
+            first = [await steps.get()] if job.warm_key else []
+            if first and first[0] is not None:
+                resp.headers[KEPT_HEADER] = str(first[0].kept)
             await resp.prepare(request)
             for body in out.start():
                 await _sse(resp, body)
-            while (step := await steps.get()) is not None:
+            while (step := first.pop() if first else await steps.get()) is not None:
                 if out.stopped:  # a stop string ended it; the model stops next step
                     continue
                 piece = out.feed(step.token)

@@ -6,6 +6,7 @@ HTTP endpoint on a real engine process."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import urllib.error
@@ -356,3 +357,82 @@ def test_whole_warm_pasts_longer_than_a_graph_share_eager_steps(
         s.add(seq)
     plan = s.plan(graph_rows=40)
     assert plan is not None and plan.prefill == (conts[0],)
+
+
+def test_a_continuation_is_told_what_its_kept_past_spared_and_a_warm_it_replaced_fails(
+    tiny_model: Path, whole: list[int]
+) -> None:
+    """The engine's own HTTP server, in-process over the engine loop: a continuation
+    answers with KEPT_HEADER once its first step ran, the past kept under its key less
+    the prompt's last token. A warm prefill still queued when its continuation comes
+    gives way to it (the continuation then keeps nothing) and answers 503, not a 200
+    that would say its past is kept."""
+    from aiohttp import ClientSession, web
+
+    from engine.api import Limits
+    from engine.metrics import Metrics
+    from engine.server import EngineServer
+    from engine.tokenizer import load_tokenizer
+    from holdfast_contract.control import KEPT_HEADER
+
+    e = build_engine(tiny_model)
+    e.start()
+    past = [*PROMPT, *whole[:20]]
+    cont = {"prompt": [*past, *whole[20:23]], "max_tokens": 4, "ignore_eos": True}
+    cont |= {"stream": True, "return_token_ids": True}
+
+    async def continued(http: ClientSession, url: str, key: str) -> tuple[str, list[int]]:
+        async with http.post(url + "/v1/completions", json=cont | {"holdfast_warm": key}) as r:
+            assert r.status == 200, await r.text()
+            ids = []
+            for line in (await r.text()).splitlines():
+                if line.startswith("data: {"):
+                    ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
+            return r.headers.get(KEPT_HEADER, ""), ids
+
+    async def until_waiting(n: int) -> None:
+        for _ in range(6000):  # a deadline far above any machine's pace, polled
+            if e.stats().waiting == n:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"the engine never had {n} requests waiting")
+
+    async def main() -> None:
+        limits = Limits(vocab_size=512, max_model_len=512, max_tokens_cap=64)
+        server = EngineServer("e", "primary", 1, e, load_tokenizer(tiny_model), limits, Metrics())
+        server.bind(asyncio.get_running_loop())
+        server.ready()
+        runner = web.AppRunner(server.app())
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            async with ClientSession() as http:
+                async with http.post(
+                    url + "/holdfast/warm", json={"key": "a", "prompt": past}
+                ) as r:
+                    assert r.status == 200
+                assert await continued(http, url, "a") == (str(len(past)), whole[23:27])
+
+                gate = threading.Event()  # the model thread waits: the next warm is queued
+                busy = e.between_steps(lambda: gate.wait(60), forget=False)
+                warm = asyncio.ensure_future(
+                    http.post(url + "/holdfast/warm", json={"key": "b", "prompt": past})
+                )
+                await until_waiting(1)
+                going = asyncio.ensure_future(continued(http, url, "b"))
+                await until_waiting(2)
+                gate.set()
+                busy.result(timeout=60)
+                assert await going == ("0", whole[23:27])  # it computed its whole past
+                r = await warm
+                assert r.status == 503 and "cancelled" in (await r.json())["error"]["message"]
+                r.release()
+        finally:
+            await runner.cleanup()
+
+    try:
+        asyncio.run(main())
+    finally:
+        e.stop_followers()

@@ -410,7 +410,7 @@ def test_a_continuation_sent_before_the_promoted_engines_swap_is_admitted_to_the
     the model thread, busy here): a continuation arriving meanwhile, longer than the
     standby's own small cache holds, is admitted, is told the 40 positions the adopted
     cache keeps of it, and computes only what comes after them."""
-    from engine.job import Job
+    from engine.job import Job, Step
     from tests.engine.test_engine_batching import build_engine
 
     proc, layout = dead_primary(keeper, tiny_model)
@@ -428,12 +428,15 @@ def test_a_continuation_sent_before_the_promoted_engines_swap_is_admitted_to_the
         busy = engine.between_steps(lambda: gate.wait(60), forget=False)  # the model thread
         assert engine.promoted_cache(kv_key("dead")) == (1, "")
         prompt = tuple(range(1, 42))  # the 40 kept, then the last token its client got
-        assert engine.kept_for("s1", prompt) == 40
-        future = engine.submit(Job(prompt, 100, ignore_eos=True, warm_key="s1", kv_key="s1"))
+        steps: list[Step] = []
+        job = Job(prompt, 100, ignore_eos=True, warm_key="s1", kv_key="s1")
+        future = engine.submit(job, steps.append)
         assert engine.runner.cache is small  # nothing swapped yet
         gate.set()
         busy.result(timeout=60)
         assert len(future.result(timeout=120).tokens) == 100
+        # its first step says so (the engine's KEPT_HEADER); no other step does
+        assert [s.kept for s in steps[:2]] == [40, 0]
         assert engine.runner.cache is not small
         assert engine.stats().reused_tokens == 40  # prompt positions the adopted prefix spared
     finally:
