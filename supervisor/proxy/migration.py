@@ -103,7 +103,7 @@ class Stream:
     kept_at: dict[str, int] = field(default_factory=dict)
     warming: bool = False
     over: bool = False  # ended: its past is forgotten once no warm request is under way
-    kept: int = 0  # of those, what the continuation under way names
+    kept: int = 0  # what the engine of the continuation under way said it kept (KEPT_HEADER)
     kv_key: str = ""  # its key in the engines' shared KV caches (engines.kv_adopt)
 
     @property

@@ -100,7 +100,6 @@ class StreamRelay:
         cont = f.out.opened and st.wrote > 0
         path = migration.COMPLETIONS if cont else str(request.rel_url)
         key = self.warmer.key_for(st, target) if cont else ""
-        st.kept = self.warmer.kept(st, target) if key else 0
         body = st.continuation(key) if cont else st.first_body()
         headers = self.routes.headers(request, target)
         headers["Content-Type"] = "application/json"
@@ -131,8 +130,11 @@ class StreamRelay:
         if not streaming and cont:
             raise Refused(up.status, (await up.read()).decode(errors="replace")[:500])
         if f.out.opened:
-            # what the engine had kept of its past (it says so when it has: KEPT_HEADER)
-            f.st.kept = max(f.st.kept, _int(up.headers.get(KEPT_HEADER, "")))
+            # what the engine kept of its past: it says so (KEPT_HEADER) when it keeps
+            # pasts, knowing it once the continuation ran (a past still on its way may
+            # have been taken over, or not); an engine that does not say keeps none
+            said = up.headers.get(KEPT_HEADER, "")
+            f.st.kept = int(said) if said.isdigit() else 0
             await f.out.resumed(up, target)  # the stream goes on elsewhere
             return await self._pump(f, up, cont, bytearray())
         if not streaming and f.st.collect:
@@ -190,10 +192,6 @@ class StreamRelay:
             self.cuts.resumed(st, tokens)
         if len(st.emitted) > tokens:
             self.warmer.heard(st)
-
-
-def _int(text: str) -> int:
-    return int(text) if text.isdigit() else 0
 
 
 def _superseded(version: str, target: Target) -> bool:

@@ -167,23 +167,25 @@ class Warmer:
 
     def warm_on(self, heir: Target) -> bool:
         """Whether every stream under way has its past kept on `heir` (on the weights it
-        runs now) to within `every` tokens, or on its way there, but for those about to
-        end: a switch to it (a refit's, whose cut streams go on there) then costs each
-        stream only its last few tokens' prefill. A past kept long ago is not warm: a
-        stream whose prompt alone is kept would compute all it made since."""
+        runs now) to within `every` tokens, or a later past on its way there, but for
+        those about to end: a switch to it (a refit's, whose cut streams go on there) then
+        costs each stream only its last few tokens' prefill. A past kept long ago is not
+        warm: a stream whose prompt alone is kept would compute all it made since. Nor is
+        a first past still on its way: a continuation that comes before its prefill runs
+        takes its place (engine/scheduler.py), and then has nothing kept there."""
         for st in list(self._live.values()):
             if st.over:
                 continue
             left = st.left()
             if left is not None and left <= self.every // 2:
                 continue
-            if st.warmed_on != _kept_by(heir):
+            if st.warmed_on != _kept_by(heir) or not st.warmed:
                 return False
             if st.warming:
-                continue  # a prefill of its past under way there is taken over
+                continue  # a later past on its way; what is kept stays if it gives way
             # before its first chunk a stream's past is its prompt, whole when kept at all
             past = st.warmed if st.prompt_ids is None else len(st.prompt_ids) + len(st.emitted)
-            if not st.warmed or past - st.warmed > self.every:
+            if past - st.warmed > self.every:
                 return False
         return True
 

@@ -319,7 +319,8 @@ async def recording_heir() -> tuple[Any, int, list[dict[str, object]]]:
 def test_a_refits_switch_waits_for_every_stream_kept_to_within_warm_every() -> None:
     """`warm_on`, what a retrying refit's switch waits for: every stream under way counts,
     one heard while no heir was named and one that has sent no chunk yet too, and a past
-    kept long ago (the prompt alone) is not warm. (The heir is a real HTTP server.)"""
+    kept long ago (the prompt alone) is not warm, nor is a first past still on its way.
+    (The heir is a real HTTP server.)"""
 
     async def main() -> None:
         runner, port, _ = await recording_heir()
@@ -339,8 +340,16 @@ def test_a_refits_switch_waits_for_every_stream_kept_to_within_warm_every() -> N
         assert router.warmer.kept(heard, heir) == 12
         assert not view.warm_on(heir)  # the fresh stream's prompt is not there yet
         router.warmer.arrived(fresh)
+        # on its way is not kept: a continuation coming before its prefill runs takes
+        # its place, and would find nothing there
+        assert fresh.warming and not view.warm_on(heir)
         await asyncio.gather(*list(router.warmer._tasks))
         assert view.warm_on(heir)
+        heard.emitted += [7] * 4  # another past of `heard` on its way: what is kept stays
+        router.warmer.heard(heard)
+        assert heard.warming and view.warm_on(heir)
+        await asyncio.gather(*list(router.warmer._tasks))
+        assert router.warmer.kept(heard, heir) == 16
         heard.emitted += [7] * 5  # 5 tokens past what is kept: more than warm_every
         assert not view.warm_on(heir)
         await router.client().close()
