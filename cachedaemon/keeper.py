@@ -43,12 +43,14 @@ class _Escrow:
 
 
 class Keeper:
-    """Serves Deposit / Reclaim / Withdraw / ListPools on a unix socket from a thread."""
+    """Serves Deposit / Reclaim / Withdraw / ListPools, and engines' KV caches (DepositKV /
+    ReclaimKV / WithdrawKV / ListKV), on a unix socket from a thread."""
 
     def __init__(self, socket_path: str | Path, *, read_timeout: float = 5.0) -> None:
         self.socket_path = Path(socket_path)
         self._pools: dict[str, _Escrow] = {}
         self._kv: dict[str, list[int]] = {}  # engines' KV caches and ledgers, by key
+        self._kv_primary: set[str] = set()  # those deposited by a primary (ListKV)
         self._lock = threading.Lock()
         self._timeout = read_timeout
         self._server: FrameServer | None = None
@@ -83,6 +85,7 @@ class Keeper:
             for fds in self._kv.values():
                 wire.close_fds(fds)
             self._kv.clear()
+            self._kv_primary.clear()
 
     def __enter__(self) -> Keeper:
         return self.start()
@@ -111,10 +114,17 @@ class Keeper:
         with self._lock:
             return list(self._kv)
 
+    def kv_ident(self, key: str) -> str:
+        """Which cache the keeper holds under `key` now (`protocol.kv_ident`); "": none."""
+        with self._lock:
+            kv = self._kv.get(key)
+            return protocol.kv_ident(kv[0]) if kv is not None else ""
+
     def withdraw_kv(self, key: str) -> bool:
         """Drop an engine's KV cache and ledger from escrow; whether they were there."""
         with self._lock:
             gone = self._kv.pop(key, None)
+            self._kv_primary.discard(key)
         if gone is None:
             return False
         wire.close_fds(gone)
@@ -133,9 +143,13 @@ class Keeper:
             with self._lock:
                 old = self._kv.pop(msg.key, None)
                 self._kv[msg.key] = fds
+                if msg.primary:
+                    self._kv_primary.add(msg.key)
+                else:
+                    self._kv_primary.discard(msg.key)
             if old is not None:
                 wire.close_fds(old)
-            log.info("kv deposited", key=msg.key)
+            log.info("kv deposited", key=msg.key, primary=msg.primary)
             return protocol.Ok(), []
         wire.close_fds(fds)  # only a deposit carries fds
         if isinstance(msg, protocol.Reclaim):
@@ -160,6 +174,13 @@ class Keeper:
         if isinstance(msg, protocol.WithdrawKV):
             self.withdraw_kv(msg.key)
             return protocol.Ok(), []
+        if isinstance(msg, protocol.ListKV):
+            with self._lock:
+                held = [
+                    protocol.KVHeld(k, protocol.kv_ident(self._kv[k][0]))
+                    for k in sorted(self._kv_primary)
+                ]
+            return protocol.KVList(held), []
         if isinstance(msg, protocol.ListPools):
             return protocol.Pools(self.pools()), []
         return protocol.ErrorReply(f"the keeper does not answer {type(msg).__name__}"), []

@@ -9,6 +9,7 @@ This module imports neither torch nor anything that needs a GPU.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -124,9 +125,11 @@ class Ok(_Msg, frozen=True):
 
 class DepositKV(_Msg, frozen=True):
     """An engine's KV cache and its ledger (two memfds travel with this frame), kept under
-    `key` until withdrawn or deposited again (engine/kvshare.py)."""
+    `key` until withdrawn or deposited again (engine/kvshare.py). `primary`: its engine
+    serves as the primary (a standby holds its fds ahead of a promotion, ListKV)."""
 
     key: str
+    primary: bool = False
 
 
 class ReclaimKV(_Msg, frozen=True):
@@ -139,6 +142,26 @@ class KVReclaimed(_Msg, frozen=True):
 
 class WithdrawKV(_Msg, frozen=True):
     key: str
+
+
+class ListKV(_Msg, frozen=True):
+    """The primaries' KV caches the keeper holds (`DepositKV.primary`)."""
+
+
+class KVHeld(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    key: str
+    ident: str  # which cache: `kv_ident` of its fd (a new deposit under `key` changes it)
+
+
+class KVList(_Msg, frozen=True):
+    caches: list[KVHeld]
+
+
+def kv_ident(fd: int) -> str:
+    """Which file `fd` is ("device:inode"): equal for every dup of it, in any process, and
+    no other file's while one of them is open."""
+    st = os.fstat(fd)
+    return f"{st.st_dev}:{st.st_ino}"
 
 
 Message = (
@@ -162,6 +185,8 @@ Message = (
     | ReclaimKV
     | KVReclaimed
     | WithdrawKV
+    | ListKV
+    | KVList
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -66,7 +66,7 @@ class AgentClient:
         self._load = load or _no_load
         self._state = "starting"
         self._on_promote: list[PromoteCb] = []
-        self._on_adopt: list[Callable[[str], Adopted]] = []
+        self._on_adopt: list[Callable[[str, str], Adopted]] = []
         self._on_drain: list[DrainCb] = []
         self._on_stop: list[StopCb] = []
         self._on_refit: list[RefitCb] = []
@@ -102,8 +102,8 @@ class AgentClient:
         )
 
     # ---- callbacks ----
-    def on_adopt(self, cb: Callable[[str], Adopted]) -> None:
-        """`cb(kv)` runs on this thread before a Promote's other callbacks and its ack:
+    def on_adopt(self, cb: Callable[[str, str], Adopted]) -> None:
+        """`cb(kv, kv_ident)` runs on this thread before a Promote's other callbacks and its ack:
         the router sends the promoted engine nothing before the ack. What it says of a
         dead engine's KV cache (`Adopted`) goes back in the ack."""
         self._on_adopt.append(cb)
@@ -260,7 +260,7 @@ class AgentClient:
         try:
             if isinstance(cmd, wire.Promote):
                 for a in self._on_adopt:
-                    kv = a(cmd.kv)
+                    kv = a(cmd.kv, cmd.kv_ident)
                 self.epoch = cmd.epoch
                 self.role = "primary"
                 for p in self._on_promote:

@@ -94,6 +94,8 @@ class BatchEngine:
         # default 5 ms switch interval would let the HTTP thread hold the GPU idle.
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._thread.start()
+        if self.home is not None and self.shared is None:  # a standby: until promoted
+            self.home.hold_ahead()
 
     def submit(
         self, job: Job, on_step: OnStep | None = None, cancel: threading.Event | None = None
@@ -207,11 +209,12 @@ class BatchEngine:
         self._wake.set()
         return done
 
-    def promoted_cache(self, dead: str) -> tuple[int | None, str]:
+    def promoted_cache(self, dead: str, ident: str = "") -> tuple[int | None, str]:
         """Promoted: a standby of a shared cache (`home`) serves from the one `dead` (a
-        dead primary's key in the keeper, "" for none) left, adopted, or else a fresh
-        one of its own, from the next step on. The streams taken over (None: none, and
-        why; None and "": not asked).
+        dead primary's key in the keeper, "" for none; `ident`: which cache the keeper
+        held there, `Promote.kv_ident`) left, adopted, or else a fresh one of its own,
+        from the next step on. The streams taken over (None: none, and why; None and "":
+        not asked).
 
         Only the checks are waited for here (the keeper's fds, the ledger, the writer's
         death). The swap, and on a GPU the mapping into the engine's range, run on the
@@ -230,7 +233,11 @@ class BatchEngine:
         if space is not None:  # the standby's own pages go on the model thread meanwhile
             self.between_steps(space.unmap, forget=False)
         try:
-            claimed, why = home.claim(dead) if dead else (None, "")
+            if dead:
+                claimed, why = home.claim(dead, ident)
+            else:
+                claimed, why = None, ""
+                home.let_go()
         except Exception as e:  # whatever it is, the engine serves from a cache of its own
             log.exception("kv cache not claimed", dead=dead)
             claimed, why = None, f"its claim failed: {e}"
@@ -259,7 +266,7 @@ class BatchEngine:
         """The cache is served from: into the keeper beside serving (the router waits for
         the promotion, not for this)."""
         threading.Thread(
-            target=home.deposit, args=(took.shared,), name="kv-deposit", daemon=True
+            target=lambda: home.deposit(took.shared, primary=True), name="kv-deposit", daemon=True
         ).start()
         log.info(
             "kv cache in use",

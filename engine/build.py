@@ -105,7 +105,7 @@ def build_llama(
         home.withdraw()
         cache = home.standby_cache(STANDBY_TOKENS)
     else:
-        shared = home.fresh()
+        shared = home.fresh(primary=cfg.role == "primary")
         cache = home.cache(shared)
     runner = Runner(
         module, device, cache, max_batch=cfg.max_batch, max_len=max_len, cuda_graphs=cfg.cuda_graphs

@@ -13,7 +13,8 @@ then makes it current, so a writer killed halfway leaves the last whole ledger.
 
 A standby keeps a KV cache of STANDBY_TOKENS only (warm-up and probes) while it stands
 by. Promoted after the primary's death (`Promote.kv` names that primary's key), it
-reclaims the dead engine's cache and ledger from the keeper and `adopt`s them: the
+takes the dead engine's cache and ledger (held ahead, engine/kvahead.py, or else
+reclaimed from the keeper then) and `adopt`s them: the
 layout (shapes, dtype, model) must be its own, and the process that wrote them must run
 no user code any more (killed, exiting or gone, as the supervisor's fence sees it:
 holdfast_contract/procfs.py), else it is not adopted. Each ledger
@@ -46,6 +47,7 @@ import structlog
 import torch
 
 from engine.errors import EngineError
+from engine.kvahead import Ahead
 from engine.kvcache import KVCache
 from engine.kvcuda import CudaSpace, standby_spans
 from holdfast_contract.agent_protocol import kv_key
@@ -357,6 +359,14 @@ class Home:
         self.device = device if device is not None else torch.device("cpu")
         # on a GPU: the one address range every cache of this engine is mapped into
         self._space: CudaSpace | None = None
+        # a standby's: the primaries' caches held ahead of a promotion (engine/kvahead.py)
+        self.ahead: Ahead | None = None
+
+    def hold_ahead(self) -> None:
+        """A standby holds every primary's cache the keeper keeps, until it is promoted."""
+        if self.ahead is None:
+            self.ahead = Ahead(self.keeper, self.key)
+            self.ahead.start()
 
     @property
     def space(self) -> CudaSpace | None:
@@ -385,11 +395,11 @@ class Home:
         """A new cache of our own, not deposited yet."""
         return SharedKV.create(self.layout, self.max_batch, self.max_len, self.space)
 
-    def fresh(self) -> SharedKV:
+    def fresh(self, *, primary: bool) -> SharedKV:
         """A new cache of our own, deposited (a keeper that does not answer: logged, and
-        the cache is ours alone)."""
+        the cache is ours alone); `primary`: this engine serves as the primary."""
         shared = self.new()
-        self.deposit(shared)
+        self.deposit(shared, primary=primary)
         return shared
 
     def cache(self, shared: SharedKV) -> KVCache:
@@ -411,13 +421,16 @@ class Home:
             usable=usable,
         )
 
-    def deposit(self, shared: SharedKV) -> None:
+    def deposit(self, shared: SharedKV, *, primary: bool) -> None:
+        """`shared` into the keeper under our key; a primary's is held by the standbys
+        ahead of a promotion (engine/kvahead.py)."""
         from cachedaemon import protocol
         from cachedaemon.errors import CacheError
         from holdfast_contract.errors import ProtocolError
 
+        msg = protocol.DepositKV(self.key, primary=primary)
         try:
-            reply, fds = protocol.call(self.keeper, protocol.DepositKV(self.key), shared.fds)
+            reply, fds = protocol.call(self.keeper, msg, shared.fds)
         except (CacheError, ProtocolError, OSError) as e:
             log.warning("kv cache not deposited", keeper=self.keeper, error=str(e))
             return
@@ -438,20 +451,28 @@ class Home:
         except (CacheError, ProtocolError, OSError) as e:
             log.warning("kv cache not withdrawn", keeper=self.keeper, error=str(e))
 
-    def take_over(self, dead: str) -> tuple[Adopted, str]:
+    def take_over(self, dead: str, ident: str = "") -> tuple[Adopted, str]:
         """The cache and ledger the keeper holds under `dead` (a dead engine's key),
         adopted and mapped; else a new cache and why not. Not deposited yet (`deposit`).
         On a GPU this maps into the engine's range: the model thread's work."""
-        took, why = self.claim(dead)
+        took, why = self.claim(dead, ident)
         return self.place(took, why)
 
-    def claim(self, dead: str) -> tuple[Adopted | None, str]:
+    def let_go(self) -> None:
+        """Promoted (or leaving): nothing is held ahead any more."""
+        if self.ahead is not None:
+            self.ahead.take("", "")
+
+    def claim(self, dead: str, ident: str = "") -> tuple[Adopted | None, str]:
         """The cache and ledger the keeper holds under `dead`, checked and claimed, but on
         a GPU not mapped yet (`place`, on the model thread); None and why not if they
-        cannot be adopted. No device work: any thread."""
+        cannot be adopted. No device work: any thread. `ident`: which cache the keeper
+        held under `dead` when the promotion was decided (`Promote.kv_ident`): if that is
+        the one held ahead, the keeper is not asked."""
         t0 = time.perf_counter()
+        held = self.ahead.take(dead, ident) if self.ahead is not None else None
         try:
-            fds = self._reclaim(dead)
+            fds = held if held is not None else self._reclaim(dead)
             t1 = time.perf_counter()
             took = adopt(fds, self.layout, self.space, place=False)
         except NotAdopted as e:
@@ -463,6 +484,7 @@ class Home:
             streams=len(took.entries),
             tokens=sum(len(e.tokens) for e in took.entries),
             held=len(took.held),
+            ahead=held is not None,  # its fds were held ahead: the keeper was not asked
             reclaim_ms=round((t1 - t0) * 1e3, 2),
             adopt_ms=round((time.perf_counter() - t1) * 1e3, 2),
         )

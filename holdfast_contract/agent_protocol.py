@@ -79,6 +79,9 @@ class Promote(_Msg, frozen=True):
     # the dead primary's KV cache in the keeper (engine/kvshare.py), to take over before
     # the ack; "": none (the engine takes a fresh cache if it shares one)
     kv: str = ""
+    # which cache the keeper held under `kv` when the promotion was decided: a standby
+    # that holds that one already (engine/kvahead.py) asks the keeper nothing
+    kv_ident: str = ""
 
 
 class Drain(_Msg, frozen=True):

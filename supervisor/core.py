@@ -68,6 +68,9 @@ class Crew(Failover):
         )
 
     # ---- agent messages ----
+    def kv_held(self, key: str) -> str:
+        return self.daemons.kv_ident(key)
+
     def _engine_for(self, name: str) -> tuple[Engine, Incarnation] | None:
         e = self.engines.get(name)
         if e is None or e.inc is None or e.inc.handled:

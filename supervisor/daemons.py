@@ -266,6 +266,10 @@ class CacheDaemons:
         )
         self.term.wake.set()
 
+    def kv_ident(self, key: str) -> str:
+        """Which KV cache the keeper holds under `key` now ("": none, or no keeper)."""
+        return self.keeper.kv_ident(key) if self.keeper is not None else ""
+
     def drop_kv(self, engine: str) -> None:
         """What the keeper holds of `engine`'s shared KV cache (engines.kv_adopt) goes: the
         engine left for good."""

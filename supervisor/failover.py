@@ -255,9 +255,15 @@ class Failover(Roster):
         """Tell `p` to serve at the current epoch (taking over the KV cache the keeper
         holds under `kv`, if any) and route to it (the router waits for its ack if it
         was told); whether it was told."""
-        told = self.hub.send(p.name, Promote(epoch=self.epoch, kv=kv))
+        ident = self.kv_held(kv) if kv else ""
+        told = self.hub.send(p.name, Promote(epoch=self.epoch, kv=kv, kv_ident=ident))
         self.view.set(Target(p.name, p.port, self.epoch, version=p.version), await_ack=told)
         return told
+
+    def kv_held(self, key: str) -> str:
+        """Which KV cache the keeper holds under `key` now (`Promote.kv_ident`: a standby
+        holding that one already takes it without asking the keeper); "" where unknown."""
+        return ""
 
     def raise_epoch(self, floor: int, *, cluster_epoch: int) -> None:
         """A new epoch from the fleet (this node's term `cluster_epoch` won or resumed):

@@ -98,4 +98,6 @@ class Daemons(Protocol):
 
     def before_handout(self, engine: str) -> None: ...
 
+    def kv_ident(self, key: str) -> str: ...  # which KV cache the keeper holds under `key`
+
     def drop_kv(self, engine: str) -> None: ...  # its shared KV cache, out of the keeper

@@ -131,6 +131,9 @@ class NoDaemons:
     def before_handout(self, engine: str) -> None:
         pass
 
+    def kv_ident(self, key: str) -> str:
+        return ""
+
     def drop_kv(self, engine: str) -> None:
         pass
 

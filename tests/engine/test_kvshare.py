@@ -21,6 +21,7 @@ import torch
 from cachedaemon import protocol
 from cachedaemon.keeper import Keeper
 from engine.errors import EngineError
+from engine.kvahead import Ahead
 from engine.kvcache import BlockAllocator
 from engine.kvshare import (
     Entry,
@@ -50,7 +51,7 @@ WRITER = textwrap.dedent(
     from engine.kvshare import Entry, Home, Layout
     layout = Layout(2, 12, 16, 2, 8, "float32", "m")
     home = Home(sys.argv[1], "writer", layout, 1, 4, 64)
-    shared = home.fresh()
+    shared = home.fresh(primary=True)
     k, v = shared.tensors()
     k.fill_(1.5)
     v.fill_(-2.0)
@@ -168,6 +169,74 @@ def test_a_home_without_a_keeper_serves_a_fresh_cache(tmp_path: Path) -> None:
     assert took.entries == [] and took.held == [] and "does not answer" in why
 
 
+def test_a_standby_adopts_the_cache_it_held_ahead_without_asking_the_keeper(
+    keeper: Keeper,
+) -> None:
+    """A standby holds the primaries' caches the keeper keeps (engine/kvahead.py; one
+    round here, the engine runs one every PERIOD_S). Promoted after the writer's death,
+    named the cache the keeper held (`Promote.kv_ident`), it adopts the one it holds:
+    the keeper is gone by then, so it asked nothing. A cache deposited by an engine that
+    is not a primary is not held; a deposit since under a held key is taken again."""
+    path = str(keeper.socket_path)
+    proc = writer(keeper)  # a primary's cache under kv/writer
+    batch = Home(path, "batch", LAYOUT, 1, 4, 64).fresh(primary=False)
+    standby = Home(path, "standby", LAYOUT, 1, 4, 64)
+    standby.ahead = Ahead(path, standby.key)
+    standby.ahead.refresh()
+    assert standby.ahead.keys == [kv_key("writer")]
+    ident = keeper.kv_ident(kv_key("writer"))
+    end(proc)
+    keeper.close()
+    took, why = standby.claim(kv_key("writer"), ident)
+    assert why == "" and took is not None
+    assert took.entries[-1] == Entry("b", list(range(20)), [5, 7])
+    assert took.writer[0] == proc.pid
+    took.shared.close()
+    batch.close()
+
+
+def test_a_cache_held_ahead_that_is_not_the_one_named_is_not_adopted(keeper: Keeper) -> None:
+    """The writer deposits again under its key after the standby's round: the promotion
+    names the new cache, so the one held is let go and the keeper asked (gone here: no
+    adoption, and why)."""
+    path = str(keeper.socket_path)
+    first = Home(path, "writer", LAYOUT, 1, 4, 64).fresh(primary=True)
+    standby = Home(path, "standby", LAYOUT, 1, 4, 64)
+    standby.ahead = Ahead(path, standby.key)
+    standby.ahead.refresh()
+    held = standby.ahead._held[kv_key("writer")][0]
+    second = Home(path, "writer", LAYOUT, 1, 4, 64).fresh(primary=True)
+    ident = keeper.kv_ident(kv_key("writer"))
+    assert ident != held
+    keeper.close()
+    took, why = standby.claim(kv_key("writer"), ident)
+    assert took is None and "does not answer" in why
+    assert standby.ahead.keys == []  # promoted: nothing held any more
+    first.close()
+    second.close()
+
+
+def test_a_standbys_round_lets_go_of_what_the_keeper_let_go_and_takes_a_new_deposit(
+    keeper: Keeper,
+) -> None:
+    path = str(keeper.socket_path)
+    standby = Home(path, "standby", LAYOUT, 1, 4, 64)
+    standby.ahead = Ahead(path, standby.key)
+    old = Home(path, "e1", LAYOUT, 1, 4, 64).fresh(primary=True)
+    standby.ahead.refresh()
+    was = standby.ahead._held[kv_key("e1")][0]
+    new = Home(path, "e1", LAYOUT, 1, 4, 64).fresh(primary=True)
+    own = Home(path, "standby", LAYOUT, 1, 4, 64).fresh(primary=True)  # its own: never held
+    standby.ahead.refresh()
+    assert standby.ahead.keys == [kv_key("e1")]
+    assert standby.ahead._held[kv_key("e1")][0] == keeper.kv_ident(kv_key("e1")) != was
+    assert keeper.withdraw_kv(kv_key("e1"))
+    standby.ahead.refresh()
+    assert standby.ahead.keys == []
+    for shared in (old, new, own):
+        shared.close()
+
+
 class ListAllocator:
     """The allocator as a plain list of free ids (what BlockAllocator was): low ids first,
     blocks given back handed out again first."""
@@ -220,7 +289,7 @@ LOOPING = textwrap.dedent(
     import sys
     from engine.kvshare import Entry, Home, Layout
     layout = Layout(2, 12, 16, 2, 8, "float32", "m")
-    shared = Home(sys.argv[1], "writer", layout, 1, 4, 64).fresh()
+    shared = Home(sys.argv[1], "writer", layout, 1, 4, 64).fresh(primary=True)
     i = 0
     while True:
         n = i % 10 + 1
@@ -373,7 +442,7 @@ DEAD = textwrap.dedent(
     import sys, time
     from engine.kvshare import Entry, Home, Layout
     layout = Layout(*(int(x) for x in sys.argv[2].split(",")[:5]), "float32", "m")
-    shared = Home(sys.argv[1], "dead", layout, 4, 16, 512).fresh()
+    shared = Home(sys.argv[1], "dead", layout, 4, 16, 512).fresh(primary=True)
     shared.write([Entry("s1", list(range(1, 41)), [0, 1, 2])], [0, 1, 2])
     print("written", flush=True)
     time.sleep(600)

@@ -30,7 +30,7 @@ WRITER = textwrap.dedent(
     from engine.kvshare import Entry, Home, Layout
     layout = Layout(4, 2399, 16, 8, 128, "bfloat16", "m")
     home = Home(sys.argv[1], "writer", layout, 600, 4, 64, torch.device("cuda:0"))
-    shared = home.fresh()
+    shared = home.fresh(primary=True)
     k, v = shared.tensors()
     k.fill_(1.5)
     v.fill_(-2.0)
@@ -80,7 +80,7 @@ def test_a_standby_adopts_a_dead_writers_gpu_cache_under_its_captured_graph(
             torch.cuda.synchronize()
             assert out.tolist() == [1.5, -2.0, 1.5]
             assert bool((adopted.v == -2.0).all())
-            home.deposit(took.shared)  # the adopter's to hand on at its own death
+            home.deposit(took.shared, primary=True)  # the adopter's to hand on at its own death
             reply, fds = protocol.call(
                 str(keeper.socket_path), protocol.ReclaimKV(kv_key("standby")), max_fds=2
             )

@@ -10,9 +10,14 @@ Real `supervisor run`, engines and keeper on the tiny checkpoint; sizes in token
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tests.engines.harness import Event, Supervisor, get
 from tests.supervisor.proxy.test_router_streams import (
@@ -32,6 +37,24 @@ from tests.supervisor.proxy.test_router_warm import engine_metric
 ENGINES = {"command": ENGINE, "ready_timeout_s": 120, "stop_grace_s": 5.0, "kv_adopt": True}
 
 
+def lines(log: Path) -> list[dict[str, Any]]:
+    """An engine's JSON log, line by line (what is not JSON left out)."""
+    out = []
+    for line in log.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
+def until(done: Callable[[], bool], timeout: float = 60) -> None:
+    """Until `done()` (another process's log, with nothing to wait on: polled, under a
+    deadline far above any machine's pace)."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "never came"
+        time.sleep(0.02)
+
+
 def sent_before_cut(events: list[bytes]) -> int:
     """Token ids the client had before the stream moved (the router's `: migrated`)."""
     cut = next(i for i, e in enumerate(events) if e.startswith(b": migrated"))
@@ -47,6 +70,11 @@ def adopted(sup: Supervisor, stop: int) -> Event:
     primary = get(f"{sup.api}/primary")[1]
     standby = get(f"{sup.api}/standby")[1][0]
     before = engine_metric(standby["port"], "holdfast_engine_reused_prompt_tokens_total")
+    # the standby holds the primary's cache ahead (engine/kvahead.py): its promotion
+    # then asks the keeper nothing
+    log = sup.run / "logs" / f"{standby['name']}.0.log"
+    held = {"event": "kv cache held ahead", "key": f"kv/{primary['name']}"}
+    until(lambda: any(held.items() <= x.items() for x in lines(log)))
     mark = sup.tap.mark()
     events: list[bytes] = []
     for data in stream(sup.router, prompt_token_ids=PROMPT, max_tokens=TOKENS):
@@ -71,8 +99,8 @@ def adopted(sup: Supervisor, stop: int) -> Event:
     stalls = get_text(f"{sup.api}/metrics")
     line = 'holdfast_supervisor_router_stream_stall_seconds_count{continued="adopted"} 1.0'
     assert line in stalls.splitlines()
-    log = (sup.run / "logs" / f"{standby['name']}.0.log").read_text()
-    assert "kv cache adopted" in log and "not adopted" not in log
+    said = [x for x in lines(log) if x.get("event") == "kv cache adopted"]
+    assert [x["ahead"] for x in said] == [True] and "not adopted" not in log.read_text()
     assert len(chunks(events)) > CUT_AFTER
     return promoted
 
