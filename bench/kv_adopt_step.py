@@ -5,9 +5,12 @@ streams on a shared KV cache (engine/kvshare.py) until each has `--tokens` token
 ledger is read then. Engine B, a standby with a small cache of its own, then either takes
 A's cache over (`adopt`: a second mapping of the same memfd, as a promoted engine's is, and
 the ledger's entries kept for the streams) or keeps a full cache of its own (`replay`),
-and gets each stream's continuation (its prompt, the tokens in the ledger and one more, as
-the router sends it). Timed: from the continuations' submission to the first token of the
-last one, and the step that prefilled them. `--trials` times each, alternating.
+and gets each stream's continuation (its prompt, the tokens in the ledger and the last one
+sampled, as the router sends it when its client got every token). Adopting, B prefills
+each stream's last token as it takes the cache over, and each continuation's first token
+is the one that prefill sampled (engine/batcher.py `_ahead`). Timed: from the
+continuations' submission to the first token of the last one, and the last step.
+`--trials` times each, alternating.
 
     PYTHONPATH=. python bench/kv_adopt_step.py --model-dir /tmp/models/tiny --out kv_adopt_step.json
 """
@@ -124,7 +127,7 @@ def continue_on(
         return lambda _: firsts.setdefault(key, time.perf_counter() - t0)
 
     futures = [
-        b.submit(Job((*e.tokens, 1), 4, ignore_eos=True, warm_key=e.key), first(e.key))
+        b.submit(Job((*e.tokens, sampled(e)), 4, ignore_eos=True, warm_key=e.key), first(e.key))
         for e in entries
     ]
     for f in futures:
@@ -132,6 +135,11 @@ def continue_on(
     step_ms = b.stats().step_ms
     b.stop_followers()
     return {"first_tokens_ms": round(max(firsts.values()) * 1e3, 3), "last_step_ms": step_ms}
+
+
+def sampled(e: Entry) -> int:
+    assert e.sampled is not None, "the ledger names no token sampled last"
+    return e.sampled.token
 
 
 def engine_cache(model_dir: Path, kv_mb: int, shared: SharedKV) -> KVCache:

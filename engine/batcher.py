@@ -44,11 +44,11 @@ import structlog
 import torch
 
 from engine.errors import BadRequest, EngineError
-from engine.job import Generation, Job, OnStep, Stats, Step
+from engine.job import TOP_LOGPROBS_MAX, Generation, Job, OnStep, Stats, Step
 from engine.kvcache import BlockAllocator, KVCache, blocks_for
 from engine.kvshare import Adopted, Entry, Home, SharedKV, wait_exited
 from engine.runner import Runner
-from engine.scheduler import Plan, Scheduler, Seq
+from engine.scheduler import Plan, Scheduler, Seq, held_back
 
 log = structlog.get_logger("engine.batcher")
 Post = Callable[[Callable[[], None]], object]
@@ -305,8 +305,9 @@ class BatchEngine:
         self.scheduler.forget_all()
         self.runner.cache = cache
         self.scheduler.allocator = BlockAllocator(cache.usable)
-        self.scheduler.adopt([(e.key, e.tokens, e.blocks) for e in took.entries])
+        self.scheduler.adopt([(e.key, e.tokens, e.blocks, e.sampled) for e in took.entries])
         self.scheduler.allocator.reserve(took.held)
+        self._ahead(took.entries)
         self.shared = took.shared
         self._covered = set()
         self._blocks_ahead = None
@@ -317,6 +318,28 @@ class BatchEngine:
                 name="kv-held",
                 daemon=True,
             ).start()
+
+    def _ahead(self, entries: list[Entry]) -> None:
+        """Each adopted stream's last sampled token (`Entry.sampled`) prefilled now, in one
+        step, under its key, ahead of its continuation: one that comes with exactly that
+        past computes nothing (engine/scheduler.py `Kept.step`); one that comes before the
+        step ends (or came before the swap) waits for it (`scheduler.held_back`). Under
+        the lock."""
+        for e in entries:
+            if e.sampled is None:
+                continue
+            seq = Seq(
+                (*e.tokens, e.sampled.token),
+                1,
+                top_logprobs=TOP_LOGPROBS_MAX,
+                ignore_eos=True,
+                warm_key=e.key,
+                warming=True,
+                ahead=True,
+            )
+            self.scheduler.add(seq)
+            self._requests[seq.id] = Request(seq, None)
+        self._wake.set()
 
     def release_held(
         self, allocator: BlockAllocator, held: list[int], writer: tuple[int, int | None]
@@ -363,6 +386,8 @@ class BatchEngine:
                     self.scheduler.reap(self._done_now)
                     gather = self._gathering()
                     plan = None if gather else self.scheduler.plan(self.runner.graph_rows)
+                    if plan is not None and plan.ready:
+                        self._first(plan.ready)
             if swapping:  # a promotion's cache is on its way: nothing runs on this one
                 self._flush()
                 self._wake.wait()
@@ -372,6 +397,9 @@ class BatchEngine:
                 self._flush()
                 self._wake.wait(gather)
                 self._wake.clear()
+                continue
+            if plan is not None and not plan.seqs:  # only continuations' first tokens
+                self._flush()
                 continue
             if plan is None:
                 self._flush()
@@ -399,12 +427,44 @@ class BatchEngine:
                         self._write_ledger([])
             done.set_result(None)
 
+    def _first(self, ready: tuple[tuple[Seq, Step], ...]) -> None:
+        """Continuations admitted with their first token computed already: it goes out
+        now, before any step (they decode from the next). Under the lock."""
+        out: list[Callable[[], None]] = []
+        seqs = tuple(seq for seq, _ in ready)
+        for seq, step in ready:
+            self._tell(out, seq, step)
+
+        def done(seq: Seq) -> None:
+            out.append(self._finisher(seq))
+
+        self.scheduler.record(Plan(decode=seqs), [step for _, step in ready], done)
+        self._reused += sum(seq.cached for seq in seqs)
+        if self.shared is not None:  # they run: the ledger names them from now on
+            self._write_ledger([Entry(*e) for e in self.scheduler.ledger()])
+        self._pending += out
+        log.info(
+            "continued",
+            streams=len(seqs),
+            kept=sum(seq.cached for seq in seqs),
+            fresh=0,
+            ready=len(seqs),  # their first token was computed ahead: no step for it
+            waited_ms=round((time.monotonic() - min(seq.queued for seq in seqs)) * 1e3, 1),
+        )
+
     def _gathering(self) -> float:
         """Seconds to wait for more of what arrives together before the next step (0: step
-        now): continuations, or warm prefills while they are all there is to run."""
+        now): continuations (but those whose first token is computed already), or warm
+        prefills while they are all there is to run (but an adopted stream's, `_ahead`,
+        which come all at once)."""
         s = self.scheduler
-        queued = [seq.queued for seq in s.waiting if seq.continues]
-        if not queued and not s.running and all(seq.warming for seq in s.waiting):
+        aheads = s.aheads()
+        queued = [
+            seq.queued
+            for seq in s.waiting
+            if seq.continues and not s.has_first(seq) and not held_back(seq, aheads)
+        ]
+        if not queued and not s.running and all(seq.warming and not seq.ahead for seq in s.waiting):
             queued = [seq.queued for seq in s.waiting]
         if not queued:
             return 0.0
@@ -433,7 +493,7 @@ class BatchEngine:
                 self._write_ledger([Entry(*e) for e in self.scheduler.ledger()])
             self._step_ms = (time.perf_counter() - t0) * 1e3
             self._steps += 1
-            self._reused += sum(seq.cached for seq in plan.prefill)
+            self._reused += sum(seq.cached for seq in plan.prefill if not seq.ahead)
         self._pending += out  # out with the next step's launch, or when the loop idles
         continued = [seq for seq in plan.prefill if seq.continues]
         if continued:  # a failover's cost on this engine, for whoever reads its log

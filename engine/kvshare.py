@@ -47,6 +47,7 @@ import structlog
 import torch
 
 from engine.errors import EngineError
+from engine.job import Step
 from engine.kvahead import Ahead
 from engine.kvcache import KVCache
 from engine.kvcuda import CudaSpace, standby_spans
@@ -98,6 +99,8 @@ class Entry(msgspec.Struct, frozen=True, array_like=True):
     key: str  # the stream's, as the router names it
     tokens: list[int]  # the ids of the positions whose keys and values are complete
     blocks: list[int]  # its block table
+    # the last token sampled (after `tokens`), its keys and values not written yet
+    sampled: Step | None = None
 
 
 class Slot(msgspec.Struct, frozen=True, array_like=True):

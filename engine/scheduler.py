@@ -17,6 +17,14 @@ the tokens after them (`Seq.cached`), so a promoted standby resumes a migrated s
 without computing its whole past again. Kept prefixes give their blocks back when told
 (`forget`), when their continuation takes them, when a request needs the blocks (least
 recently warmed first), or after `WARM_TTL_S` unused.
+
+A warm prefill also keeps the token it sampled after the past (`Kept.step`), and an
+adopted stream's past (a dead engine's ledger, engine/kvshare.py) the token its engine
+sampled last. A continuation whose prompt is that past exactly (its client has every
+token the past holds), or the past less its last token (`Kept.last`), computes nothing:
+the token sampled after its prompt is its first, sent as it is admitted (`Plan.ready`),
+and it decodes from the next step. A promoted engine that adopted a dead engine's cache
+prefills each stream's last sampled token, ahead of its continuation (`Seq.ahead`).
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ class Seq:
         warm_key: str = "",
         warming: bool = False,
         kv_key: str = "",
+        ahead: bool = False,
     ) -> None:
         self.id = next(_ids)
         self.prompt, self.max_tokens = prompt, max_tokens
@@ -65,6 +74,12 @@ class Seq:
         # a prefill only, whose blocks are kept under the key when it ends)
         self.warm_key, self.warming = warm_key, warming
         self.kv_key = kv_key  # its stream's key in a shared cache's ledger (engine/kvshare.py)
+        # a warm prefill of an adopted stream's past and last token, ahead of its
+        # continuation: never gathered with others (it is all that will come)
+        self.ahead = ahead
+        # a warm prefill's: the step that sampled its prompt's last token, if the past it
+        # took over kept it (`Kept.last`)
+        self.prior: Step | None = None
         self.cached = 0  # leading prompt positions whose keys and values are in `blocks`
         self.queued = time.monotonic()
 
@@ -94,18 +109,39 @@ class Seq:
 
 
 class Kept(msgspec.Struct):
-    """A warm prefix: its tokens, the blocks holding their keys and values, when last used."""
+    """A warm prefix: its tokens, the blocks holding their keys and values, when last used;
+    the token sampled after them (`step`; None: not kept), with the top alternatives
+    asked for then, and the one that sampled their last token (`last`)."""
 
     tokens: tuple[int, ...]
     blocks: list[int]
     used: float
+    step: Step | None = None
+    last: Step | None = None
+
+    def first_of(self, seq: Seq) -> Step | None:
+        """`seq`'s first token, if it was sampled already: `seq`'s prompt is the past (its
+        first is `step`) or the past less its last token (`last`), and it asks no more
+        alternatives than were kept."""
+        if seq.prompt == self.tokens:
+            step = self.step
+        elif seq.prompt == self.tokens[:-1]:
+            step = self.last
+        else:
+            return None
+        if step is None or seq.top_logprobs > len(step.top):
+            return None
+        return msgspec.structs.replace(step, top=step.top[: seq.top_logprobs])
 
 
 class Plan(msgspec.Struct, frozen=True):
-    """One step: prompts to prefill (newly admitted) and requests to decode (running)."""
+    """One step: prompts to prefill (newly admitted) and requests to decode (running);
+    and, computed already, the first token of continuations admitted with nothing to
+    compute (`Kept.first_of`): out before the step, decoding from the next one."""
 
     prefill: tuple[Seq, ...] = ()
     decode: tuple[Seq, ...] = ()
+    ready: tuple[tuple[Seq, Step], ...] = ()
 
     @property
     def seqs(self) -> tuple[Seq, ...]:
@@ -149,8 +185,9 @@ class Scheduler:
                 f"(the engine's --max-waiting); retry later"
             )
         if seq.warm_key and not seq.warming:  # its past is what it brings: keep no more of it
-            for other in self.waiting:
-                if other.warming and other.warm_key == seq.warm_key:
+            for other in self.waiting:  # (but one it waits for: `held_back`)
+                mine = other.warming and other.warm_key == seq.warm_key
+                if mine and not (other.ahead and other.prompt == seq.prompt):
                     other.cancel.set()
         self.waiting.append(seq)
 
@@ -183,17 +220,26 @@ class Scheduler:
         with llama-8b), not as one eager step (26 ms for 16 streams' 163 tokens)."""
         decode = tuple(self.running)
         admitted: list[Seq] = []
+        ready: list[tuple[Seq, Step]] = []
         budget = self.prefill_tokens
         rows = len(decode)
         self._expire(time.monotonic())
-        queue = [seq for seq in self.waiting if seq.continues] or list(self.waiting)
+        aheads = self.aheads()
+        free = [seq for seq in self.waiting if not held_back(seq, aheads)]
+        queue = [seq for seq in free if seq.continues] or free
         for head in queue:
             if len(self.running) + len(admitted) >= self.max_running:
                 break
             kept = self._kept_for(head)
-            have = len(kept.blocks) if kept is not None else 0
-            need = blocks_for(head.kv_tokens, self.block_size) - have
-            fresh = len(head.prompt) - (kept_len(kept, head) if kept is not None else 0)
+            first = kept.first_of(head) if kept is not None else None
+            if first is not None:
+                if not self._admit(head, kept, len(head.prompt)):
+                    break
+                self.running.append(head)  # decodes from the next step
+                ready.append((head, first))
+                continue
+            cached = kept_len(kept, head) if kept is not None else 0
+            fresh = len(head.prompt) - cached
             if admitted and fresh > budget:
                 break
             if (
@@ -203,25 +249,36 @@ class Scheduler:
                 and rows + fresh > _rows_beside(admitted[0], head, graph_rows)
             ):
                 break
-            if need > self.allocator.free:
-                self._evict(need, keep=head.warm_key)
-                if need > self.allocator.free:
-                    break
-            self.waiting.remove(head)
-            if kept is not None:
-                del self.kept[head.warm_key]
-                head.blocks, head.cached = kept.blocks, kept_len(kept, head)
-                if need < 0:  # kept past what this request writes: the rest back
-                    self.allocator.give_back(head.blocks[need:])
-                    head.blocks = head.blocks[:need]
-            head.blocks = head.blocks + self.allocator.take(max(0, need))
+            if not self._admit(head, kept, cached):
+                break
             admitted.append(head)
             budget -= head.fresh
             rows += head.fresh
         self.running.extend(admitted)
-        if not admitted and not decode:
+        if not admitted and not decode and not ready:
             return None
-        return Plan(tuple(admitted), decode)
+        return Plan(tuple(admitted), decode, tuple(ready))
+
+    def _admit(self, head: Seq, kept: Kept | None, cached: int) -> bool:
+        """`head` out of the queue with blocks for all it writes: `kept`'s (its first
+        `cached` positions computed already) and free ones; False (nothing done) if they
+        are not free."""
+        need = blocks_for(head.kv_tokens, self.block_size) - (len(kept.blocks) if kept else 0)
+        if need > self.allocator.free:
+            self._evict(need, keep=head.warm_key)
+            if need > self.allocator.free:
+                return False
+        self.waiting.remove(head)
+        if kept is not None:
+            del self.kept[head.warm_key]
+            head.blocks, head.cached = kept.blocks, cached
+            if head.warming and kept.tokens == head.prompt[:-1]:
+                head.prior = kept.step
+            if need < 0:  # kept past what this request writes: the rest back
+                self.allocator.give_back(head.blocks[need:])
+                head.blocks = head.blocks[:need]
+        head.blocks = head.blocks + self.allocator.take(max(0, need))
+        return True
 
     # ---- kept prefixes ----
     def forget(self, key: str) -> bool:
@@ -247,28 +304,42 @@ class Scheduler:
             self.allocator.give_back(kept.blocks)
         return kept is not None
 
-    def ledger(self) -> list[tuple[str, list[int], list[int]]]:
+    def ledger(self) -> list[tuple[str, list[int], list[int], Step]]:
         """For each running request with a stream key: the key, the ids of the positions
-        whose keys and values are complete (all but its last sampled token), its blocks."""
+        whose keys and values are complete (all but its last sampled token), its blocks,
+        and that last sampled token's step."""
         out = []
         for seq in self.running:
             if seq.kv_key and seq.out:
                 done = seq.position
                 past = [*seq.prompt[:done], *(s.token for s in seq.out[: done - len(seq.prompt)])]
-                out.append((seq.kv_key, past, list(seq.blocks)))
+                out.append((seq.kv_key, past, list(seq.blocks), seq.out[-1]))
         return out
 
-    def adopt(self, entries: list[tuple[str, list[int], list[int]]]) -> None:
-        """Keep each (key, tokens, blocks) of a dead engine's ledger as a prefix for its
-        stream's continuation; their blocks are taken from the free list."""
+    def adopt(self, entries: list[tuple[str, list[int], list[int], Step | None]]) -> None:
+        """Keep each (key, tokens, blocks, the token sampled after them) of a dead engine's
+        ledger as a prefix for its stream's continuation; their blocks are taken from the
+        free list."""
         now = time.monotonic()
-        for key, tokens, blocks in entries:
+        for key, tokens, blocks, sampled in entries:
             self.allocator.reserve(blocks)
-            self.kept[key] = Kept(tuple(tokens), list(blocks), now)
+            self.kept[key] = Kept(tuple(tokens), list(blocks), now, sampled)
 
     @property
     def kept_blocks(self) -> int:
         return sum(len(k.blocks) for k in self.kept.values())
+
+    def aheads(self) -> dict[str, tuple[Seq, bool]]:
+        """The prefills of adopted streams' last tokens (`Seq.ahead`) not cancelled, by
+        key, and whether each runs (see `held_back`)."""
+        out = {seq.warm_key: (seq, False) for seq in self.waiting if seq.ahead}
+        out |= {seq.warm_key: (seq, True) for seq in self.running if seq.ahead}
+        return {k: v for k, v in out.items() if not v[0].cancel.is_set()}
+
+    def has_first(self, seq: Seq) -> bool:
+        """Whether `seq` would be admitted with its first token computed already."""
+        kept = self.kept.get(seq.warm_key) if seq.continues else None
+        return kept is not None and kept.first_of(seq) is not None
 
     def _kept_for(self, seq: Seq) -> Kept | None:
         """The prefix kept under the request's key, if it and the prompt agree as far as
@@ -331,11 +402,21 @@ class Scheduler:
             self._release(seq.warm_key)
             keep = blocks_for(len(seq.prompt), self.block_size)
             self.allocator.give_back(seq.blocks[keep:])
-            self.kept[seq.warm_key] = Kept(seq.prompt, seq.blocks[:keep], time.monotonic())
+            step = seq.out[0] if seq.out else None
+            now = time.monotonic()
+            self.kept[seq.warm_key] = Kept(seq.prompt, seq.blocks[:keep], now, step, seq.prior)
             seq.blocks = []
         else:
             self.drop(seq)
         on_done(seq)
+
+
+def held_back(seq: Seq, aheads: dict[str, tuple[Seq, bool]]) -> bool:
+    """Whether continuation `seq` waits for the prefill of its adopted stream's last token
+    (`Scheduler.aheads`): one running (it holds the past's blocks until it ends), or one
+    queued of the very prompt `seq` has (after it `seq` computes nothing)."""
+    ahead = aheads.get(seq.warm_key) if seq.continues else None
+    return ahead is not None and (ahead[1] or ahead[0].prompt == seq.prompt)
 
 
 def kept_len(kept: Kept, seq: Seq) -> int:

@@ -62,11 +62,28 @@ def test_a_past_kept_in_steps_extends_what_it_kept(engine: BatchEngine, whole: l
     engine.warm("s2", PROMPT + tuple(whole[:30])).result(timeout=60)
     assert engine.stats().reused_tokens - before == len(PROMPT) + 8
     cont = Job(PROMPT + tuple(whole[:30]), 18, ignore_eos=True, warm_key="s2")
-    # all of the continuation's prompt was kept: its last token is computed again, to
-    # sample the one after it
+    # all of the continuation's prompt was kept, and the token the warm prefill sampled
+    # after it: that is its first, and it computes nothing of its prompt
+    before, steps = engine.stats().reused_tokens, engine.stats().steps
+    got: list[Step] = []
+    assert engine.run(cont, got.append).tokens == whole[30:]
+    assert engine.stats().reused_tokens - before == len(PROMPT) + 30
+    assert got[0].kept == len(PROMPT) + 30
+    assert engine.stats().steps - steps == 17  # the 17 tokens after the first
+
+
+def test_a_continuation_shorter_than_the_past_kept_computes_its_last_token(
+    engine: BatchEngine, whole: list[int]
+) -> None:
+    """The client had fewer tokens than the kept past holds (the last ones never reached
+    it): the token sampled after the past is not its first; it computes its last token
+    again to sample the one after it."""
+    engine.warm("s2b", PROMPT + tuple(whole[:30])).result(timeout=60)
+    cont = Job(PROMPT + tuple(whole[:26]), 10, ignore_eos=True, warm_key="s2b")
     before = engine.stats().reused_tokens
-    assert engine.run(cont).tokens == whole[30:]
-    assert engine.stats().reused_tokens - before == len(PROMPT) + 29
+    got: list[Step] = []
+    assert engine.run(cont, got.append).tokens == whole[26:36]
+    assert engine.stats().reused_tokens - before == len(PROMPT) + 25 == got[0].kept
 
 
 def test_a_kept_past_that_does_not_begin_the_prompt_is_not_used(

@@ -1,10 +1,10 @@
 """engines.kv_adopt: the serving engines' KV caches live in the keeper, each with a ledger
 of its streams, and a standby keeps only a small cache. When the primary dies (kill -9) or
 stops (SIGSTOP: fenced once its heartbeats are missed), the standby promoted takes over
-the dead primary's cache, and each cut stream's continuation prefills only the last token
-its client was sent (the one the next decode step would feed anyway): nothing of what was
-delivered is computed again, and the client's stream equals the same request run without
-a fault.
+the dead primary's cache, and each cut stream's continuation computes nothing of what
+its client was sent: its first token was sampled already (by the dead primary, or by the
+promoted engine's prefill of the last token the dead one sampled, run as it takes the
+cache over), and the client's stream equals the same request run without a fault.
 
 Real `supervisor run`, engines and keeper on the tiny checkpoint; sizes in tokens."""
 
@@ -86,10 +86,11 @@ def adopted(sup: Supervisor, stop: int) -> Event:
     assert promoted.data["kv_from"] == primary["name"]
     assert events[-1] == b"[DONE]" and token_ids(events) == reference
     assert any(e.startswith(b": migrated") for e in events), "the stream was not cut"
-    # the continuation's prompt is PROMPT and what was sent: all of it but its last token
-    # came from the dead primary's cache
+    # the continuation's prompt is PROMPT and what was sent: all of it came from the dead
+    # primary's cache, but its last token when the client lacked two or more the dead
+    # one had sampled (made, not yet sent; with one lacking, the ledger names it)
     reused = engine_metric(standby["port"], "holdfast_engine_reused_prompt_tokens_total")
-    assert reused - before == len(PROMPT) + sent_before_cut(events) - 1
+    assert len(PROMPT) + sent_before_cut(events) - (reused - before) in (0, 1)
     taken = sup.wait(lambda e: e.event in ("kv-adopted", "kv-not-adopted"), after=mark)
     assert (taken.name, taken.event, taken.data["streams"]) == (standby["name"], "kv-adopted", 1)
     migrated = sup.wait(lambda e: e.event == "migrated", timeout=10, after=mark)
