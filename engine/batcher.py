@@ -495,6 +495,9 @@ class BatchEngine:
             self._steps += 1
             self._reused += sum(seq.cached for seq in plan.prefill if not seq.ahead)
         self._pending += out  # out with the next step's launch, or when the loop idles
+        ahead = sum(seq.ahead for seq in plan.prefill)
+        if ahead:  # an adoption's step: its continuations' first tokens come out of it
+            log.info("adopted last tokens", streams=ahead, step_ms=round(self._step_ms, 1))
         continued = [seq for seq in plan.prefill if seq.continues]
         if continued:  # a failover's cost on this engine, for whoever reads its log
             log.info(

@@ -226,7 +226,8 @@ class Scheduler:
         self._expire(time.monotonic())
         aheads = self.aheads()
         free = [seq for seq in self.waiting if not held_back(seq, aheads)]
-        queue = [seq for seq in free if seq.continues] or free
+        # (an adopted stream's last token, `ahead`, is one token: it goes with them)
+        queue = [seq for seq in free if seq.continues or seq.ahead] or free
         for head in queue:
             if len(self.running) + len(admitted) >= self.max_running:
                 break
