@@ -305,7 +305,7 @@ class BatchEngine:
         self.scheduler.forget_all()
         self.runner.cache = cache
         self.scheduler.allocator = BlockAllocator(cache.usable)
-        self.scheduler.adopt([(e.key, e.tokens, e.blocks, e.sampled) for e in took.entries])
+        self.scheduler.adopt([(e.key, e.tokens, e.blocks, e.recent) for e in took.entries])
         self.scheduler.allocator.reserve(took.held)
         self._ahead(took.entries)
         self.shared = took.shared

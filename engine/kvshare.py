@@ -51,6 +51,7 @@ from engine.job import Step
 from engine.kvahead import Ahead
 from engine.kvcache import KVCache
 from engine.kvcuda import CudaSpace, standby_spans
+from engine.scheduler import LEDGER_STEPS
 from holdfast_contract.agent_protocol import kv_key
 from holdfast_contract.procfs import has_exited, runs_user_code
 from holdfast_contract.ready import start_time
@@ -99,8 +100,15 @@ class Entry(msgspec.Struct, frozen=True, array_like=True):
     key: str  # the stream's, as the router names it
     tokens: list[int]  # the ids of the positions whose keys and values are complete
     blocks: list[int]  # its block table
-    # the last token sampled (after `tokens`), its keys and values not written yet
-    sampled: Step | None = None
+    # the steps of its last tokens sampled (LEDGER_STEPS at most): the last one's token
+    # comes after `tokens`, its keys and values not written yet; the others sampled the
+    # last of `tokens`
+    recent: list[Step] = []
+
+    @property
+    def sampled(self) -> Step | None:
+        """The last token sampled: after `tokens`, its keys and values not written yet."""
+        return self.recent[-1] if self.recent else None
 
 
 class Slot(msgspec.Struct, frozen=True, array_like=True):
@@ -159,8 +167,9 @@ class SharedKV:
             except EngineError:
                 os.close(ledger)
                 raise
-        # a slot holds every running request's ids and blocks, msgpack'd (<= 5 bytes each)
-        per = max_len + 2 * (max_len // layout.block_size) + 64
+        # a slot holds every running request's ids and blocks, msgpack'd (<= 5 bytes each),
+        # and the steps of its last tokens (a token, its logprob and 5 alternatives)
+        per = max_len + 2 * (max_len // layout.block_size) + 64 + LEDGER_STEPS * 32
         os.ftruncate(ledger, HEADER + 2 * max(1 << 20, 5 * max_batch * per))
         with mmap.mmap(ledger, HEADER) as head:
             _HEAD.pack_into(head, 0, MAGIC, 0, 0, 0, 0)

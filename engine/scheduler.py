@@ -18,13 +18,14 @@ without computing its whole past again. Kept prefixes give their blocks back whe
 (`forget`), when their continuation takes them, when a request needs the blocks (least
 recently warmed first), or after `WARM_TTL_S` unused.
 
-A warm prefill also keeps the token it sampled after the past (`Kept.step`), and an
-adopted stream's past (a dead engine's ledger, engine/kvshare.py) the token its engine
-sampled last. A continuation whose prompt is that past exactly (its client has every
-token the past holds), or the past less its last token (`Kept.last`), computes nothing:
-the token sampled after its prompt is its first, sent as it is admitted (`Plan.ready`),
-and it decodes from the next step. A promoted engine that adopted a dead engine's cache
-prefills each stream's last sampled token, ahead of its continuation (`Seq.ahead`).
+A warm prefill also keeps the step it sampled after the past, and an adopted stream's
+past (a dead engine's ledger, engine/kvshare.py) the steps of the last tokens its engine
+sampled (`Kept.after`). A continuation whose prompt is that past exactly (its client has
+every token the past holds), or the past less a few of those last tokens, computes
+nothing: the token sampled after its prompt is its first, sent as it is admitted
+(`Plan.ready`), and it decodes from the next step. A promoted engine that adopted a dead
+engine's cache prefills each stream's last sampled token, ahead of its continuation
+(`Seq.ahead`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ _ids = itertools.count()
 WARM_TTL_S = 120.0  # a kept prefix no continuation took is dropped after this long
 # the tokens of a step of warm pasts whose first is longer than a graph holds (eager anyway)
 EAGER_WARM_ROWS = 1024
+# the steps of a stream's last tokens the ledger keeps (engine/kvshare.py): a client that
+# lacks that many or fewer of what a dead engine sampled gets them with nothing computed
+LEDGER_STEPS = 4
 
 
 class Seq:
@@ -77,9 +81,9 @@ class Seq:
         # a warm prefill of an adopted stream's past and last token, ahead of its
         # continuation: never gathered with others (it is all that will come)
         self.ahead = ahead
-        # a warm prefill's: the step that sampled its prompt's last token, if the past it
-        # took over kept it (`Kept.last`)
-        self.prior: Step | None = None
+        # a warm prefill's: the steps that sampled its prompt's last tokens, where the past
+        # it took over kept them (`Kept.after`)
+        self.prior: tuple[Step, ...] = ()
         self.cached = 0  # leading prompt positions whose keys and values are in `blocks`
         self.queued = time.monotonic()
 
@@ -110,26 +114,23 @@ class Seq:
 
 class Kept(msgspec.Struct):
     """A warm prefix: its tokens, the blocks holding their keys and values, when last used;
-    the token sampled after them (`step`; None: not kept), with the top alternatives
-    asked for then, and the one that sampled their last token (`last`)."""
+    and the steps that sampled its last `len(after) - 1` tokens and the one after them
+    (`after[-1]`), with the top alternatives asked for then."""
 
     tokens: tuple[int, ...]
     blocks: list[int]
     used: float
-    step: Step | None = None
-    last: Step | None = None
+    after: tuple[Step, ...] = ()
 
     def first_of(self, seq: Seq) -> Step | None:
-        """`seq`'s first token, if it was sampled already: `seq`'s prompt is the past (its
-        first is `step`) or the past less its last token (`last`), and it asks no more
-        alternatives than were kept."""
-        if seq.prompt == self.tokens:
-            step = self.step
-        elif seq.prompt == self.tokens[:-1]:
-            step = self.last
-        else:
+        """`seq`'s first token, if it was sampled already: `seq`'s prompt is the past, or
+        the past less a few last tokens whose steps are kept (`after`), and it asks no
+        more alternatives than were kept."""
+        n, k, m = len(self.tokens), len(self.after), len(seq.prompt)
+        if not (k and max(1, n - k + 1) <= m <= n and seq.prompt == self.tokens[:m]):
             return None
-        if step is None or seq.top_logprobs > len(step.top):
+        step = self.after[m - (n - k + 1)]
+        if seq.top_logprobs > len(step.top):
             return None
         return msgspec.structs.replace(step, top=step.top[: seq.top_logprobs])
 
@@ -273,8 +274,9 @@ class Scheduler:
         if kept is not None:
             del self.kept[head.warm_key]
             head.blocks, head.cached = kept.blocks, cached
-            if head.warming and kept.tokens == head.prompt[:-1]:
-                head.prior = kept.step
+            last = kept.after[-1].token if kept.after else None
+            if head.warming and last == head.prompt[-1] and kept.tokens == head.prompt[:-1]:
+                head.prior = kept.after  # its prompt is the past and the token after it
             if need < 0:  # kept past what this request writes: the rest back
                 self.allocator.give_back(head.blocks[need:])
                 head.blocks = head.blocks[:need]
@@ -305,26 +307,26 @@ class Scheduler:
             self.allocator.give_back(kept.blocks)
         return kept is not None
 
-    def ledger(self) -> list[tuple[str, list[int], list[int], Step]]:
+    def ledger(self) -> list[tuple[str, list[int], list[int], list[Step]]]:
         """For each running request with a stream key: the key, the ids of the positions
         whose keys and values are complete (all but its last sampled token), its blocks,
-        and that last sampled token's step."""
+        and the steps of its last LEDGER_STEPS tokens sampled (that one's the last)."""
         out = []
         for seq in self.running:
             if seq.kv_key and seq.out:
                 done = seq.position
                 past = [*seq.prompt[:done], *(s.token for s in seq.out[: done - len(seq.prompt)])]
-                out.append((seq.kv_key, past, list(seq.blocks), seq.out[-1]))
+                out.append((seq.kv_key, past, list(seq.blocks), seq.out[-LEDGER_STEPS:]))
         return out
 
-    def adopt(self, entries: list[tuple[str, list[int], list[int], Step | None]]) -> None:
-        """Keep each (key, tokens, blocks, the token sampled after them) of a dead engine's
-        ledger as a prefix for its stream's continuation; their blocks are taken from the
-        free list."""
+    def adopt(self, entries: list[tuple[str, list[int], list[int], list[Step]]]) -> None:
+        """Keep each (key, tokens, blocks, the steps of its last tokens sampled) of a dead
+        engine's ledger as a prefix for its stream's continuation; their blocks are taken
+        from the free list."""
         now = time.monotonic()
-        for key, tokens, blocks, sampled in entries:
+        for key, tokens, blocks, recent in entries:
             self.allocator.reserve(blocks)
-            self.kept[key] = Kept(tuple(tokens), list(blocks), now, sampled)
+            self.kept[key] = Kept(tuple(tokens), list(blocks), now, tuple(recent))
 
     @property
     def kept_blocks(self) -> int:
@@ -403,9 +405,9 @@ class Scheduler:
             self._release(seq.warm_key)
             keep = blocks_for(len(seq.prompt), self.block_size)
             self.allocator.give_back(seq.blocks[keep:])
-            step = seq.out[0] if seq.out else None
+            after = (*seq.prior, *seq.out[:1])[-LEDGER_STEPS - 1 :]
             now = time.monotonic()
-            self.kept[seq.warm_key] = Kept(seq.prompt, seq.blocks[:keep], now, step, seq.prior)
+            self.kept[seq.warm_key] = Kept(seq.prompt, seq.blocks[:keep], now, after)
             seq.blocks = []
         else:
             self.drop(seq)

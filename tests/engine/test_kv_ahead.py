@@ -22,6 +22,7 @@ from engine.job import Job, Step
 from engine.kvcache import BLOCK_SIZE, BlockAllocator, KVCache, blocks_in
 from engine.kvshare import Adopted, Entry, Layout, SharedKV
 from engine.modelargs import read_model_args
+from engine.scheduler import LEDGER_STEPS
 from tests.engine.test_engine_batching import build_engine
 
 PROMPT = tuple(range(3, 19))
@@ -88,8 +89,11 @@ def test_the_ledger_names_the_last_sampled_token(
     _, entry, whole = left
     # the ledger of A's last step: every position but the last sampled token's is written
     past = list(PROMPT) + whole[: len(entry.tokens) - len(PROMPT)]
-    assert entry.sampled is not None
-    assert entry.tokens == past and entry.sampled.token == whole[len(past) - len(PROMPT)]
+    # and the steps of its last LEDGER_STEPS tokens sampled: the last one's comes after
+    assert entry.tokens == past
+    assert [s.token for s in entry.recent] == whole[len(past) - len(PROMPT) - LEDGER_STEPS + 1 :][
+        :LEDGER_STEPS
+    ]
 
 
 def test_a_continuation_with_every_token_computes_nothing(
@@ -99,7 +103,7 @@ def test_a_continuation_with_every_token_computes_nothing(
     b = adopter(tiny_model, shared, entry)
     b.start()
     try:
-        prompt = (*entry.tokens, entry.sampled.token)
+        prompt = (*entry.tokens, entry.recent[-1].token)
         sent = len(prompt) - len(PROMPT)
         got: list[Step] = []
         job = Job(prompt, 10, top_logprobs=2, ignore_eos=True, warm_key="s1", kv_key="s1")
@@ -112,18 +116,20 @@ def test_a_continuation_with_every_token_computes_nothing(
         b.stop_followers()
 
 
-@pytest.mark.parametrize("top", [0, 3])
-def test_a_continuation_that_lacks_the_last_token_gets_it_from_the_ledger(
-    tiny_model: Path, left: tuple[SharedKV, Entry, list[int]], top: int
+@pytest.mark.parametrize(("lacks", "top"), [(1, 0), (3, 0), (1, 3)])
+def test_a_continuation_that_lacks_the_last_tokens_gets_them_from_the_ledger(
+    tiny_model: Path, left: tuple[SharedKV, Entry, list[int]], lacks: int, top: int
 ) -> None:
-    """Its client never got the last token sampled: that token is its first, as the
-    ledger names it, with nothing computed; unless it asks for more alternatives than
-    the stream's request did (none here): then it computes that token again."""
+    """Its client never got the last `lacks` tokens sampled (made, not yet sent): the
+    first of them is its first, as the ledger names it (the steps of the last
+    LEDGER_STEPS tokens), with nothing computed; unless it asks for more alternatives
+    than the stream's request did (none here): then it computes its last token again."""
     shared, entry, whole = left
+    assert len(entry.recent) == LEDGER_STEPS
     b = adopter(tiny_model, shared, entry)
     b.start()
     try:
-        prompt = tuple(entry.tokens)
+        prompt = (*entry.tokens, entry.recent[-1].token)[: -lacks or None]
         sent = len(prompt) - len(PROMPT)
         got: list[Step] = []
         job = Job(prompt, 10, top_logprobs=top, ignore_eos=True, warm_key="s1", kv_key="s1")

@@ -87,8 +87,8 @@ def adopted(sup: Supervisor, stop: int) -> Event:
     assert events[-1] == b"[DONE]" and token_ids(events) == reference
     assert any(e.startswith(b": migrated") for e in events), "the stream was not cut"
     # the continuation's prompt is PROMPT and what was sent: all of it came from the dead
-    # primary's cache, but its last token when the client lacked two or more the dead
-    # one had sampled (made, not yet sent; with one lacking, the ledger names it)
+    # primary's cache, but its last token when the client lacked more than LEDGER_STEPS
+    # the dead one had sampled (made, not yet sent; the ledger names the last few)
     reused = engine_metric(standby["port"], "holdfast_engine_reused_prompt_tokens_total")
     assert len(PROMPT) + sent_before_cut(events) - (reused - before) in (0, 1)
     taken = sup.wait(lambda e: e.event in ("kv-adopted", "kv-not-adopted"), after=mark)
