@@ -43,7 +43,7 @@ import msgspec
 import structlog
 import torch
 
-from engine.errors import BadRequest, EngineError
+from engine.errors import BadRequest, EngineError, QueueFull
 from engine.job import TOP_LOGPROBS_MAX, Generation, Job, OnStep, Stats, Step
 from engine.kvcache import BlockAllocator, KVCache, blocks_for
 from engine.kvshare import Adopted, Entry, Home, SharedKV, wait_exited
@@ -337,7 +337,10 @@ class BatchEngine:
                 warming=True,
                 ahead=True,
             )
-            self.scheduler.add(seq)
+            try:
+                self.scheduler.add(seq)
+            except QueueFull:  # the queue is at its bound: the rest compute their last token
+                break
             self._requests[seq.id] = Request(seq, None)
         self._wake.set()
 

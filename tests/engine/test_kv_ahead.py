@@ -74,8 +74,8 @@ def left(tiny_model: Path) -> tuple[SharedKV, Entry, list[int]]:
     return shared, entries[0], whole
 
 
-def adopter(tiny_model: Path, shared: SharedKV, entry: Entry) -> BatchEngine:
-    b = build_engine(tiny_model, kv_mb=1)  # a standby's small cache of its own
+def adopter(tiny_model: Path, shared: SharedKV, entry: Entry, waiting: int = 64) -> BatchEngine:
+    b = build_engine(tiny_model, kv_mb=1, max_waiting=waiting)  # a standby's small cache
     mine = SharedKV(*(os.dup(fd) for fd in shared.fds))
     took = Adopted(mine, [entry], [], (0, None))
     cache = KVCache(*dims(tiny_model), KV_MB, torch.float32, "cpu", tensors=mine.tensors())
@@ -136,5 +136,19 @@ def test_a_continuation_that_lacks_the_last_tokens_gets_them_from_the_ledger(
         assert b.run(job, got.append).tokens == whole[sent : sent + 10]
         assert len(got[0].top) == top
         assert got[0].kept == (len(prompt) if top == 0 else len(prompt) - 1)
+    finally:
+        b.stop_followers()
+
+
+def test_a_full_queue_leaves_the_last_tokens_to_the_continuations(
+    tiny_model: Path, left: tuple[SharedKV, Entry, list[int]]
+) -> None:
+    """No room in the waiting queue (`--max-waiting`) for the last tokens' prefills: the
+    cache is still taken over, and the stream's past kept for its continuation."""
+    shared, entry, _ = left
+    b = adopter(tiny_model, shared, entry, waiting=0)
+    try:
+        assert not b.scheduler.waiting
+        assert b.scheduler.kept["s1"].tokens == tuple(entry.tokens)
     finally:
         b.stop_followers()
