@@ -12,6 +12,9 @@ from pathlib import Path
 
 from holdfast_contract.wire import free_port
 
+ATTEMPTS = 5  # starts on freshly drawn ports, when one drawn free was taken meanwhile
+IN_USE = "address already in use"
+
 
 class Etcd:
     """`etcd` on 127.0.0.1:<free port>; `stop()` (SIGSTOP) freezes it, `cont()` resumes."""
@@ -19,10 +22,27 @@ class Etcd:
     def __init__(self, data: Path, port: int = 0) -> None:
         if shutil.which("etcd") is None:
             raise RuntimeError("etcd not installed: apt-get install -y etcd-server")
-        self.port, peer = port or free_port(), free_port()
-        self.endpoint = f"127.0.0.1:{self.port}"
         self.log = data / "etcd.log"
-        peer_url = f"http://127.0.0.1:{peer}"
+        self.frozen = False
+        for attempt in range(1, ATTEMPTS + 1):
+            self.port = port or free_port()
+            peer = free_port()
+            while peer == self.port:
+                peer = free_port()
+            self.endpoint = f"127.0.0.1:{self.port}"
+            self._start(data, f"http://127.0.0.1:{peer}")
+            try:
+                self.wait_healthy(60.0)
+                return
+            except RuntimeError:
+                taken = self.proc.poll() is not None and IN_USE in self.log.read_text()
+                if not taken or attempt == ATTEMPTS:
+                    raise
+            # a port drawn free was taken by another process before etcd bound it: the
+            # member it began is dropped, and it starts again on other ports
+            shutil.rmtree(data / "data", ignore_errors=True)
+
+    def _start(self, data: Path, peer_url: str) -> None:
         argv = [
             "etcd",
             "--name=t",
@@ -33,10 +53,8 @@ class Etcd:
             f"--initial-advertise-peer-urls={peer_url}",
             f"--initial-cluster=t={peer_url}",
         ]
-        with self.log.open("wb") as out:
+        with self.log.open("ab") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-        self.frozen = False
-        self.wait_healthy(60.0)
 
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
