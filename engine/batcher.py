@@ -322,7 +322,7 @@ class BatchEngine:
     def _ahead(self, entries: list[Entry]) -> None:
         """Each adopted stream's last sampled token (`Entry.sampled`) prefilled now, in one
         step, under its key, ahead of its continuation: one that comes with exactly that
-        past computes nothing (engine/scheduler.py `Kept.step`); one that comes before the
+        past computes nothing (engine/scheduler.py `Kept.after`); one that comes before the
         step ends (or came before the swap) waits for it (`scheduler.held_back`). Under
         the lock."""
         for e in entries:
