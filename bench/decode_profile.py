@@ -9,7 +9,8 @@ reads its weights.
 - `--part step`: the model on random weights laid out as a pool lays them (only the preset's
   config is read), per batch size: a decode step through the runner (wall), its graph's
   replay and the eager step (CUDA events), and the GPU time of each kernel name in one eager
-  step (torch's profiler); with separate q, k, v, gate and up products, then fused, then
+  step (torch's profiler), and the step prefilling that batch's 64-token prompts (CUDA
+  events); with separate q, k, v, gate and up products, then fused, then
   fused with one-row products on holdfast's kernel.
 
     PYTHONPATH=. python bench/decode_profile.py --preset llama-8b --out /tmp/decode.json
@@ -206,7 +207,10 @@ def step_rows(
     for size in sizes:
         seqs = seqs_of(size, first, wrap)
         first = (first + 17 * size) % wrap
-        run(runner, Plan(prefill=tuple(seqs)), seqs)
+        prefill = Plan(prefill=tuple(seqs))
+        p_ids, p_batch = runner._inputs(prefill)
+        prefill_ms = cuda_ms(lambda i=p_ids, b=p_batch: runner._run(i, b), reps=5)
+        run(runner, prefill, seqs)
         walls = [run(runner, Plan(decode=tuple(seqs)), seqs) for _ in range(20)]
         ids, batch = runner._inputs(Plan(decode=tuple(seqs)))
         graphs = runner.graphs
@@ -228,6 +232,7 @@ def step_rows(
         out.append(
             {
                 "batch": size,
+                "prefill_step_ms": round(prefill_ms, 3),  # the 64-token prompts, as run
                 "decode_step_wall_ms": round(statistics.median(walls), 3),
                 "graph_replay_ms": round(replay, 3),
                 "eager_ms": round(eager, 3),
