@@ -12,8 +12,10 @@ was fenced) is migrated: continued on the next primary by token replay
 continued ends with an error event in the same shape and no `data: [DONE]`: never a clean
 end. A non-streamed one that the stream can rebuild (one choice, no logprobs, echo, ...:
 `migration.collectable`) is asked for as a stream, migrated the same way, and answered with
-one JSON body at the end (supervisor/proxy/answers.py), or a 502 when it cannot be completed;
-any other request is relayed as bytes, retried only before its first byte. Once the
+one JSON body at the end (supervisor/proxy/answers.py), or a 502 when it cannot be completed.
+Any other request is relayed as it came: an answer that is not a stream is read whole
+before its first byte goes out, so it is retried while its upstream fails before the last
+byte (a node killed while it sends); a stream only before its first byte. Once the
 supervisor stops (`stop()`), new requests get 503 with Retry-After at once and those under
 way finish within the engines' stop grace.
 """
@@ -194,6 +196,17 @@ class Router:
             resp = as_it_came(up, target, lambda: self.view.valid(target))
             if "Content-Encoding" in up.headers:
                 resp.headers["Content-Encoding"] = up.headers["Content-Encoding"]
+            if up.content_type != "text/event-stream":
+                # not a stream: read whole before a byte goes out, so an upstream that dies
+                # mid-answer (a node killed while it sends) is retried like one that died
+                # before answering, never a short answer
+                whole = await up.read()
+                await resp.prepare(request)
+                sent.append(resp)
+                self.tally.forwarded += 1
+                await resp.write(whole)
+                await resp.write_eof()
+                return resp
             first = await up.content.readany()  # upstream failures up to here are retried
             await resp.prepare(request)
             sent.append(resp)
