@@ -196,18 +196,13 @@ class Router:
             resp = as_it_came(up, target, lambda: self.view.valid(target))
             if "Content-Encoding" in up.headers:
                 resp.headers["Content-Encoding"] = up.headers["Content-Encoding"]
-            if up.content_type != "text/event-stream":
-                # not a stream: read whole before a byte goes out, so an upstream that dies
-                # mid-answer (a node killed while it sends) is retried like one that died
-                # before answering, never a short answer
-                whole = await up.read()
-                await resp.prepare(request)
-                sent.append(resp)
-                self.tally.forwarded += 1
-                await resp.write(whole)
-                await resp.write_eof()
-                return resp
-            first = await up.content.readany()  # upstream failures up to here are retried
+            # upstream failures up to here are retried: a stream's before its first bytes;
+            # an answer that is not a stream is read whole first, so one whose upstream
+            # dies mid-answer (a node killed while it sends) is retried too, not cut
+            if up.content_type == "text/event-stream":
+                first = await up.content.readany()
+            else:
+                first = await up.read()
             await resp.prepare(request)
             sent.append(resp)
             self.tally.forwarded += 1
